@@ -1,0 +1,86 @@
+"""What a mark asks for: the options of one recompute region (layer 1, no torch).
+
+A :class:`RegionSpec` is plain, frozen data. Marks on modules store one; the
+engine reads one; the graph pass reads the same one. Nothing else carries
+recompute options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+from remat._errors import check_bool
+from remat._policy import Policy
+
+DETERMINISM_CHECKS = ("default", "none")
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """Options of one recompute region.
+
+    Args:
+        use_reentrant: rebuild through a custom ``autograd.Function`` (True) or
+            through saved-tensor hooks (False).
+        preserve_rng_state: replay the forward's random state in recomputation.
+        output_recompute: do not keep the region's outputs either; adjacent
+            regions marked this way merge (MindSpore's ``output_recompute``).
+        keep_outputs: keep the region's outputs when the region itself saves
+            them (``Cell.recompute`` semantics: the cell's output operator's
+            result is kept). Ignored when ``output_recompute`` is True.
+        policy: per-operator choice of outputs to keep (None: keep none).
+        early_stop: stop recomputing once the last needed tensor is rebuilt.
+        determinism_check: ``"default"`` compares shape, dtype and device of
+            rebuilt tensors with the saved ones; ``"none"`` turns it off.
+        debug: record the operators run in forward and recomputation and print
+            both traces when the check fails.
+        mp_comm_recompute: recompute model-parallel communication inside the region.
+        parallel_optimizer_comm_recompute: recompute the all-gather of sharded
+            parameters inside the region.
+
+    Example:
+        >>> from remat._spec import RegionSpec
+        >>> RegionSpec(output_recompute=True).output_recompute
+        True
+    """
+
+    use_reentrant: bool = False
+    preserve_rng_state: bool = True
+    output_recompute: bool = False
+    keep_outputs: bool = False
+    policy: Optional[Policy] = None
+    early_stop: bool = True
+    determinism_check: str = "default"
+    debug: bool = False
+    mp_comm_recompute: bool = True
+    parallel_optimizer_comm_recompute: bool = False
+
+    def __post_init__(self) -> None:
+        api = "remat.RegionSpec"
+        for f in fields(self):
+            if f.type in ("bool", bool):
+                check_bool(api, f.name, getattr(self, f.name))
+        if self.determinism_check not in DETERMINISM_CHECKS:
+            raise ValueError(
+                f"{api}: determinism_check must be one of {DETERMINISM_CHECKS}, "
+                f"got {self.determinism_check!r}"
+            )
+        if self.policy is not None and not isinstance(self.policy, Policy):
+            raise TypeError(
+                f"{api}: policy must be a remat.Policy such as remat.save_compute_intensive, "
+                f"got {type(self.policy).__name__}"
+            )
+        if self.use_reentrant and self.output_recompute:
+            raise ValueError(
+                f"{api}: output_recompute=True needs the saved-tensor-hooks implementation; "
+                f"pass use_reentrant=False"
+            )
+        if self.use_reentrant and self.policy is not None:
+            raise ValueError(
+                f"{api}: a selective policy needs use_reentrant=False, got policy={self.policy!r}"
+            )
+
+    def replace(self, **changes: object) -> "RegionSpec":
+        """Return a copy with ``changes`` applied (validated again)."""
+        return replace(self, **changes)

@@ -1,0 +1,36 @@
+"""Thread-local engine state that tools may read (layer 2).
+
+Example:
+    >>> from remat._state import is_recomputing
+    >>> is_recomputing()
+    False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+_local = threading.local()
+
+
+def is_recomputing() -> bool:
+    """Return True while remat is re-running a region to rebuild saved tensors."""
+    return getattr(_local, "recompute_depth", 0) > 0
+
+
+def recompute_count() -> int:
+    """Return how many region re-runs have started in this thread (a counter for tests)."""
+    return getattr(_local, "recompute_runs", 0)
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Mark the enclosed code as a recomputation (used by the engine)."""
+    _local.recompute_depth = getattr(_local, "recompute_depth", 0) + 1
+    _local.recompute_runs = getattr(_local, "recompute_runs", 0) + 1
+    try:
+        yield
+    finally:
+        _local.recompute_depth -= 1

@@ -1,0 +1,37 @@
+"""The ``remat`` command line: ``remat demo``, ``remat bench``, ``remat profile``.
+
+Each subcommand lives in its own private module (``remat._cli_<name>``) that
+defines ``add_parser(subparsers)``; this file only dispatches.
+
+Example:
+    $ remat --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+SUBCOMMANDS = ("demo", "bench", "profile")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``remat`` command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    parser = argparse.ArgumentParser(prog="remat", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"remat._cli_{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"remat._cli_{name}":
+                raise
+            continue
+        module.add_parser(subparsers)
+    args = parser.parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
