@@ -217,6 +217,8 @@ def _stack() -> list:
 
 
 def _enter_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling():  # the graph pass reads the mark instead
+        return None
     spec = mark_of(module)
     if spec is None or _region.passes_through(module):
         _stack().append(None)
@@ -227,6 +229,8 @@ def _enter_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def _exit_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    if torch.compiler.is_compiling():
+        return None
     stack = _stack()
     if not stack:
         return None
