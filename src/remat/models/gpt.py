@@ -1,0 +1,184 @@
+"""A GPT-2-style decoder written with :class:`remat.nn.Cell` (layer 4: tools).
+
+Pre-LayerNorm blocks, causal self-attention through
+``torch.nn.functional.scaled_dot_product_attention``, a GELU MLP of four times
+the width, tied input and output embeddings. The recompute recipe for a
+transformer marks every decoder block; :meth:`GPT.mark_blocks` applies it and
+:meth:`GPT.recompute_blocks` lists the blocks.
+
+Example:
+    >>> import torch
+    >>> from remat.models import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(layers=2, width=32, heads=4, seq_len=16, vocab=64))
+    >>> model(torch.zeros(2, 16, dtype=torch.long)).shape
+    torch.Size([2, 16, 64])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from remat.nn import Cell
+
+__all__ = ["GPT", "DecoderBlock", "GPTConfig", "gpt"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Size of a :class:`GPT`.
+
+    Args:
+        layers: number of decoder blocks.
+        width: model width (embedding size).
+        heads: attention heads; must divide ``width``.
+        seq_len: longest sequence (size of the position table).
+        vocab: vocabulary size.
+
+    Example:
+        >>> from remat.models import GPTConfig
+        >>> GPTConfig(layers=2, width=32, heads=4).head_dim
+        8
+    """
+
+    layers: int = 6
+    width: int = 384
+    heads: int = 6
+    seq_len: int = 256
+    vocab: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.width % self.heads:
+            raise ValueError(
+                f"remat.models.GPTConfig: heads must divide width, got width={self.width} "
+                f"and heads={self.heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.width // self.heads
+
+
+class CausalSelfAttention(Cell):
+    """Multi-head causal self-attention with one fused q/k/v projection."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.qkv = nn.Linear(config.width, 3 * config.width)
+        self.proj = nn.Linear(config.width, config.width)
+
+    def construct(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class DecoderBlock(Cell):
+    """Pre-LN decoder block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``.
+
+    Example:
+        >>> import torch
+        >>> from remat.models import DecoderBlock, GPTConfig
+        >>> DecoderBlock(GPTConfig(width=16, heads=2))(torch.randn(1, 4, 16)).shape
+        torch.Size([1, 4, 16])
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.width)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.width)
+        self.fc = nn.Linear(config.width, 4 * config.width)
+        self.gelu = nn.GELU()
+        self.proj = nn.Linear(4 * config.width, config.width)
+
+    def construct(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(self.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(Cell):
+    """GPT-2-style language model: token and position embeddings, decoder blocks, LM head.
+
+    Args:
+        config: the sizes.
+
+    Example:
+        >>> import torch
+        >>> from remat.models import GPT, GPTConfig
+        >>> net = GPT(GPTConfig(layers=1, width=16, heads=2, seq_len=8, vocab=32))
+        >>> net(torch.zeros(1, 8, dtype=torch.long)).shape
+        torch.Size([1, 8, 32])
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab, config.width)
+        self.position_embedding = nn.Embedding(config.seq_len, config.width)
+        self.blocks = nn.ModuleList(DecoderBlock(config) for _ in range(config.layers))
+        self.ln_f = nn.LayerNorm(config.width)
+        self.head = nn.Linear(config.width, config.vocab, bias=False)
+        self.head.weight = self.token_embedding.weight
+
+    def construct(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.config.seq_len:
+            raise ValueError(
+                f"remat.models.GPT: sequence of {seq} tokens is longer than "
+                f"seq_len={self.config.seq_len}; build the model with a larger seq_len"
+            )
+        positions = torch.arange(seq, device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def recompute_blocks(self) -> list[nn.Module]:
+        """Return the blocks the transformer recipe recomputes: every decoder block."""
+        return list(self.blocks)
+
+    def mark_blocks(self, **options: Any) -> list[nn.Module]:
+        """Mark every decoder block with ``block.recompute(**options)``; return them.
+
+        Example:
+            >>> import remat
+            >>> from remat.models import gpt
+            >>> net = gpt(layers=2, width=16, heads=2, seq_len=8, vocab=32)
+            >>> len(net.mark_blocks(output_recompute=True))
+            2
+        """
+        blocks = self.recompute_blocks()
+        for block in blocks:
+            block.recompute(**options)
+        return blocks
+
+
+def gpt(*, recompute: bool = False, recompute_options: Any = None, **sizes: Any) -> GPT:
+    """Build a :class:`GPT` from keyword sizes (those of :class:`GPTConfig`).
+
+    Args:
+        recompute: mark every decoder block.
+        recompute_options: a dict of ``Cell.recompute`` keywords used when ``recompute`` is True.
+        **sizes: ``layers``, ``width``, ``heads``, ``seq_len``, ``vocab``.
+
+    Returns:
+        The model.
+
+    Example:
+        >>> from remat.models import gpt
+        >>> gpt(layers=1, width=16, heads=2, seq_len=8, vocab=32).config.layers
+        1
+    """
+    model = GPT(GPTConfig(**sizes))
+    if recompute:
+        model.mark_blocks(**dict(recompute_options or {}))
+    return model
