@@ -10,7 +10,7 @@ Example:
     >>> y.sum().backward()
 """
 
-from remat import memory, nn
+from remat import memory, nn, ops
 from remat._checkpoint import checkpoint, checkpoint_sequential
 from remat._errors import CheckpointError, RecomputeError
 from remat._functional import recompute
