@@ -1,13 +1,461 @@
-"""The recompute engine (work in progress)."""
+"""The recompute engine: regions whose saved tensors are rebuilt in backward.
+
+NOTE [Regions]
+A region is a callable run with its arguments. While it runs forward, every
+tensor it saves for backward is replaced by a :class:`_Holder` and dropped; its
+inputs are saved once, through whatever saved-tensor hooks are outside it (so a
+region nested in another keeps nothing the outer one drops). In backward, the
+first unpack of a holder re-runs the region once, under the forward's random
+and autocast state, and every holder still alive gets its tensor back.
+
+NOTE [Early stop]
+Re-running stops as soon as the last holder still needed is rebuilt: holders
+that autograd already freed, and holders kept in forward, are not waited for.
+
+NOTE [Graph tasks]
+Each backward call (``backward``, ``torch.autograd.grad``) is a graph task with
+its own id. A region re-runs once per graph task that needs it, so
+``backward(retain_graph=True)`` twice rebuilds twice and both are exact. A
+rebuilt tensor is dropped as soon as it is unpacked.
+
+NOTE [Keep outputs]
+``Cell.recompute`` keeps the result of the cell's output operator. When the
+region closes, a holder whose tensor shares storage with one of the region's
+outputs (alive anyway) keeps the tensor instead of waiting for a rebuild.
+
+Two implementations share all of this: saved-tensor hooks (``use_reentrant=
+False``) and a custom ``autograd.Function`` (``use_reentrant=True``), which
+runs the forward without grad and the whole region again inside its backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import uuid
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from remat import _outputs, _rng, _state
+from remat._errors import RecomputeError
+from remat._modes import OpTrace, StateGuard
+from remat._policy import save_all
+from remat._selective import policy_context
+from remat._spec import RegionSpec
+
+_local = threading.local()
 
 
-def passes_through(module):
-    return False
+def _recomputing_fns() -> list:
+    if not hasattr(_local, "fns"):
+        _local.fns = []
+    return _local.fns
 
 
-def open_region(fn, args, kwargs, spec, *, name):
-    raise NotImplementedError("remat engine: not yet built")
+def passes_through(module: Any) -> bool:
+    """Return True when ``module`` is being re-run by its own region (its hooks stay quiet)."""
+    fns = _recomputing_fns()
+    return bool(fns) and fns[-1] is module
 
 
-def close_region(handle, output):
-    raise NotImplementedError("remat engine: not yet built")
+def _graph_task() -> int:
+    gid = torch._C._current_graph_task_id()
+    return gid if gid != -1 else uuid.uuid4().int
+
+
+def _meta(x: torch.Tensor) -> tuple:
+    return (tuple(x.shape), x.dtype, x.device)
+
+
+def _show_meta(meta: tuple) -> str:
+    shape, dtype, device = meta
+    return f"shape {list(shape)}, {str(dtype).replace('torch.', '')}, {device}"
+
+
+class _Stop(Exception):
+    """Raised inside a re-run once the last needed tensor is rebuilt (NOTE [Early stop])."""
+
+
+class _Holder:
+    __slots__ = ("index", "kept", "rebuilt", "probe", "saved_by", "__weakref__")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.kept: Optional[torch.Tensor] = None
+        self.rebuilt: dict[int, torch.Tensor] = {}
+        self.probe: Optional[weakref.ref] = None
+        self.saved_by: Optional[str] = None
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves a region's tensor inputs through the saved-tensor hooks around the region."""
+
+    @staticmethod
+    def forward(dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        return dummy.new_empty((0,))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.save_for_backward(*inputs[1:])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> None:  # pragma: no cover - never differentiated
+        raise AssertionError("remat internal error: the input saver was differentiated")
+
+
+class _Frame:
+    """One forward run of a region, and what it needs to re-run it."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, name: str,
+                 contexts: Optional[tuple]) -> None:
+        self.fn, self.spec, self.name = fn, spec, name
+        self.contexts = contexts
+        leaves, self.treespec = pytree.tree_flatten((args, kwargs))
+        self.tensor_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.input_grad = [leaves[i].requires_grad for i in self.tensor_slots]
+        self.replay = _rng.capture(args, spec.preserve_rng_state)
+        self.holders: list[weakref.ref] = []
+        self.metas: list[tuple] = []
+        self.out_refs: list[weakref.ref] = []
+        self.rebuilt_outputs: dict[int, list] = {}
+        self.out_pending: dict[int, int] = {}
+        self.counter: dict[int, int] = {}
+        self.runs = 0
+        self.trace: Optional[OpTrace] = OpTrace() if spec.debug else None
+        self.recompute_trace: Optional[OpTrace] = None
+        self.saver: Optional[torch.Tensor] = None
+        self.pending: Any = None
+        tensors = [leaves[i] for i in self.tensor_slots]
+        if spec.use_reentrant:
+            self.pending_inputs = tensors  # handed to _Reentrant.apply, which saves them
+        else:
+            self._save_inputs(tensors)
+
+    # -- inputs ----------------------------------------------------------------
+    def _save_inputs(self, tensors: list) -> None:
+        if tensors:
+            dummy = torch.empty((0,), requires_grad=True)
+            self.saver = _SaveInputs.apply(dummy, *tensors)
+
+    def inputs(self, detach: bool = False) -> tuple[tuple, dict]:
+        leaves = list(self.leaves)
+        saved = self.saver.grad_fn.saved_tensors if self.saver is not None else ()
+        for slot, x, grad in zip(self.tensor_slots, saved, self.input_grad):
+            leaves[slot] = x.detach().requires_grad_(grad) if detach else x
+        return pytree.tree_unflatten(leaves, self.treespec)
+
+    # -- forward packing ---------------------------------------------------------
+    def pack(self, x: torch.Tensor) -> _Holder:
+        holder = _Holder(len(self.holders))
+        self.holders.append(weakref.ref(holder))
+        if self.spec.determinism_check == "default":
+            self.metas.append(_meta(x))
+        if self.spec.keep_outputs and not self.spec.output_recompute:
+            holder.probe = weakref.ref(x)
+        if self.trace is not None:
+            holder.saved_by = self.trace.last_op
+        return holder
+
+    def keep_outputs(self, flat_outputs: list) -> None:
+        """NOTE [Keep outputs]: holders whose tensor shares storage with an output keep it."""
+        keys = {t.untyped_storage()._cdata for t in flat_outputs if isinstance(t, torch.Tensor)}
+        for ref in self.holders:
+            holder = ref()
+            if holder is None or holder.probe is None:
+                continue
+            x, holder.probe = holder.probe(), None
+            if x is not None and x.untyped_storage()._cdata in keys:
+                holder.kept = x.detach()
+
+    def add_output_ref(self, ref: _outputs.OutputRef) -> None:
+        self.out_refs.append(weakref.ref(ref))
+
+    # -- backward ------------------------------------------------------------------
+    def unpack(self, holder: _Holder) -> torch.Tensor:
+        if holder.kept is not None:
+            return holder.kept
+        gid = _graph_task()
+        if gid not in holder.rebuilt:
+            if gid in self.counter:
+                raise RecomputeError(
+                    f"remat: region '{self.name}': saved tensor #{holder.index} was unpacked twice "
+                    f"in one backward; unpack each saved tensor once (ctx.saved_tensors once)"
+                )
+            self.recompute(gid)
+        return holder.rebuilt.pop(gid)
+
+    def rebuild_output(self, index: int, ref: _outputs.OutputRef) -> torch.Tensor:
+        gid = _graph_task()
+        if gid not in self.rebuilt_outputs:
+            self.recompute(gid, need_outputs=True)
+        outputs = self.rebuilt_outputs[gid]
+        self.out_pending[gid] -= 1
+        if self.out_pending[gid] <= 0:
+            del self.rebuilt_outputs[gid], self.out_pending[gid]
+        return outputs[index]
+
+    def _last_needed(self) -> Optional[int]:
+        alive = [h.index for r in self.holders if (h := r()) is not None and h.kept is None]
+        return max(alive) if alive else -1
+
+    def recompute(self, gid: int, need_outputs: bool = False) -> None:
+        live_refs = sum(1 for r in self.out_refs if r() is not None)
+        need_outputs = need_outputs or live_refs > 0
+        stop_at = self._last_needed() if self.spec.early_stop and not need_outputs else None
+        self.counter[gid] = 0
+        self.runs += 1
+        args, kwargs = self.inputs()
+        mismatches: list[str] = []
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_state.recomputing())
+            stack.enter_context(self.replay.context())
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(_RecomputeHooks(self, gid, stop_at, mismatches))
+            if self.contexts is not None:
+                stack.enter_context(self.contexts[1])
+            stack.enter_context(StateGuard())
+            if self.trace is not None:
+                self.recompute_trace = stack.enter_context(OpTrace())
+            _recomputing_fns().append(self.fn)
+            stack.callback(_recomputing_fns().pop)
+            try:
+                out = self.fn(*args, **kwargs)
+            except _Stop:
+                out = None
+        self._check(gid, stop_at, mismatches)
+        if need_outputs:
+            flat = pytree.tree_leaves(out)
+            self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
+            self.out_pending[gid] = max(live_refs, 1)
+
+    def _check(self, gid: int, stop_at: Optional[int], mismatches: list[str]) -> None:
+        count = self.counter[gid]
+        expected = len(self.holders) if stop_at is None else stop_at + 1
+        if self.spec.determinism_check == "none":
+            return
+        if count != expected and not (stop_at is not None and count > stop_at):
+            mismatches.insert(0, f"forward saved {len(self.holders)} tensors, recomputation saved {count}")
+        if mismatches:
+            raise RecomputeError(self._mismatch_message(mismatches))
+
+    def _mismatch_message(self, mismatches: list[str]) -> str:
+        text = (
+            f"remat: region '{self.name}' rebuilt tensors that differ from the ones saved in "
+            f"forward:\n  " + "\n  ".join(mismatches)
+        )
+        if self.trace is not None and self.recompute_trace is not None:
+            return (
+                f"{text}\n\nOperators run in forward:\n{self.trace.render()}\n\n"
+                f"Operators run in recomputation:\n{self.recompute_trace.render()}"
+            )
+        return text + "\nPass debug=True to print the operators run in forward and in recomputation."
+
+
+class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
+    def __init__(self, frame: _Frame) -> None:
+        super().__init__(frame.pack, frame.unpack)
+
+
+class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Collect the tensors a re-run saves into the holders of the forward."""
+
+    def __init__(self, frame: _Frame, gid: int, stop_at: Optional[int], mismatches: list) -> None:
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            index = frame.counter[gid]
+            frame.counter[gid] = index + 1
+            x = x.detach()
+            if index >= len(frame.holders):
+                return x
+            if frame.metas and frame.metas[index] != _meta(x):
+                holder = frame.holders[index]()
+                by = f" (saved by {holder.saved_by})" if holder is not None and holder.saved_by else ""
+                mismatches.append(
+                    f"tensor #{index}{by}: forward {_show_meta(frame.metas[index])}; "
+                    f"recomputation {_show_meta(_meta(x))}"
+                )
+            holder = frame.holders[index]()
+            if holder is not None and holder.kept is None:
+                holder.rebuilt[gid] = x
+            if stop_at is not None and index >= stop_at:
+                raise _Stop
+            return x
+
+        super().__init__(pack, lambda x: x)
+
+
+class _Reentrant(torch.autograd.Function):
+    """``use_reentrant=True``: the forward ran without grad; backward re-runs the region."""
+
+    @staticmethod
+    def forward(ctx: Any, frame: _Frame, *tensors: torch.Tensor) -> Any:
+        ctx.frame = frame
+        ctx.save_for_backward(*tensors)
+        out, frame.pending = frame.pending, None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        frame: _Frame = ctx.frame
+        if not torch.autograd._is_checkpoint_valid():
+            raise RecomputeError(
+                f"remat: region '{frame.name}' uses use_reentrant=True, which does not work with "
+                f"torch.autograd.grad or backward(inputs=...); use use_reentrant=False"
+            )
+        try:
+            tensors = ctx.saved_tensors
+        except RuntimeError as err:
+            raise RecomputeError(
+                f"remat: backward ran a second time through reentrant region '{frame.name}' after "
+                f"its saved inputs were freed; pass retain_graph=True to the first backward, or "
+                f"use use_reentrant=False"
+            ) from err
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
+        leaves = list(frame.leaves)
+        for slot, x in zip(frame.tensor_slots, inputs):
+            leaves[slot] = x
+        args, kwargs = pytree.tree_unflatten(leaves, frame.treespec)
+        frame.runs += 1
+        with _state.recomputing(), frame.replay.context(), torch.enable_grad(), StateGuard():
+            _recomputing_fns().append(frame.fn)
+            try:
+                out = frame.fn(*args, **kwargs)
+            finally:
+                _recomputing_fns().pop()
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None,) + tuple(x.grad if x.requires_grad else None for x in inputs)
+
+
+def _check_reentrant_args(name: str, args: tuple, kwargs: dict) -> None:
+    if kwargs:
+        pass  # keyword arguments are saved like positional ones
+    for position, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            continue
+        nested = [x for x in pytree.tree_leaves(arg) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if nested:
+            raise TypeError(
+                f"remat: region '{name}' (use_reentrant=True) got argument {position} of type "
+                f"{type(arg).__name__} holding {len(nested)} tensor(s) that require grad; the "
+                f"reentrant implementation cannot differentiate tensors inside lists, tuples or "
+                f"dicts; pass them as separate arguments or use use_reentrant=False"
+            )
+
+
+def _check_reentrant_outputs(name: str, out: Any) -> None:
+    outs = out if isinstance(out, tuple) else (out,)
+    for position, item in enumerate(outs):
+        if isinstance(item, torch.Tensor):
+            continue
+        if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(item)):
+            raise TypeError(
+                f"remat: region '{name}' (use_reentrant=True) returned output {position} of type "
+                f"{type(item).__name__} holding tensors; the reentrant implementation cannot "
+                f"differentiate tensors inside lists, tuples or dicts; return them directly "
+                f"(a flat tuple) or use use_reentrant=False"
+            )
+
+
+class _Handle:
+    """An open region: what close_region needs to finish it."""
+
+    def __init__(self, frame: Optional[_Frame], stack: contextlib.ExitStack) -> None:
+        self.frame, self.stack = frame, stack
+        self.exc = sys.exc_info()[1]
+
+
+def _contexts(spec: RegionSpec, context_fn: Optional[Callable]) -> Optional[tuple]:
+    if spec.policy is not None:
+        return policy_context(spec.policy)()
+    if context_fn is not None:
+        return tuple(context_fn())
+    return None
+
+
+def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
+                context_fn: Optional[Callable] = None) -> _Handle:
+    """Start a region around the forward of ``fn(*args, **kwargs)``; finish it with :func:`close_region`.
+
+    Args:
+        fn: what recomputation re-runs (a module, called through its hooks, or a function).
+        args, kwargs: its arguments.
+        spec: the region's options.
+        name: how errors name the region.
+        context_fn: returns the (forward, recomputation) context pair, as in torch.
+
+    Returns:
+        A handle for :func:`close_region`.
+    """
+    _outputs.pop_hook()
+    stack = contextlib.ExitStack()
+    if not torch.is_grad_enabled() or spec.policy == save_all:
+        return _Handle(None, stack)
+    if spec.use_reentrant:
+        _check_reentrant_args(name, args, kwargs)
+    frame = _Frame(fn, args, kwargs, spec, name, _contexts(spec, context_fn))
+    try:
+        if spec.use_reentrant:
+            stack.enter_context(torch.no_grad())
+        else:
+            stack.enter_context(_ForwardHooks(frame))
+            if frame.contexts is not None:
+                stack.enter_context(frame.contexts[0])
+            if frame.trace is not None:
+                stack.enter_context(frame.trace)
+    except BaseException:
+        stack.close()
+        raise
+    return _Handle(frame, stack)
+
+
+def close_region(handle: _Handle, output: Any) -> Any:
+    """Finish a region opened by :func:`open_region`; return what the caller should see.
+
+    When the forward raised (this is called from an always-call module hook),
+    the region's hooks and contexts are popped and ``None`` is returned.
+    """
+    error = sys.exc_info()[1]
+    if error is not None and error is not handle.exc:
+        handle.stack.__exit__(type(error), error, error.__traceback__)
+        return None
+    handle.stack.close()
+    frame = handle.frame
+    if frame is None:
+        return output
+    spec = frame.spec
+    if spec.use_reentrant:
+        _check_reentrant_outputs(frame.name, output)
+        frame.pending, tensors, frame.pending_inputs = output, frame.pending_inputs, []
+        return _Reentrant.apply(frame, *tensors)
+    flat = pytree.tree_leaves(output)
+    if spec.output_recompute:
+        _outputs.register(frame, flat)
+    elif spec.keep_outputs:
+        frame.keep_outputs(flat)
+    return output
+
+
+def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
+        context_fn: Optional[Callable] = None) -> Any:
+    """Run ``fn(*args, **kwargs)`` as a region with options ``spec``; return its output."""
+    if torch.compiler.is_compiling():
+        try:
+            from remat._trace_marks import run_marked
+        except ImportError:
+            return fn(*args, **kwargs)
+        return run_marked(fn, args, kwargs, spec)
+    handle = open_region(fn, args, kwargs, spec, name=name, context_fn=context_fn)
+    try:
+        output = fn(*args, **kwargs)
+    except BaseException:
+        handle.stack.__exit__(*sys.exc_info())
+        raise
+    return close_region(handle, output)
+

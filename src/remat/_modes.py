@@ -1,0 +1,129 @@
+"""Dispatch modes the engine runs a recomputation under (engine).
+
+NOTE [No double state updates]
+Re-running a region runs its in-place writes a second time: BatchNorm would
+fold the batch statistics into ``running_mean`` twice and count
+``num_batches_tracked`` twice (``torch.utils.checkpoint`` and MindSpore both
+do). During recomputation :class:`StateGuard` lets an operator write only to
+tensors the recomputation itself created. A write to any other tensor (a
+buffer, a region input) is dropped: a pure in-place or ``out=`` operator is
+skipped and returns its target unchanged; an operator that also computes new
+outputs (``_native_batch_norm_legit``) writes into a throw-away copy. The
+forward already made the update; the recomputation only rebuilds values.
+
+NOTE [Debug traces]
+With ``debug=True`` a region records the operators its forward and its
+recomputation run (:class:`OpTrace`); a determinism failure prints both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _written_args(func: Any) -> list[tuple[int, str]]:
+    """Return ``(position, name)`` of the arguments ``func`` writes to."""
+    cached = _WRITES.get(func)
+    if cached is None:
+        cached = [
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        ]
+        _WRITES[func] = cached
+    return cached
+
+
+_WRITES: dict = {}
+
+
+def _returns_alias_writes(func: Any) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns)
+
+
+class StateGuard(TorchDispatchMode):
+    """Drop writes to tensors that existed before the recomputation began.
+
+    See NOTE [No double state updates].
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fresh: set[int] = set()
+        self.dropped = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        writes = _written_args(func) if func._schema.is_mutable else ()
+        if writes:
+            stale = self._stale_targets(func, writes, args, kwargs)
+            if stale:
+                self.dropped += 1
+                if _returns_alias_writes(func):
+                    out = [self._arg(func, i, name, args, kwargs) for i, name in writes]
+                    return out[0] if len(func._schema.returns) == 1 else tuple(out)
+                args, kwargs = self._with_copies(func, stale, args, kwargs)
+        out = func(*args, **kwargs)
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.fresh.add(_storage_key(leaf))
+        return out
+
+    @staticmethod
+    def _arg(func, i: int, name: str, args: tuple, kwargs: dict) -> Any:
+        return args[i] if i < len(args) else kwargs.get(name)
+
+    def _stale_targets(self, func, writes, args, kwargs) -> list[tuple[int, str]]:
+        stale = []
+        for i, name in writes:
+            target = self._arg(func, i, name, args, kwargs)
+            if isinstance(target, torch.Tensor) and _storage_key(target) not in self.fresh:
+                stale.append((i, name))
+        return stale
+
+    def _with_copies(self, func, stale, args, kwargs) -> tuple[tuple, dict]:
+        args, kwargs = list(args), dict(kwargs)
+        for i, name in stale:
+            if i < len(args):
+                args[i] = args[i].clone()
+            else:
+                kwargs[name] = kwargs[name].clone()
+        return tuple(args), kwargs
+
+
+def _describe(func: Any, args: tuple, out: Any) -> str:
+    def show(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}"
+        return type(x).__name__ if isinstance(x, (list, tuple, dict)) else repr(x)
+
+    shown_in = ", ".join(show(a) for a in args)
+    leaves = [show(x) for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    return f"{func}({shown_in}) -> {', '.join(leaves) or 'None'}"
+
+
+class OpTrace(TorchDispatchMode):
+    """Record every operator run, one line each. See NOTE [Debug traces]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.last_op: Optional[str] = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.last_op = str(func)
+        self.lines.append(_describe(func, args, out))
+        return out
+
+    def render(self) -> str:
+        return "\n".join(f"  {i:4d}  {line}" for i, line in enumerate(self.lines)) or "  (none)"

@@ -1,0 +1,128 @@
+"""Output recompute: outputs of a region that nothing keeps (engine).
+
+NOTE [Output recompute]
+A region marked ``output_recompute`` must not keep its outputs either, even
+when operators *after* it save them for backward (MindSpore's
+``output_recompute``). When such a region closes, its output tensors are
+registered here by storage. Whoever saves one of them afterwards gets an
+:class:`OutputRef` (the region and the output's index) instead of the tensor;
+unpacking the reference re-runs the region and returns the rebuilt output.
+
+Who packs: the input saver of the next region (so two adjacent marked regions
+merge: the first's output is never kept and its recomputation runs right
+before the second's), and, for plain operators outside any region, a
+saved-tensor hook that remat pushes when the stack of saved-tensor hooks is
+empty and pops as soon as no registered output is alive. Under someone else's
+saved-tensor hooks (CPU offload, torch.utils.checkpoint) the outputs are kept.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch._C import _autograd as _ag
+
+_registry: dict[int, tuple] = {}
+
+
+class OutputRef:
+    """Stands for a saved tensor that is (a view of) an output of a region."""
+
+    __slots__ = ("frame", "index", "layout", "__weakref__")
+
+    def __init__(self, frame: Any, index: int, layout: Optional[tuple]) -> None:
+        self.frame, self.index, self.layout = frame, index, layout
+
+    def unpack(self) -> torch.Tensor:
+        out = self.frame.rebuild_output(self.index, self)
+        if self.layout is not None:
+            size, stride, offset = self.layout
+            out = out.as_strided(size, stride, offset)
+        return out
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def register(frame: Any, outputs: list) -> None:
+    """Register the tensor ``outputs`` of ``frame`` (flat list) as not to be kept."""
+    for index, t in enumerate(outputs):
+        if not isinstance(t, torch.Tensor) or t.is_sparse or t.device.type == "meta":
+            continue
+        key = _key(t)
+        layout = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+        _registry[key] = (weakref.ref(frame), index, layout, id(t))
+        weakref.finalize(t, _forget, key, id(t))
+    _push_hook()
+
+
+def _forget(key: int, token: int) -> None:
+    entry = _registry.get(key)
+    if entry is not None and entry[3] == token:
+        del _registry[key]
+    if not _registry:
+        pop_hook()
+
+
+def lookup(x: torch.Tensor) -> Optional[OutputRef]:
+    """Return a reference for ``x`` if it shares storage with a registered output."""
+    if not _registry or not isinstance(x, torch.Tensor) or x.is_sparse:
+        return None
+    entry = _registry.get(_key(x))
+    if entry is None:
+        return None
+    frame_ref, index, (size, stride, offset, dtype), _ = entry
+    frame = frame_ref()
+    if frame is None or x.dtype != dtype:
+        return None
+    same = tuple(x.shape) == size and x.stride() == stride and x.storage_offset() == offset
+    ref = OutputRef(frame, index, None if same else (tuple(x.shape), x.stride(), x.storage_offset()))
+    frame.add_output_ref(ref)
+    return ref
+
+
+# --- the hook for plain operators outside regions --------------------------------
+
+
+def _pack(x: torch.Tensor) -> Any:
+    ref = lookup(x)
+    if ref is not None:
+        return ref
+    return (x.detach(), x._version)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, OutputRef):
+        return packed.unpack()
+    x, version = packed
+    if x._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{x.type()} {list(x.shape)}] is at version {x._version}; "
+            f"expected version {version} instead."
+        )
+    return x
+
+
+def _ours_on_top() -> bool:
+    top = _ag._top_saved_tensors_default_hooks(False)
+    return top is not None and top[0] is _pack
+
+
+def _push_hook() -> None:
+    if _ag._top_saved_tensors_default_hooks(False) is None and _ag._saved_tensors_hooks_is_enabled():
+        _ag._push_saved_tensors_default_hooks(_pack, _unpack)
+
+
+def pop_hook() -> None:
+    """Pop remat's hook if it is on top of the stack and no registered output is alive."""
+    if not _registry and _ours_on_top():
+        _ag._pop_saved_tensors_default_hooks()
+
+
+def hook_active() -> bool:
+    """Return True while remat's hook for plain operators is pushed (for tests)."""
+    return _ours_on_top()

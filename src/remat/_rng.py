@@ -1,0 +1,103 @@
+"""Capture and replay the forward's random and autocast state (engine).
+
+A region's recomputation must draw the same dropout masks and run under the
+same autocast settings as its forward. :func:`capture` records both before the
+forward; :meth:`Replay.context` restores them around the recomputation and
+leaves the caller's random state untouched afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def _devices_of(args: Any) -> tuple[str, list[int]]:
+    """Return the accelerator type and device indices of the tensors in ``args``."""
+    device_type, indices = "cpu", []
+    for leaf in pytree.tree_leaves(args):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta"):
+            device_type = leaf.device.type
+            index = leaf.device.index if leaf.device.index is not None else 0
+            if index not in indices:
+                indices.append(index)
+    return device_type, indices
+
+
+def _autocast_state(device_type: str) -> Optional[dict]:
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    return {
+        "enabled": torch.is_autocast_enabled(device_type),
+        "dtype": torch.get_autocast_dtype(device_type),
+        "cache_enabled": torch.is_autocast_cache_enabled(),
+    }
+
+
+@dataclass
+class Replay:
+    """What a region's forward ran under: random state and autocast settings."""
+
+    device_type: str
+    devices: list[int]
+    cpu_rng: Optional[torch.Tensor]
+    device_rng: Optional[list[torch.Tensor]]
+    cpu_autocast: Optional[dict]
+    device_autocast: Optional[dict]
+    device_initialized: bool
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """Run the enclosed code under the forward's random and autocast state."""
+        preserve = self.cpu_rng is not None
+        devices = self.devices if self.device_rng is not None else []
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(
+                torch.random.fork_rng(
+                    devices=devices, enabled=preserve, device_type=self.device_type
+                )
+            )
+            if preserve:
+                torch.set_rng_state(self.cpu_rng)
+                if self.device_rng is not None:
+                    module = torch.get_device_module(self.device_type)
+                    for index, state in zip(self.devices, self.device_rng):
+                        module.set_rng_state(state, index)
+            if self.cpu_autocast is not None:
+                stack.enter_context(torch.amp.autocast("cpu", **self.cpu_autocast))
+            if self.device_autocast is not None and self.device_type != "cpu":
+                stack.enter_context(torch.amp.autocast(self.device_type, **self.device_autocast))
+            yield
+
+
+def capture(args: Any, preserve_rng_state: bool) -> Replay:
+    """Record the random and autocast state a region's forward is about to run under.
+
+    Args:
+        args: the region's arguments; the devices of their tensors are recorded.
+        preserve_rng_state: record the random state (False: recomputation draws anew).
+
+    Returns:
+        A :class:`Replay` whose ``context()`` restores that state.
+    """
+    device_type, devices = _devices_of(args)
+    initialized = False
+    device_rng = None
+    if device_type != "cpu":
+        module = torch.get_device_module(device_type)
+        initialized = bool(getattr(module, "_initialized", True))
+        if preserve_rng_state and initialized:
+            device_rng = [module.get_rng_state(i) for i in devices]
+    return Replay(
+        device_type=device_type,
+        devices=devices,
+        cpu_rng=torch.get_rng_state() if preserve_rng_state else None,
+        device_rng=device_rng,
+        cpu_autocast=_autocast_state("cpu"),
+        device_autocast=_autocast_state(device_type) if device_type != "cpu" else None,
+        device_initialized=initialized,
+    )
