@@ -1,0 +1,42 @@
+"""``remat demo``: train seed 003's ResNet-50 with and without recompute and compare.
+
+Example:
+    $ remat demo --steps 12 --batch-size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from remat._demo import DemoConfig, run_demo
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``remat demo`` and its options."""
+    default = DemoConfig()
+    parser = subparsers.add_parser(
+        "demo", help="train seed 003's ResNet-50 with and without recompute",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--steps", type=int, default=default.steps,
+                        help=f"training steps per configuration (default {default.steps})")
+    parser.add_argument("--batch-size", type=int, default=default.batch_size,
+                        help=f"images per step (default {default.batch_size})")
+    parser.add_argument("--data", default=None, metavar="DIR",
+                        help="folder of the CIFAR-10 binary files (default: synthetic data)")
+    parser.add_argument("--out", default=default.out_dir, metavar="DIR",
+                        help=f"where demo.json and the plot go (default {default.out_dir})")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--model", choices=("resnet50", "tiny"), default=default.model,
+                        help="resnet50 (seed 003) or a tiny ResNet for smoke tests")
+    parser.add_argument("--seed", type=int, default=default.seed, help="seed of the weights")
+    parser.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = DemoConfig(
+        steps=args.steps, batch_size=args.batch_size, data_dir=args.data, out_dir=args.out,
+        device=args.device, model=args.model, seed=args.seed,
+    )
+    result = run_demo(config, progress=True)
+    return 0 if result["losses_identical"] else 1

@@ -1,0 +1,293 @@
+"""``remat demo``: seed 003's tutorial, run: ResNet-50 on CIFAR-10 with and without recompute.
+
+The same network, from the same seed, trains on the same batches in each
+configuration; the table compares what each configuration keeps for backward,
+its peak memory, its step time, and its final loss, which recompute must not
+change.
+
+Example:
+    >>> from remat._demo import DemoConfig, run_demo
+    >>> result = run_demo(DemoConfig(steps=2, batch_size=2, model="tiny", out_dir=None),
+    ...                   progress=False)
+    >>> result["losses_identical"]
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+import remat
+from remat.data import load_cifar10
+from remat.models import resnet, resnet50
+
+#: ``(name, options of Cell.recompute for the seed's blocks, or None for no marks)``.
+CONFIGURATIONS: tuple[tuple[str, dict | None], ...] = (
+    ("no recompute", None),
+    ("seed marks", {}),
+    ("seed marks + output_recompute", {"output_recompute": True}),
+    ("selective (save_compute_intensive)", {"policy": remat.save_compute_intensive}),
+)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Options of :func:`run_demo`.
+
+    Args:
+        steps: training steps per configuration.
+        batch_size: images per step.
+        data_dir: folder of the CIFAR-10 binary files; None for the synthetic set.
+        out_dir: where ``demo.json`` and ``memory_timeline.png`` go; None writes nothing.
+        device: ``"cpu"``, ``"cuda"``; None picks CUDA when present.
+        model: ``"resnet50"`` (seed 003) or ``"tiny"`` (two small stages, for smoke tests).
+        seed: seed of the weights (the batches are the same in every configuration).
+        lr: SGD learning rate (momentum 0.9).
+    """
+
+    steps: int = 12
+    batch_size: int = 16
+    data_dir: str | None = None
+    out_dir: str | None = "demo_out"
+    device: str | None = None
+    model: str = "resnet50"
+    seed: int = 0
+    lr: float = 0.02
+
+
+def build_model(name: str, options: dict | None) -> torch.nn.Module:
+    """Build the demo's model, marked with seed 003's recipe when ``options`` is not None."""
+    if name == "resnet50":
+        net = resnet50(class_num=10)
+    elif name == "tiny":
+        net = resnet((2, 2), width=4, class_num=10)
+    else:
+        raise ValueError(f"remat demo: model must be 'resnet50' or 'tiny', got {name!r}")
+    if options is not None:
+        net.mark_blocks(**options)
+    return net
+
+
+def has_tracker() -> bool:
+    """Whether the exact memory tracker (``remat.memory.track``) is available."""
+    return hasattr(remat.memory, "track")
+
+
+def peak_bytes(step: Callable[[], Any], model: torch.nn.Module, device: torch.device) -> dict:
+    """Run ``step()`` once and return its peak memory: ``{"peak_bytes", "timeline", "source"}``.
+
+    The exact tracker counts live tensor storage; without it, on CUDA,
+    ``torch.cuda.max_memory_allocated``; on CPU without the tracker the peak is None.
+    """
+    if has_tracker():
+        with remat.memory.track(model) as tracker:
+            step()
+        timeline = getattr(tracker, "timeline", None)
+        return {"peak_bytes": int(tracker.peak_bytes), "source": "remat.memory.track",
+                "tracker": tracker, "timeline": timeline}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+                "source": "torch.cuda.max_memory_allocated", "tracker": None, "timeline": None}
+    step()
+    return {"peak_bytes": None, "source": None, "tracker": None, "timeline": None}
+
+
+def kept_bytes(forward: Callable[[], Any]) -> int | None:
+    """Bytes that autograd keeps for backward after ``forward()`` (``remat.memory.saved_bytes``)."""
+    try:
+        return int(remat.memory.saved_bytes(forward))
+    except NotImplementedError:
+        return None
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_configuration(
+    config: DemoConfig, name: str, options: dict | None, data: Any, advance: Callable[[], None]
+) -> dict:
+    """Train one configuration for ``config.steps`` steps; return its figures.
+
+    Step 1 (the second) runs under the memory tracker and is left out of the timing.
+    """
+    device = _device(config.device)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, options).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    losses, times, memory = [], [], None
+
+    def step(i: int) -> None:
+        images, labels = data.batch(i, config.batch_size, device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+
+    for i in range(config.steps):
+        if i == min(1, config.steps - 1) and memory is None:
+            memory = peak_bytes(lambda i=i: step(i), model, device)
+        else:
+            _sync(device)
+            start = time.perf_counter()
+            step(i)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        advance()
+    images, labels = data.batch(0, config.batch_size, device)
+    kept = kept_bytes(lambda: torch.nn.functional.cross_entropy(model(images), labels))
+    return {
+        "name": name,
+        "marks": {k: repr(v) for k, v in (options or {}).items()} if options is not None else None,
+        "marked_blocks": len(remat.marked_modules(model)),
+        "peak_bytes": memory["peak_bytes"],
+        "peak_source": memory["source"],
+        "kept_bytes": kept,
+        "median_step_s": statistics.median(times) if times else None,
+        "losses": losses,
+        "final_loss": losses[-1],
+        "_tracker": memory["tracker"],
+    }
+
+
+def run_demo(config: DemoConfig, *, progress: bool = True) -> dict:
+    """Train every configuration of :data:`CONFIGURATIONS`; print and return the results.
+
+    Args:
+        config: the options.
+        progress: show a progress bar and the final table (needs ``rich``).
+
+    Returns:
+        A JSON-ready dict: the options, the device, ``rows`` (one per configuration),
+        ``losses_identical`` and the paths written.
+    """
+    if config.steps < 1 or config.batch_size < 1:
+        raise ValueError(
+            f"remat demo: steps and batch_size must be at least 1, got steps={config.steps}, "
+            f"batch_size={config.batch_size}"
+        )
+    data = load_cifar10(config.data_dir, size=max(256, config.batch_size * config.steps))
+    rows = _train_all(config, data, progress)
+    baseline = rows[0]
+    for row in rows:
+        for key in ("peak_bytes", "kept_bytes", "median_step_s"):
+            a, b = row[key], baseline[key]
+            row[key.replace("_bytes", "").replace("median_", "") + "_ratio"] = (
+                a / b if a is not None and b else None
+            )
+        row["loss_equal_to_baseline"] = row["final_loss"] == baseline["final_loss"]
+    result = {
+        "config": asdict(config),
+        "device": str(_device(config.device)),
+        "torch_threads": torch.get_num_threads(),
+        "data": "synthetic CIFAR-10" if config.data_dir is None else config.data_dir,
+        "rows": rows,
+        "losses_identical": all(r["loss_equal_to_baseline"] for r in rows),
+        "files": [],
+    }
+    if config.out_dir is not None:
+        result["files"] = _write_outputs(config.out_dir, result)
+    for row in rows:
+        row.pop("_tracker", None)
+    if progress:
+        print_table(result)
+    return result
+
+
+def _train_all(config: DemoConfig, data: Any, progress: bool) -> list[dict]:
+    total = config.steps * len(CONFIGURATIONS)
+    if not progress:
+        return [train_configuration(config, n, o, data, lambda: None) for n, o in CONFIGURATIONS]
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    rows = []
+    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns) as bar:
+        task = bar.add_task("training", total=total)
+        for name, options in CONFIGURATIONS:
+            bar.update(task, description=f"training: {name}")
+            rows.append(
+                train_configuration(config, name, options, data, lambda: bar.advance(task))
+            )
+    return rows
+
+
+def _write_outputs(out_dir: str, result: dict) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    files = []
+    plot = _plot_timeline(out_dir, result["rows"])
+    if plot:
+        files.append(plot)
+    path = os.path.join(out_dir, "demo.json")
+    files.append(path)
+    result["files"] = files
+    clean = {**result, "rows": [{k: v for k, v in r.items() if k != "_tracker"}
+                                for r in result["rows"]]}
+    with open(path, "w") as file:
+        json.dump(clean, file, indent=2)
+    return files
+
+
+def _plot_timeline(out_dir: str, rows: list[dict]) -> str | None:
+    plot = getattr(remat.memory, "plot_timeline", None)
+    trackers = {r["name"]: r["_tracker"] for r in rows if r.get("_tracker") is not None}
+    if plot is None or not trackers:
+        return None
+    path = os.path.join(out_dir, "memory_timeline.png")
+    plot(trackers, path)
+    return path
+
+
+def _mib(nbytes: int | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f" ({value:.2f}x)"
+
+
+def print_table(result: dict) -> None:
+    """Print the demo's results as a rich table (ratios to no recompute in parentheses)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"ResNet-50 (seed 003) on {result['data']}, {result['device']}")
+    for column in ("configuration", "peak memory", "kept for backward", "median step",
+                   "final loss"):
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    for r in result["rows"]:
+        step = "n/a" if r["median_step_s"] is None else f"{1000 * r['median_step_s']:.0f} ms"
+        same = "=" if r["loss_equal_to_baseline"] else "DIFFERS"
+        table.add_row(
+            r["name"], _mib(r["peak_bytes"]) + _ratio(r["peak_ratio"]),
+            _mib(r["kept_bytes"]) + _ratio(r["kept_ratio"]), step + _ratio(r["step_s_ratio"]),
+            f"{r['final_loss']:.9f} {same}",
+        )
+    console = Console()
+    console.print(table)
+    first = result["rows"][0]["losses"]
+    console.print(f"loss: {first[0]:.4f} at step 1 -> {first[-1]:.4f} at step {len(first)}; "
+                  + ("final losses identical in every configuration"
+                     if result["losses_identical"] else "FINAL LOSSES DIFFER"))
+    for path in result["files"]:
+        console.print(f"wrote {path}")
