@@ -1,0 +1,341 @@
+"""``remat.memory.track``: exact live-storage bytes over a step (layer 4: tools).
+
+A :class:`MemoryTracker` is a ``TorchDispatchMode`` that looks at the result of
+every operator. Each new untyped storage is counted once, when it first
+appears as an output, and uncounted when its storage object dies (a weak
+reference finalizer on the storage). Views and in-place results share their
+base's storage, so they cost nothing. Storages first seen as *inputs* existed
+before the step (parameters, inputs, optimizer state): they form the baseline.
+
+Each allocation is attributed to the innermost module running when it was made
+(global forward hooks keep the module stack; in backward, the module whose
+forward created the autograd node being run) and to a phase: ``forward``,
+``backward`` (inside an autograd graph task), ``recompute``
+(:func:`remat.is_recomputing`), or a label given with :meth:`MemoryTracker.phase`.
+
+It works alike on CPU, CUDA and fake tensors (``FakeTensorMode``: enter
+``track()`` *inside* the fake mode). Allocations that bypass the dispatcher
+(e.g. a oneDNN convolution workspace) are not seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from remat._state import is_recomputing
+from remat.memory._report import format_bytes
+
+OUTSIDE = "(outside modules)"
+PHASES = ("forward", "backward", "recompute")
+
+
+@dataclass
+class _Record:
+    nbytes: int
+    module: str
+    phase: str
+    baseline: bool = False
+
+
+@dataclass(frozen=True)
+class PeakReport:
+    """What was alive at the peak of a tracked step.
+
+    Args:
+        total_bytes: baseline plus the largest increase: the step's peak footprint.
+        increase_bytes: the largest increase over the bytes alive at the start.
+        baseline_bytes: bytes of storages that existed before the step and were used.
+        phase: the phase running when the peak was reached.
+        by_module: bytes allocated during the step and alive at the peak, per module.
+        by_phase: the same bytes per phase that allocated them.
+    """
+
+    total_bytes: int
+    increase_bytes: int
+    baseline_bytes: int
+    phase: str
+    by_module: dict = field(default_factory=dict)
+    by_phase: dict = field(default_factory=dict)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Record live storage bytes of every operator run while active; see :func:`track`."""
+
+    def __init__(self, model: Optional[torch.nn.Module] = None, baseline: Iterable[Any] = ()) -> None:
+        super().__init__()
+        self._names: dict[int, str] = {}
+        if model is not None:
+            self._names = {id(m): (n or type(m).__name__) for n, m in model.named_modules()}
+        self._records: dict[int, _Record] = {}
+        self._finalizers: dict[int, weakref.finalize] = {}
+        self._live_by: dict[tuple[str, str], int] = {}
+        self._stack: list[str] = []
+        self._node_module: dict[int, str] = {}
+        self._label = "forward"
+        self._hooks: list[Any] = []
+        self.live_bytes = 0
+        self.baseline_bytes = 0
+        self.peak_increase = 0
+        self.peak_phase = "forward"
+        self.peak_index = 0
+        self._peak_by: dict[tuple[str, str], int] = {}
+        #: ``(live bytes above the start, phase)`` after every allocation and free.
+        self.timeline: list[tuple[int, str]] = [(0, "forward")]
+        self.cuda_peak_bytes: Optional[int] = None
+        self._cuda = False
+        for obj in (model, *baseline):
+            self.add_baseline(obj)
+
+    # --- public reading ------------------------------------------------------
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak footprint of the step: baseline bytes plus the largest increase."""
+        return self.baseline_bytes + self.peak_increase
+
+    def peak(self) -> PeakReport:
+        """Return what was alive at the peak, grouped by module and by phase."""
+        by_module: dict[str, int] = {}
+        by_phase: dict[str, int] = {}
+        for (module, phase), nbytes in self._peak_by.items():
+            if nbytes:
+                by_module[module] = by_module.get(module, 0) + nbytes
+                by_phase[phase] = by_phase.get(phase, 0) + nbytes
+        order = sorted(by_module.items(), key=lambda kv: -kv[1])
+        return PeakReport(
+            self.peak_bytes, self.peak_increase, self.baseline_bytes, self.peak_phase,
+            dict(order), by_phase,
+        )
+
+    def live_by_module(self, *, exclude: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+        """Bytes allocated during the step and alive now, per module that allocated them.
+
+        Args:
+            exclude: tensors whose storages are left out (e.g. the loss).
+        """
+        skip = {_key(s) for s in _storages(exclude)}
+        out: dict[str, int] = {}
+        for key, rec in self._records.items():
+            if not rec.baseline and key not in skip:
+                out[rec.module] = out.get(rec.module, 0) + rec.nbytes
+        return out
+
+    def creator_of(self, tensor: torch.Tensor) -> Optional[str]:
+        """Name the module that allocated ``tensor``'s storage in this step (None: baseline/unseen)."""
+        rec = self._records.get(_key(tensor.untyped_storage()))
+        return None if rec is None or rec.baseline else rec.module
+
+    def summary(self) -> str:
+        """A few lines: peak, baseline, increase, phase and the largest modules at the peak."""
+        report = self.peak()
+        lines = [
+            f"peak {format_bytes(report.total_bytes)} = baseline {format_bytes(report.baseline_bytes)} "
+            f"+ increase {format_bytes(report.increase_bytes)} (reached in {report.phase})",
+        ]
+        for name, nbytes in list(report.by_module.items())[:8]:
+            lines.append(f"  {name:<40} {format_bytes(nbytes)}")
+        return "\n".join(lines)
+
+    # --- control ---------------------------------------------------------------
+
+    def add_baseline(self, obj: Any) -> None:
+        """Count the storages of ``obj`` (tensor, module, optimizer, or nest of them) as baseline."""
+        for storage in _storages(_tensors_of(obj)):
+            self._see_input(storage)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Label allocations outside backward and recomputation with ``name`` (e.g. ``optimizer``)."""
+        old, self._label = self._label, name
+        try:
+            yield
+        finally:
+            self._label = old
+
+    # --- the mode ----------------------------------------------------------------
+
+    def __enter__(self) -> "MemoryTracker":
+        nn_module = torch.nn.modules.module
+        self._hooks = [
+            nn_module.register_module_forward_pre_hook(self._enter_module),
+            nn_module.register_module_forward_hook(self._exit_module, always_call=True),
+        ]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._cuda = True
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._cuda_start = torch.cuda.memory_allocated()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._cuda:
+            torch.cuda.synchronize()
+            self.cuda_peak_bytes = torch.cuda.max_memory_allocated()
+        for fin in self._finalizers.values():
+            fin.detach()
+        self._finalizers.clear()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        for storage in _storages(tree_leaves((args, kwargs))):
+            self._see_input(storage)
+        out = func(*args, **(kwargs or {}))
+        for storage in _storages(tree_leaves(out)):
+            self._see_output(storage)
+        return out
+
+    # --- bookkeeping ---------------------------------------------------------------
+
+    def _see_input(self, storage: torch.UntypedStorage) -> None:
+        key = _key(storage)
+        rec = self._records.get(key)
+        if rec is None:
+            rec = _Record(storage.nbytes(), "(baseline)", "baseline", baseline=True)
+            self._records[key] = rec
+            self.baseline_bytes += rec.nbytes
+            self._watch(storage, key)
+        elif rec.nbytes != storage.nbytes():
+            self._resize(rec, storage.nbytes())
+
+    def _see_output(self, storage: torch.UntypedStorage) -> None:
+        key = _key(storage)
+        rec = self._records.get(key)
+        if rec is not None:
+            if rec.nbytes != storage.nbytes():
+                self._resize(rec, storage.nbytes())
+            return
+        phase = self._current_phase()
+        rec = _Record(storage.nbytes(), self._current_module(phase), phase)
+        self._records[key] = rec
+        self._watch(storage, key)
+        self._change(rec, rec.nbytes)
+
+    def _watch(self, storage: torch.UntypedStorage, key: int) -> None:
+        self._finalizers[key] = weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self._finalizers.pop(key, None)
+        rec = self._records.pop(key, None)
+        if rec is not None:
+            self._change(rec, -rec.nbytes)
+
+    def _resize(self, rec: _Record, nbytes: int) -> None:
+        delta, rec.nbytes = nbytes - rec.nbytes, nbytes
+        if rec.baseline:
+            self.baseline_bytes += delta
+        else:
+            self._change(rec, delta)
+
+    def _change(self, rec: _Record, delta: int) -> None:
+        # A baseline storage freed during the step lowers the footprint below the start.
+        self.live_bytes += delta
+        if not rec.baseline:
+            slot = (rec.module, rec.phase)
+            self._live_by[slot] = self._live_by.get(slot, 0) + delta
+        phase = self._current_phase()
+        self.timeline.append((self.live_bytes, phase))
+        if self.live_bytes > self.peak_increase:
+            self.peak_increase = self.live_bytes
+            self.peak_phase = phase
+            self.peak_index = len(self.timeline) - 1
+            self._peak_by = dict(self._live_by)
+
+    def _current_phase(self) -> str:
+        if is_recomputing():
+            return "recompute"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return self._label
+
+    def _current_module(self, phase: str) -> str:
+        if self._stack and phase != "backward":
+            return self._stack[-1]
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return self._node_module.get(node._sequence_nr(), OUTSIDE)
+        return self._stack[-1] if self._stack else OUTSIDE
+
+    # --- module hooks ----------------------------------------------------------------
+
+    def _name(self, module: torch.nn.Module) -> str:
+        return self._names.get(id(module)) or type(module).__name__
+
+    def _enter_module(self, module: torch.nn.Module, args: Any) -> None:
+        self._stack.append(self._name(module))
+
+    def _exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        name = self._stack.pop() if self._stack else self._name(module)
+        if torch.is_grad_enabled():
+            self._claim_nodes(name, args, output)
+
+    def _claim_nodes(self, name: str, args: Any, output: Any) -> None:
+        """Attribute the autograd nodes this module's forward created to it (innermost wins)."""
+        stop = {id(t.grad_fn) for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.grad_fn}
+        todo = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn]
+        seen: set[int] = set()
+        while todo:
+            node = todo.pop()
+            if node is None or id(node) in seen or id(node) in stop:
+                continue
+            seen.add(id(node))
+            self._node_module.setdefault(node._sequence_nr(), name)
+            todo.extend(n for n, _ in node.next_functions)
+
+
+def _key(storage: torch.UntypedStorage) -> int:
+    return storage._cdata
+
+
+def _storages(leaves: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+            try:
+                yield leaf.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensors without storage
+                continue
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    if obj is None:
+        return []
+    if isinstance(obj, torch.nn.Module):
+        return [*obj.parameters(), *obj.buffers(), *(p.grad for p in obj.parameters() if p.grad is not None)]
+    if isinstance(obj, torch.optim.Optimizer):
+        return [t for state in obj.state.values() for t in tree_leaves(state)]
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def track(model: Optional[torch.nn.Module] = None, *, baseline: Iterable[Any] = ()) -> MemoryTracker:
+    """Track live tensor storage bytes over the enclosed step, exactly.
+
+    Args:
+        model: the model run in the step; names modules in the report, and its
+            parameters, buffers and gradients count as baseline.
+        baseline: more objects whose storages existed before the step (input
+            tensors, an optimizer's state); storages used but not listed here are
+            added to the baseline when first seen.
+
+    Returns:
+        A :class:`MemoryTracker` to use as a context manager; read ``peak_bytes``,
+        ``peak_increase``, ``baseline_bytes``, ``peak()``, ``timeline`` after it.
+
+    Example:
+        >>> import torch, remat
+        >>> fc = torch.nn.Linear(256, 256)
+        >>> x = torch.randn(64, 256, requires_grad=True)
+        >>> with remat.memory.track(fc, baseline=[x]) as tracker:
+        ...     fc(x).relu().sum().backward()
+        >>> tracker.peak_bytes > tracker.baseline_bytes
+        True
+    """
+    return MemoryTracker(model, baseline)

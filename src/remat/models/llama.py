@@ -1,0 +1,215 @@
+"""A Llama-style decoder for memory estimates (layer 4: tools).
+
+RMSNorm, rotary position embeddings, causal attention through
+``scaled_dot_product_attention`` with optional grouped key/value heads, a
+SwiGLU MLP, untied output head. :func:`llama_7b` gives the 7B configuration;
+build it under ``FakeTensorMode`` (as :func:`remat.estimate` does) to measure a
+step without allocating it.
+
+Example:
+    >>> import torch
+    >>> from remat.models.llama import Llama, LlamaConfig
+    >>> net = Llama(LlamaConfig(layers=2, width=32, heads=4, hidden=64, vocab=64))
+    >>> net(torch.zeros(1, 8, dtype=torch.long)).shape
+    torch.Size([1, 8, 64])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from remat.nn import Cell
+
+__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "llama", "llama_7b", "next_token_loss"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Size of a :class:`Llama`.
+
+    Args:
+        layers: decoder blocks.
+        width: model width.
+        heads: query heads; must divide ``width``.
+        kv_heads: key/value heads (None: ``heads``); must divide ``heads``.
+        hidden: width of the SwiGLU MLP.
+        vocab: vocabulary size.
+        norm_eps: RMSNorm epsilon.
+        rope_theta: base of the rotary frequencies.
+
+    Example:
+        >>> from remat.models.llama import llama_7b
+        >>> llama_7b().hidden
+        11008
+    """
+
+    layers: int = 4
+    width: int = 256
+    heads: int = 4
+    kv_heads: Optional[int] = None
+    hidden: int = 688
+    vocab: int = 1024
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        kv = self.kv_heads or self.heads
+        if self.width % self.heads or self.heads % kv:
+            raise ValueError(
+                f"remat.models.llama.LlamaConfig: heads must divide width and kv_heads must divide "
+                f"heads, got width={self.width}, heads={self.heads}, kv_heads={self.kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.width // self.heads
+
+
+def llama_7b() -> LlamaConfig:
+    """The Llama-2 7B sizes: 32 layers, width 4096, 32 heads, MLP 11008, vocabulary 32000."""
+    return LlamaConfig(layers=32, width=4096, heads=32, hidden=11008, vocab=32000)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalization with a learned scale."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply rotary embeddings to ``x`` of shape (batch, heads, seq, head_dim)."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class Attention(Cell):
+    """Causal self-attention with rotary embeddings and grouped key/value heads."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = config.heads, config.kv_heads or config.heads
+        self.head_dim = config.head_dim
+        self.q = nn.Linear(config.width, config.heads * self.head_dim, bias=False)
+        self.k = nn.Linear(config.width, self.kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(config.width, self.kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(config.heads * self.head_dim, config.width, bias=False)
+
+    def construct(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(Cell):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.width, config.hidden, bias=False)
+        self.up = nn.Linear(config.width, config.hidden, bias=False)
+        self.down = nn.Linear(config.hidden, config.width, bias=False)
+
+    def construct(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(Cell):
+    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.width, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.width, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def construct(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(Cell):
+    """Llama-style language model: embedding, decoder blocks, final norm, output head.
+
+    Args:
+        config: the sizes.
+
+    Example:
+        >>> import torch
+        >>> from remat.models.llama import Llama, LlamaConfig
+        >>> net = Llama(LlamaConfig(layers=1, width=16, heads=2, hidden=32, vocab=32))
+        >>> net.mark_blocks()[0].__class__.__name__
+        'LlamaBlock'
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab, config.width)
+        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(config.layers))
+        self.norm = RMSNorm(config.width, config.norm_eps)
+        self.head = nn.Linear(config.width, config.vocab, bias=False)
+
+    def rotary(self, seq: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cosines and sines of the rotary embedding for ``seq`` positions, like ``like``."""
+        half = self.config.head_dim // 2
+        freqs = self.config.rope_theta ** (-torch.arange(half, device=like.device) / half)
+        angles = torch.outer(torch.arange(seq, device=like.device), freqs).repeat(1, 2)
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+    def construct(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        cos, sin = self.rotary(tokens.shape[1], x)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(self.norm(x))
+
+    def mark_blocks(self, **options: Any) -> list[nn.Module]:
+        """Mark every decoder block with ``block.recompute(**options)``; return them."""
+        for block in self.blocks:
+            block.recompute(**options)
+        return list(self.blocks)
+
+
+def llama(config: Optional[LlamaConfig] = None, *, dtype: torch.dtype = torch.float32,
+          recompute: bool = False, **sizes: Any) -> Llama:
+    """Build a :class:`Llama` from a config or keyword sizes, in ``dtype``.
+
+    Example:
+        >>> from remat.models.llama import llama
+        >>> llama(layers=1, width=16, heads=2, hidden=32, vocab=32).config.layers
+        1
+    """
+    model = Llama(config or LlamaConfig(**sizes)).to(dtype)
+    if recompute:
+        model.mark_blocks()
+    return model
+
+
+def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each position against a stand-in next token (0), in float32.
+
+    Memory-wise this is the training loss of a language model (the float32
+    logits and their log-softmax are kept for backward); the targets are dummies.
+    """
+    targets = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
