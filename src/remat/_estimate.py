@@ -12,7 +12,8 @@ CPU kernels (the report's ``device`` says so).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -21,7 +22,7 @@ from remat._marks import apply
 from remat._profile import OptimizerLike, measure
 from remat.memory._report import ProfileReport
 
-Marks = Union[None, str, type, Iterable[type], Callable[[torch.nn.Module], Any]]
+Marks = None | str | type | Iterable[type] | Callable[[torch.nn.Module], Any]
 API = "remat.estimate"
 
 
@@ -71,7 +72,7 @@ def apply_marks(model: torch.nn.Module, marks: Marks, api: str = API) -> None:
                         f"got {type(marks).__name__}")
 
 
-def _build_in(model: Any, dtype: Optional[torch.dtype]) -> torch.nn.Module:
+def _build_in(model: Any, dtype: torch.dtype | None) -> torch.nn.Module:
     # Module.to(dtype) cannot swap fake parameters; build them in the dtype instead.
     if dtype is None:
         return build_model(model)
@@ -99,9 +100,9 @@ def _fake_inputs(mode: FakeTensorMode, inputs: tuple) -> tuple:
     return tuple(out)
 
 
-def estimate(model: Any, *example_inputs: Any, loss_fn: Optional[Callable] = None,
+def estimate(model: Any, *example_inputs: Any, loss_fn: Callable | None = None,
              optimizer: OptimizerLike = "adam", marks: Marks = None,
-             dtype: Optional[torch.dtype] = None, output_recompute: bool = False,
+             dtype: torch.dtype | None = None, output_recompute: bool = False,
              label: str = "") -> ProfileReport:
     """Estimate the peak memory of one training step without allocating it.
 

@@ -11,16 +11,18 @@ same measurement on fake tensors.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
+from typing_extensions import Self
 
 from remat._marks import mark_of
 from remat.memory._report import ModuleRow, ProfileReport, downsample
 from remat.memory._tracker import track
 
-OptimizerLike = Union[None, str, torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]
+OptimizerLike = None | str | torch.optim.Optimizer | Callable[..., torch.optim.Optimizer]
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
@@ -32,7 +34,7 @@ def default_loss(output: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in leaves)
 
 
-def make_optimizer(optimizer: OptimizerLike, model: torch.nn.Module, api: str) -> Optional[torch.optim.Optimizer]:
+def make_optimizer(optimizer: OptimizerLike, model: torch.nn.Module, api: str) -> torch.optim.Optimizer | None:
     """Build the optimizer named or made by ``optimizer`` over ``model``'s parameters."""
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
@@ -71,13 +73,13 @@ class _Calls:
         self.times: dict[str, float] = {}
         self._starts: list[float] = []
 
-    def __enter__(self) -> "_Calls":
+    def __enter__(self) -> Self:
         hooks = torch.nn.modules.module
         self._handles = [hooks.register_module_forward_pre_hook(self._pre),
                          hooks.register_module_forward_hook(self._post, always_call=True)]
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
 
@@ -116,7 +118,7 @@ def _time_step(model: torch.nn.Module, inputs: tuple, loss_fn: Callable, repeat:
     return best_step * 1e3, {k: v * 1e3 for k, v in best.items()}
 
 
-def measure(model: torch.nn.Module, inputs: tuple, *, loss_fn: Optional[Callable] = None,
+def measure(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | None = None,
             optimizer: OptimizerLike = None, output_recompute: bool = False, repeat: int = 0,
             label: str = "", device: str = "", estimated: bool = False,
             api: str = "remat.profile") -> ProfileReport:
@@ -161,7 +163,7 @@ def measure(model: torch.nn.Module, inputs: tuple, *, loss_fn: Optional[Callable
     )
 
 
-def _state_tensors(opt: Optional[torch.optim.Optimizer]) -> list:
+def _state_tensors(opt: torch.optim.Optimizer | None) -> list:
     if opt is None:
         return []
     return [t for s in opt.state.values() for t in tree_leaves(s) if isinstance(t, torch.Tensor)]
@@ -207,7 +209,7 @@ def _add_subtrees(rows: list) -> None:
             by_name[root].kept += row.kept_self
 
 
-def profile(model: torch.nn.Module, *example_inputs: Any, loss_fn: Optional[Callable] = None,
+def profile(model: torch.nn.Module, *example_inputs: Any, loss_fn: Callable | None = None,
             optimizer: OptimizerLike = None, output_recompute: bool = False, repeat: int = 3,
             label: str = "") -> ProfileReport:
     """Profile one training step of ``model``: memory kept per module and forward times.

@@ -11,7 +11,7 @@ import dataclasses
 import io
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 TIMELINE_POINTS = 4000
 
@@ -46,7 +46,7 @@ class ModuleRow:
     input_bytes: int = 0
     output_bytes: int = 0
     if_recomputed: int = 0
-    forward_ms: Optional[float] = None
+    forward_ms: float | None = None
     param_bytes: int = 0
     marked: bool = False
 
@@ -78,7 +78,7 @@ class ProfileReport:
     optimizer_bytes: int = 0
     peak_by_phase: dict = field(default_factory=dict)
     peak_by_module: dict = field(default_factory=dict)
-    step_ms: Optional[float] = None
+    step_ms: float | None = None
     seconds: float = 0.0
     timeline: list = field(default_factory=list)
 
@@ -100,7 +100,7 @@ class ProfileReport:
     def __str__(self) -> str:
         return self.table()
 
-    def to_json(self, path: Optional[str] = None) -> str:
+    def to_json(self, path: str | None = None) -> str:
         """Return the report as JSON text, and write it to ``path`` when given."""
         text = json.dumps(dataclasses.asdict(self), indent=1)
         if path is not None:
@@ -109,14 +109,14 @@ class ProfileReport:
         return text
 
     @classmethod
-    def from_json(cls, text: str) -> "ProfileReport":
+    def from_json(cls, text: str) -> ProfileReport:
         """Rebuild a report from :meth:`to_json` output."""
         data = json.loads(text)
         data["rows"] = [ModuleRow(**r) for r in data["rows"]]
         data["timeline"] = [tuple(p) for p in data["timeline"]]
         return cls(**data)
 
-    def compare(self, other: "ProfileReport", depth: int = 2) -> str:
+    def compare(self, other: ProfileReport, depth: int = 2) -> str:
         """A table of this report (before) against ``other`` (after): kept bytes and peak."""
         after = {r.name: r for r in other.rows}
         lines = [f"{'module':<34} {'kept ' + self.label:>16} {'kept ' + other.label:>16} {'change':>12}"]
@@ -175,13 +175,13 @@ def _footer(report: ProfileReport) -> list[str]:
     kind = "estimated on fake tensors" if report.estimated else "measured"
     lines = [
         f"{report.label}: {kind}, {report.device}",
-        f"total kept for backward {format_bytes(report.total_kept)} "
+        (f"total kept for backward {format_bytes(report.total_kept)} "
         f"(modules {format_bytes(report.total_kept - report.outside_kept)} + outside modules "
-        f"{format_bytes(report.outside_kept)})",
-        f"step peak {format_bytes(report.peak_bytes)} in {report.peak_phase}: params {format_bytes(report.param_bytes)}, "
+        f"{format_bytes(report.outside_kept)})"),
+        (f"step peak {format_bytes(report.peak_bytes)} in {report.peak_phase}: params {format_bytes(report.param_bytes)}, "
         f"optimizer state {format_bytes(report.optimizer_bytes)}, other baseline "
         f"{format_bytes(report.baseline_bytes - report.param_bytes - report.optimizer_bytes)}, "
-        f"allocated in the step {format_bytes(report.peak_increase)}",
+        f"allocated in the step {format_bytes(report.peak_increase)}"),
     ]
     if report.peak_by_phase:
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in report.peak_by_phase.items())

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from typing_extensions import Self
 
 from remat._state import is_recomputing
 from remat.memory._report import format_bytes
@@ -68,7 +70,7 @@ class PeakReport:
 class MemoryTracker(TorchDispatchMode):
     """Record live storage bytes of every operator run while active; see :func:`track`."""
 
-    def __init__(self, model: Optional[torch.nn.Module] = None, baseline: Iterable[Any] = ()) -> None:
+    def __init__(self, model: torch.nn.Module | None = None, baseline: Iterable[Any] = ()) -> None:
         super().__init__()
         self._names: dict[int, str] = {}
         if model is not None:
@@ -88,7 +90,7 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_by: dict[tuple[str, str], int] = {}
         #: ``(live bytes above the start, phase)`` after every allocation and free.
         self.timeline: list[tuple[int, str]] = [(0, "forward")]
-        self.cuda_peak_bytes: Optional[int] = None
+        self.cuda_peak_bytes: int | None = None
         self._cuda = False
         for obj in (model, *baseline):
             self.add_baseline(obj)
@@ -127,7 +129,7 @@ class MemoryTracker(TorchDispatchMode):
                 out[rec.module] = out.get(rec.module, 0) + rec.nbytes
         return out
 
-    def creator_of(self, tensor: torch.Tensor) -> Optional[str]:
+    def creator_of(self, tensor: torch.Tensor) -> str | None:
         """Name the module that allocated ``tensor``'s storage in this step (None: baseline/unseen)."""
         rec = self._records.get(_key(tensor.untyped_storage()))
         return None if rec is None or rec.baseline else rec.module
@@ -136,8 +138,8 @@ class MemoryTracker(TorchDispatchMode):
         """A few lines: peak, baseline, increase, phase and the largest modules at the peak."""
         report = self.peak()
         lines = [
-            f"peak {format_bytes(report.total_bytes)} = baseline {format_bytes(report.baseline_bytes)} "
-            f"+ increase {format_bytes(report.increase_bytes)} (reached in {report.phase})",
+            (f"peak {format_bytes(report.total_bytes)} = baseline {format_bytes(report.baseline_bytes)} "
+            f"+ increase {format_bytes(report.increase_bytes)} (reached in {report.phase})"),
         ]
         for name, nbytes in list(report.by_module.items())[:8]:
             lines.append(f"  {name:<40} {format_bytes(nbytes)}")
@@ -161,7 +163,7 @@ class MemoryTracker(TorchDispatchMode):
 
     # --- the mode ----------------------------------------------------------------
 
-    def __enter__(self) -> "MemoryTracker":
+    def __enter__(self) -> Self:
         nn_module = torch.nn.modules.module
         self._hooks = [
             nn_module.register_module_forward_pre_hook(self._enter_module),
@@ -174,7 +176,7 @@ class MemoryTracker(TorchDispatchMode):
             self._cuda_start = torch.cuda.memory_allocated()
         return super().__enter__()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         for hook in self._hooks:
             hook.remove()
@@ -315,7 +317,7 @@ def _tensors_of(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
-def track(model: Optional[torch.nn.Module] = None, *, baseline: Iterable[Any] = ()) -> MemoryTracker:
+def track(model: torch.nn.Module | None = None, *, baseline: Iterable[Any] = ()) -> MemoryTracker:
     """Track live tensor storage bytes over the enclosed step, exactly.
 
     Args:

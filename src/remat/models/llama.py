@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ class LlamaConfig:
     layers: int = 4
     width: int = 256
     heads: int = 4
-    kv_heads: Optional[int] = None
+    kv_heads: int | None = None
     hidden: int = 688
     vocab: int = 1024
     norm_eps: float = 1e-5
@@ -190,7 +190,7 @@ class Llama(Cell):
         return list(self.blocks)
 
 
-def llama(config: Optional[LlamaConfig] = None, *, dtype: torch.dtype = torch.float32,
+def llama(config: LlamaConfig | None = None, *, dtype: torch.dtype = torch.float32,
           recompute: bool = False, **sizes: Any) -> Llama:
     """Build a :class:`Llama` from a config or keyword sizes, in ``dtype``.
 
