@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from remat._state import is_recomputing
 from remat.ms._init import initialize
 from remat.ms._tensor import check_dtype
 from remat.nn import Cell
@@ -236,6 +237,10 @@ class BatchNorm2d(torch.nn.BatchNorm2d, Cell):
         use_batch_statistics: None follows ``train()``/``eval()``; True always
             uses the batch's statistics; False always the moving ones.
 
+    The moving statistics are updated once per training step: a recomputation
+    in backward (``remat.is_recomputing()``) normalizes with the batch's
+    statistics again but does not update them a second time.
+
     Raises:
         ValueError: ``momentum`` outside [0, 1], an unknown initializer.
 
@@ -273,11 +278,12 @@ class BatchNorm2d(torch.nn.BatchNorm2d, Cell):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         use_batch = self.training if self.use_batch_statistics is None else self.use_batch_statistics
-        if use_batch and self.training and self.num_batches_tracked is not None:
+        update = use_batch and self.training and not is_recomputing()  # update once per step
+        if update and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return F.batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias,
-            training=use_batch, momentum=self.momentum if self.training else 0.0, eps=self.eps,
+            x, self.running_mean, self.running_var, self.weight, self.bias, training=use_batch,
+            momentum=self.momentum if update else 0.0, eps=self.eps,
         )  # fmt: skip
 
 
