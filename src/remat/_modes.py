@@ -29,9 +29,21 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _unannotated_writers() -> dict:
+    """Operators that update running statistics without saying so in their schema."""
+    table = {}
+    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            table[packet.default] = [(3, "running_mean"), (4, "running_var")]
+    return table
+
+
 def _written_args(func: Any) -> list[tuple[int, str]]:
     """Return ``(position, name)`` of the arguments ``func`` writes to."""
     cached = _WRITES.get(func)
+    if cached is None and func in _UNANNOTATED:
+        cached = _WRITES[func] = _UNANNOTATED[func]
     if cached is None:
         cached = [
             (i, a.name)
@@ -43,6 +55,18 @@ def _written_args(func: Any) -> list[tuple[int, str]]:
 
 
 _WRITES: dict = {}
+_UNANNOTATED = _unannotated_writers()
+
+
+def _allocates(func: Any) -> bool:
+    """True when no output of ``func`` aliases an input, by its schema."""
+    cached = _ALLOCATES.get(func)
+    if cached is None:
+        cached = _ALLOCATES[func] = all(r.alias_info is None for r in func._schema.returns)
+    return cached
+
+
+_ALLOCATES: dict = {}
 
 
 def _returns_alias_writes(func: Any) -> bool:
@@ -63,7 +87,7 @@ class StateGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        writes = _written_args(func) if func._schema.is_mutable else ()
+        writes = _written_args(func) if func._schema.is_mutable or func in _UNANNOTATED else ()
         if writes:
             stale = self._stale_targets(func, writes, args, kwargs)
             if stale:
@@ -73,9 +97,10 @@ class StateGuard(TorchDispatchMode):
                     return out[0] if len(func._schema.returns) == 1 else tuple(out)
                 args, kwargs = self._with_copies(func, stale, args, kwargs)
         out = func(*args, **kwargs)
-        for leaf in pytree.tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self.fresh.add(_storage_key(leaf))
+        if _allocates(func):  # views and in-place results alias older storage
+            for leaf in pytree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self.fresh.add(_storage_key(leaf))
         return out
 
     @staticmethod
