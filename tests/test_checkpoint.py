@@ -1,0 +1,370 @@
+"""remat.checkpoint and the engine under it, against the same models run without recompute."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as tuc
+
+import remat
+from remat import _outputs, _state
+from tests.helpers import assert_same, step_grads
+
+MODES = [False, True]  # use_reentrant
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+class ConvBlock(torch.nn.Module):
+    def __init__(self, c: int = 4, p: float = 0.0) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(c, c, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(c)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(torch.relu(self.bn(self.conv(x))))
+
+
+class TransformerBlock(torch.nn.Module):
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+CASES = {
+    "mlp": (lambda: MLP(), lambda: torch.randn(4, 16)),
+    "conv_bn_relu": (lambda: ConvBlock(), lambda: torch.randn(2, 4, 6, 6)),
+    "dropout": (lambda: ConvBlock(p=0.5), lambda: torch.randn(2, 4, 6, 6)),
+    "transformer": (lambda: TransformerBlock(), lambda: torch.randn(2, 5, 16)),
+}
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gradients_equal_unmarked_model(case, reentrant):
+    make_model, make_input = CASES[case]
+    model, x = make_model(), make_input().requires_grad_()
+    plain, loss0 = step_grads(model, lambda m, t: m(t).pow(2).sum(), [x])
+    marked, loss1 = step_grads(
+        model, lambda m, t: remat.checkpoint(m, t, use_reentrant=reentrant).pow(2).sum(), [x]
+    )
+    assert torch.equal(loss0, loss1)
+    assert_same(plain, marked)
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+def test_nested_regions_gradients_equal(reentrant):
+    model = MLP(depth=4)
+    x = torch.randn(3, 16, requires_grad=True)
+
+    def nested(m, t):
+        def inner(h):
+            return m.layers[1](torch.relu(m.layers[0](h)))
+
+        def outer(h):
+            h = remat.checkpoint(inner, h, use_reentrant=reentrant)
+            return m.layers[3](torch.tanh(m.layers[2](h)))
+
+        return remat.checkpoint(outer, t, use_reentrant=reentrant).sum()
+
+    def plain(m, t):
+        h = m.layers[1](torch.relu(m.layers[0](t)))
+        return m.layers[3](torch.tanh(m.layers[2](h))).sum()
+
+    assert_same(step_grads(model, plain, [x])[0], step_grads(model, nested, [x])[0])
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+def test_batch_norm_statistics_updated_once_unlike_torch(reentrant):
+    """NOTE [No double state updates]: torch.utils.checkpoint counts the batch twice."""
+
+    def stats_after(run):
+        torch.manual_seed(3)
+        block, x = ConvBlock(), torch.randn(2, 4, 6, 6, requires_grad=True)
+        run(block, x).sum().backward()
+        return block.bn.running_mean.clone(), block.bn.running_var.clone(), int(block.bn.num_batches_tracked)
+
+    plain = stats_after(lambda m, x: m(x))
+    ours = stats_after(lambda m, x: remat.checkpoint(m, x, use_reentrant=reentrant))
+    theirs = stats_after(lambda m, x: tuc.checkpoint(m, x, use_reentrant=reentrant))
+    assert torch.equal(ours[0], plain[0]) and torch.equal(ours[1], plain[1]) and ours[2] == 1
+    assert theirs[2] == 2 and not torch.equal(theirs[0], plain[0])
+
+
+def test_in_place_buffer_written_once():
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen += 1
+            return torch.sin(x) * self.seen
+
+    m, x = Counter(), torch.randn(5, requires_grad=True)
+    remat.checkpoint(m, x, use_reentrant=False).sum().backward()
+    assert m.seen.item() == 1
+    assert torch.allclose(x.grad, torch.cos(x.detach()))  # rebuilt with seen == 1, as in forward
+
+
+def test_dropout_mask_replayed_and_caller_rng_untouched():
+    x = torch.randn(64, requires_grad=True)
+
+    def f(t):
+        return F.dropout(t.exp(), 0.5)
+
+    torch.manual_seed(7)
+    y = remat.checkpoint(f, x, use_reentrant=False)
+    after_forward = torch.rand(3)
+    torch.manual_seed(7)
+    y.sum().backward()
+    torch.manual_seed(7)
+    expected = torch.autograd.grad(F.dropout(x.exp(), 0.5).sum(), x)[0]
+    assert torch.equal(x.grad, expected)
+    torch.manual_seed(7)
+    _ = F.dropout(x.exp(), 0.5)
+    assert torch.equal(torch.rand(3), after_forward)
+
+
+def test_autocast_state_restored_in_recomputation():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = remat.checkpoint(lin, x, use_reentrant=False)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()  # outside autocast: recomputation must still run in bf16
+    g = x.grad.clone()
+    x.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y2 = lin(x)
+    y2.float().sum().backward()
+    assert torch.equal(g, x.grad)
+
+
+def test_kept_bytes_eight_layers_each_in_a_region_are_region_inputs_only():
+    batch, width, depth = 32, 64, 8
+    layers = [torch.nn.Linear(width, width) for _ in range(depth)]
+    x = torch.randn(batch, width, requires_grad=True)
+    activation = batch * width * 4
+
+    def forward(kind):
+        h = x
+        for layer in layers:
+            block = lambda t, layer=layer: torch.relu(layer(t))  # noqa: E731
+            if kind == "plain":
+                h = block(h)
+            elif kind == "region":
+                h = remat.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = remat.recompute(block, h, output_recompute=True)
+        return h.sum()
+
+    assert remat.memory.saved_bytes(lambda: forward("plain")) == depth * activation  # relu outputs
+    # each region keeps its input: x (not allocated by the step) and 7 region outputs
+    assert remat.memory.saved_bytes(lambda: forward("region")) == (depth - 1) * activation
+    # adjacent output_recompute regions merge: only the first region's input (x) is kept
+    assert remat.memory.saved_bytes(lambda: forward("output")) == 0
+    assert not _outputs.hook_active()
+
+
+@pytest.mark.parametrize("kind", ["region", "output"])
+def test_each_region_reruns_once_per_backward(kind):
+    layers = [torch.nn.Linear(8, 8) for _ in range(5)]
+    x = torch.randn(2, 8, requires_grad=True)
+    h = x
+    for layer in layers:
+        block = lambda t, layer=layer: torch.relu(layer(t))  # noqa: E731
+        if kind == "region":
+            h = remat.checkpoint(block, h, use_reentrant=False)
+        else:
+            h = remat.recompute(block, h, output_recompute=True)
+    before = _state.recompute_count()
+    h.sum().backward(retain_graph=True)
+    assert _state.recompute_count() - before == 5
+    h.sum().backward()  # a second graph task rebuilds again
+    assert _state.recompute_count() - before == 10
+
+
+def test_early_stop_reruns_only_up_to_last_needed_tensor():
+    ran = []
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def f(x):
+        ran.append("first")
+        h = torch.relu(x @ w)  # saves x, w, relu output
+        ran.append("second")
+        return h.detach() * 2 + h  # ops after the last save: nothing more saved
+
+    def g(x):
+        ran.append("a")
+        h = torch.sin(x @ w)
+        ran.append("b")
+        return h + torch.exp(x).sum()  # exp saves its result after "b"
+
+    x = torch.randn(3, 8, requires_grad=True)
+    ran.clear()
+    remat.checkpoint(f, x, use_reentrant=False, early_stop=True).sum().backward()
+    assert ran == ["first", "second", "first"]  # stopped at relu, before "second"
+    ran.clear()
+    remat.checkpoint(f, x, use_reentrant=False, early_stop=False).sum().backward()
+    assert ran == ["first", "second", "first", "second"]
+    ran.clear()
+    remat.checkpoint(g, x, use_reentrant=False).sum().backward()
+    assert ran == ["a", "b", "a", "b"]
+
+
+def test_retain_graph_twice_and_autograd_grad():
+    model, x = MLP(), torch.randn(4, 16, requires_grad=True)
+    y = remat.checkpoint(model, x, use_reentrant=False).sum()
+    y.backward(retain_graph=True)
+    first = x.grad.clone()
+    y.backward()
+    assert torch.equal(x.grad, 2 * first)
+    (gx,) = torch.autograd.grad(remat.checkpoint(model, x, use_reentrant=False).sum(), x)
+    assert torch.equal(gx, first)
+
+
+def test_nested_containers_kwargs_non_tensors_and_partly_used_outputs():
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(4, 5, requires_grad=True)
+    bias = torch.randn(5, requires_grad=True)
+    frozen = torch.randn(3, 5)  # does not require grad
+
+    def f(pair, scale, *, bias, extra):
+        h = torch.relu(pair["a"] @ pair["b"]) * scale + bias + extra
+        return {"out": h, "unused": h.exp(), "tag": "ok"}, [h.sum()]
+
+    def loss(fn):
+        out, (total,) = fn(f, {"a": a, "b": b}, 2.0, bias=bias, extra=frozen)
+        assert out["tag"] == "ok"
+        return out["out"].pow(2).sum() + total
+
+    l0 = loss(lambda fn, *args, **kw: fn(*args, **kw))
+    l0.backward()
+    expected = [a.grad.clone(), b.grad.clone(), bias.grad.clone()]
+    a.grad = b.grad = bias.grad = None
+    l1 = loss(lambda fn, *args, **kw: remat.checkpoint(fn, *args, use_reentrant=False, **kw))
+    l1.backward()
+    assert torch.equal(l0, l1)
+    assert_same(expected, [a.grad, b.grad, bias.grad])
+
+
+def test_selective_policy_keeps_matmul_outputs_only():
+    w1, w2 = torch.randn(32, 64, requires_grad=True), torch.randn(64, 32, requires_grad=True)
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def f(t):
+        return torch.tanh(torch.relu(t @ w1) @ w2)
+
+    def run(**kw):
+        return remat.checkpoint(f, x, use_reentrant=False, **kw).sum()
+
+    ctx = remat.policy_context(remat.save_compute_intensive)
+    # kept: the two mm outputs (16x64 and 16x32 floats); relu and tanh are rebuilt
+    assert remat.memory.saved_bytes(lambda: run(context_fn=ctx)) == (16 * 64 + 16 * 32) * 4
+    assert remat.memory.saved_bytes(lambda: run()) == 0
+    f(x).sum().backward()
+    expected = x.grad.clone()
+    torch_ctx = functools.partial(tuc.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    for context in (ctx, torch_ctx):
+        x.grad = None
+        run(context_fn=context).backward()
+        assert torch.equal(x.grad, expected)
+
+
+def test_non_callable_region_fails_clearly():
+    with pytest.raises(TypeError, match=r"remat.checkpoint: function must be callable, got int"):
+        remat.checkpoint(3, torch.randn(2), use_reentrant=False)
+
+
+def test_determinism_mismatch_names_region_and_tensor():
+    calls = []
+
+    def shifty(x):
+        calls.append(1)
+        n = 4 if len(calls) == 1 else 3
+        return torch.relu(x[:n]).sum()
+
+    x = torch.randn(5, requires_grad=True)
+    y = remat.checkpoint(shifty, x, use_reentrant=False)
+    with pytest.raises(remat.RecomputeError, match=r"(?s)region 'test_determinism.*shifty'.*tensor #0: forward shape \[4\]"):
+        y.backward()
+    calls.clear()
+    y = remat.checkpoint(shifty, x, use_reentrant=False, debug=True)
+    with pytest.raises(remat.RecomputeError, match=r"(?s)Operators run in forward:.*aten.relu.*"
+                                                   r"Operators run in recomputation:"):
+        y.backward()
+
+
+def test_reentrant_rejects_tensors_in_lists_and_autograd_grad_and_second_backward():
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(TypeError, match=r"use_reentrant=True.*inside lists.*use_reentrant=False"):
+        remat.checkpoint(lambda xs: lin(xs[0]), [x], use_reentrant=True)
+    with pytest.raises(remat.RecomputeError, match=r"torch.autograd.grad"):
+        torch.autograd.grad(remat.checkpoint(lin, x, use_reentrant=True).sum(), x)
+    y = remat.checkpoint(lin, x, use_reentrant=True).sum()
+    y.backward()
+    with pytest.raises(remat.RecomputeError, match=r"second time.*retain_graph=True"):
+        y.backward()
+
+
+def test_torch_compatible_warnings_and_errors():
+    lin, x = torch.nn.Linear(2, 2), torch.randn(1, 2, requires_grad=True)
+    with pytest.warns(UserWarning, match="use_reentrant parameter should be passed explicitly"):
+        remat.checkpoint(lin, x)
+    with pytest.raises(ValueError, match="Unexpected keyword arguments: foo"):
+        remat.checkpoint(lin, x, use_reentrant=True, foo=1)
+    with pytest.raises(ValueError, match="only supported when use_reentrant=False"):
+        remat.checkpoint(lin, x, use_reentrant=True, debug=True)
+    with pytest.raises(ValueError, match="determinism_check should be one of"):
+        remat.checkpoint(lin, x, use_reentrant=False, determinism_check="strict")
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+def test_checkpoint_sequential_matches_torch(reentrant):
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)], torch.nn.Tanh())
+    x = torch.randn(3, 8, requires_grad=True)
+    ours = step_grads(model, lambda m, t: remat.checkpoint_sequential(m, 3, t, use_reentrant=reentrant).sum(), [x])
+    theirs = step_grads(model, lambda m, t: tuc.checkpoint_sequential(m, 3, t, use_reentrant=reentrant).sum(), [x])
+    assert_same(ours[0], theirs[0])
+    kept = remat.memory.saved_bytes(
+        lambda: remat.checkpoint_sequential(model, 3, x, use_reentrant=False).sum()
+    )
+    torch_kept = remat.memory.saved_bytes(
+        lambda: tuc.checkpoint_sequential(model, 3, x, use_reentrant=False).sum()
+    )
+    assert kept == torch_kept
+
+
+def test_same_bytes_kept_as_torch_checkpoint():
+    model, x = TransformerBlock(), torch.randn(2, 5, 16, requires_grad=True)
+    ours = remat.memory.saved_bytes(lambda: remat.checkpoint(model, x, use_reentrant=False).sum())
+    theirs = remat.memory.saved_bytes(lambda: tuc.checkpoint(model, x, use_reentrant=False).sum())
+    plain = remat.memory.saved_bytes(lambda: model(x).sum())
+    assert ours == theirs < plain
