@@ -236,6 +236,7 @@ def test_layers_take_recompute_marks_and_keep_gradients():
     assert torch.equal(g_bare[0], g_marked[0])
     assert all(torch.equal(a, b) for a, b in zip(g_bare[1], g_marked[1]))
     assert torch.equal(bare[1].running_mean, marked[1].running_mean)  # updated once, not again in recompute
+    assert marked[1].num_batches_tracked.item() == bare[1].num_batches_tracked.item() == 1
 
 
 # --- grad and value_and_grad -------------------------------------------------------------

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from remat._state import is_recomputing
 from remat.ms._init import initialize
 from remat.ms._tensor import check_dtype
 from remat.nn import Cell
@@ -237,9 +236,8 @@ class BatchNorm2d(torch.nn.BatchNorm2d, Cell):
         use_batch_statistics: None follows ``train()``/``eval()``; True always
             uses the batch's statistics; False always the moving ones.
 
-    The moving statistics are updated once per training step: a recomputation
-    in backward (``remat.is_recomputing()``) normalizes with the batch's
-    statistics again but does not update them a second time.
+    The moving statistics are updated once per training step: remat's engine
+    drops the running-statistics writes of a recomputation in backward.
 
     Raises:
         ValueError: ``momentum`` outside [0, 1], an unknown initializer.
@@ -278,7 +276,7 @@ class BatchNorm2d(torch.nn.BatchNorm2d, Cell):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         use_batch = self.training if self.use_batch_statistics is None else self.use_batch_statistics
-        update = use_batch and self.training and not is_recomputing()  # update once per step
+        update = use_batch and self.training
         if update and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return F.batch_norm(
