@@ -1,0 +1,244 @@
+"""``remat.compile``: ``torch.compile`` with remat's recompute pass (front end: graph mode).
+
+Dynamo captures the model; AOTAutograd traces the joint forward/backward graph
+and calls remat's partition function (``_partition.recompute_partition``),
+which applies every mark on the joint graph, then hands the forward and backward
+graphs to the chosen compiler (``aot_eager``: run as traced; ``inductor``:
+generated kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from remat._graph._dump import GraphDumper, input_label
+from remat._graph._partition import GraphReport, recompute_partition
+
+BACKENDS = ("aot_eager", "inductor")
+
+
+class RematBackend:
+    """A ``torch.compile`` backend that partitions with remat's recompute pass.
+
+    Args:
+        backend: ``"aot_eager"`` (run the graphs as traced) or ``"inductor"``.
+        save_graphs: a directory for the dumps of every stage, or None.
+        roots: objects holding the modules whose marks apply (modules, functions).
+
+    Attributes:
+        reports: one :class:`~remat._graph._partition.GraphReport` per graph compiled.
+
+    Example:
+        >>> import torch, remat
+        >>> from remat._graph._backend import RematBackend
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> _ = remat.recompute_module(net[1], output_recompute=True)
+        >>> backend = RematBackend("aot_eager", roots=[net])
+        >>> torch.compile(net, backend=backend)(torch.ones(2, 4, requires_grad=True)).sum().backward()
+        >>> [op for _, op, _ in backend.reports[0].duplicated]
+        ['aten::relu']
+    """
+
+    def __init__(
+        self, backend: str = "aot_eager", *, save_graphs: str | None = None, roots: Iterable = ()
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"remat.compile: backend must be one of {BACKENDS}, got {backend!r}; "
+                f"use 'aot_eager' on machines without a C++ compiler"
+            )
+        self.backend = backend
+        self.save_graphs = save_graphs
+        self.roots = list(roots)
+        self.reports: list[GraphReport] = []
+
+    def note_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Remember modules passed to a compiled function, so their marks apply."""
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.nn.Module) and all(value is not r for r in self.roots):
+                self.roots.append(value)
+
+    def modules(self) -> dict[int, torch.nn.Module]:
+        """Return ``id(module) -> module`` for every module reachable from the roots."""
+        found: dict[int, torch.nn.Module] = {}
+        for root in _module_roots(self.roots):
+            for module in root.modules():
+                found[id(module)] = module
+        return found
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        report = GraphReport()
+        self.reports.append(report)
+        partition = functools.partial(
+            recompute_partition, modules=self.modules(), report=report, dump=self._dumper(gm, report)
+        )
+        if self.backend == "inductor":
+            return _compile_inductor(gm, example_inputs, partition)
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        def run_as_traced(graph: torch.fx.GraphModule, _inputs: Any) -> Callable:
+            return make_boxed_func(graph.forward)
+
+        compiler = aot_autograd(
+            fw_compiler=run_as_traced,
+            bw_compiler=run_as_traced,
+            partition_fn=partition,
+            keep_inference_input_mutations=True,
+        )
+        return compiler(gm, example_inputs)
+
+    def _dumper(self, gm: torch.fx.GraphModule, report: GraphReport) -> Callable | None:
+        if self.save_graphs is None:
+            return None
+        dumper = GraphDumper(self.save_graphs, len(self.reports) - 1, _input_names(gm))
+
+        def dump(stage: str, module: torch.fx.GraphModule) -> None:
+            report.dumps += dumper(stage, module)
+
+        return dump
+
+
+def _input_names(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Map AOTAutograd's ``primals_i`` to the Dynamo input it stands for (``fc1.weight``)."""
+    names = {}
+    for i, node in enumerate(gm.graph.find_nodes(op="placeholder"), start=1):
+        grapharg = node.meta.get("grapharg")
+        source = getattr(getattr(grapharg, "source", None), "name", None)
+        label = input_label(source() if callable(source) else source) if source else node.name
+        names[f"primals_{i}"] = label
+    return names
+
+
+def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: list, partition: Callable) -> Callable:
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class _RematPartitioner(CustomPartitionerFn):
+        def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+            kwargs.pop("compiler", None)
+            return partition(joint, joint_inputs, **kwargs)
+
+        def uuid(self) -> None:
+            return None  # marks change between runs: never reuse a cached compile
+
+    with config.patch(custom_partitioner_fn=_RematPartitioner()):
+        return compile_fx(gm, example_inputs)
+
+
+def _module_roots(roots: Iterable) -> list[torch.nn.Module]:
+    """Find the modules a model or function refers to: itself, ``self``, closures, globals."""
+    found: list[torch.nn.Module] = []
+    for root in roots:
+        for value in _referenced(root):
+            if isinstance(value, torch.nn.Module) and all(value is not f for f in found):
+                found.append(value)
+    return found
+
+
+def _referenced(obj: Any) -> list:
+    if isinstance(obj, torch.nn.Module):
+        return [obj]
+    values = []
+    bound = getattr(obj, "__self__", None)
+    if bound is not None:
+        values.append(bound)
+    fn = getattr(obj, "__func__", obj)
+    fn = getattr(fn, "__wrapped__", fn)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        scope = getattr(fn, "__globals__", {})
+        values += [scope[name] for name in _global_names(code) if name in scope]
+    values += list(getattr(fn, "__defaults__", None) or ())
+    flat = []
+    for value in values:
+        flat += list(value) if isinstance(value, (list, tuple)) else [value]
+    return flat
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+Compiled = torch.nn.Module | Callable[..., Any]
+
+
+def compile(
+    model_or_fn: Compiled,
+    *,
+    backend: str = "aot_eager",
+    save_graphs: str | None = None,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+) -> Compiled:
+    """Compile a model or a training-step function with MindSpore's graph-mode recomputation.
+
+    ``torch.compile`` with a backend whose partitioner applies every remat mark
+    (``Cell.recompute``, ``remat.recompute_module``, ``remat.apply``, primitives
+    of ``remat.ops``, ``remat.checkpoint`` and ``remat.recompute`` called inside,
+    ``output_recompute``, selective policies) on the joint forward/backward graph:
+    marked forward operators are not saved for backward; their copies run in the
+    backward graph right before the gradient operators that need them. Unmarked
+    operators are never recomputed.
+
+    Args:
+        model_or_fn: a ``torch.nn.Module``, or a function calling modules (found through
+            its closure, the globals it names, ``self`` of a bound method, or its arguments).
+        backend: ``"aot_eager"`` (graphs run as traced; works everywhere) or
+            ``"inductor"`` (needs a C++ compiler on CPU).
+        save_graphs: a directory; when given, every compiled graph is dumped there at
+            each stage (``graph<k>_00_captured``, ``_01_recompute``, ``_02_cse``,
+            ``_03_forward``, ``_04_backward``; ``.ir`` text and ``.dot`` Graphviz).
+        fullgraph: passed to ``torch.compile`` (True: fail on graph breaks).
+        dynamic: passed to ``torch.compile``.
+
+    Returns:
+        The compiled module or function. Its ``remat_reports`` attribute lists one
+        report per compiled graph (copied nodes, saved activation bytes, dump files).
+
+    Raises:
+        ValueError: an unknown ``backend``.
+        TypeError: ``model_or_fn`` is not callable.
+
+    Example:
+        >>> import torch, remat
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> _ = remat.recompute_module(net[1], output_recompute=True)
+        >>> compiled = remat.compile(net)
+        >>> compiled(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        >>> compiled.remat_reports[0].duplicated
+        [('relu_recompute', 'aten::relu', '1 (ReLU)')]
+    """
+    if not callable(model_or_fn):
+        raise TypeError(
+            f"remat.compile: expected a torch.nn.Module or a function, got "
+            f"{type(model_or_fn).__name__}; pass the model or the training-step function"
+        )
+    graph_mode = RematBackend(backend, save_graphs=save_graphs, roots=[model_or_fn])
+    compiled = torch.compile(model_or_fn, backend=graph_mode, fullgraph=fullgraph, dynamic=dynamic)
+    if isinstance(model_or_fn, torch.nn.Module):
+        object.__setattr__(compiled, "remat_reports", graph_mode.reports)
+        return compiled
+
+    @functools.wraps(model_or_fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        graph_mode.note_inputs(args, kwargs)
+        return compiled(*args, **kwargs)
+
+    run.remat_reports = graph_mode.reports  # type: ignore[attr-defined]
+    return run

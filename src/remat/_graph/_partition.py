@@ -1,0 +1,212 @@
+"""The recompute pass on the joint forward/backward graph, and remat's partition function.
+
+MindSpore's graph-mode recomputation, on an AOTAutograd joint graph:
+
+1. the forward nodes a mark asks to recompute get the attributes
+   ``recompute`` and ``need_cse_after_recompute`` (see ``_regions``);
+2. each backward node that reads one of them reads a copy instead (attribute
+   ``target_grad``). The copy (``duplicated``, ``need_cse_after_recompute``) is
+   inserted right before the first backward node that needs it, together with
+   the copies of the recomputed producers it needs, so recomputation does not
+   raise memory early;
+3. common subexpressions are eliminated in the backward part (``_cse``);
+4. the graph is split by AOTAutograd's default partitioner: a forward value is
+   saved for backward only if a backward node still reads it. The recomputed
+   originals are read by copies no longer, so they are not saved.
+
+Unmarked nodes are never recomputed (no min-cut heuristics run).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch._functorch.partitioners import default_partition
+
+from remat._graph._cse import eliminate_common_subexpressions
+from remat._graph._regions import is_view, module_path, op_name, plan_recompute
+
+#: Key of remat's MindSpore-style attributes in ``node.meta``.
+ATTRS = "remat.cnode_attrs"
+RECOMPUTE_ATTRS = {"need_cse_after_recompute": True, "recompute": True}
+DUPLICATED_ATTRS = {"need_cse_after_recompute": True, "duplicated": True}
+BACKWARD_TAGS = ("is_backward", "must_be_in_backward")
+
+
+@dataclass
+class GraphReport:
+    """What the recompute pass did to one compiled graph.
+
+    Args:
+        recomputed: ``(node, operator, module path)`` of the forward values not saved
+            because a mark asks to recompute them.
+        duplicated: ``(copy, operator, module path)`` of the copies put in backward.
+        target_grad: names of the backward nodes that read a copy.
+        cse_merged: backward nodes removed by common-subexpression elimination.
+        saved_bytes: bytes of the activations the forward graph saves for backward
+            (saved values that are not graph inputs such as parameters).
+        saved: names of those saved activations.
+        dumps: paths of the dump files written (empty without ``save_graphs``).
+    """
+
+    recomputed: list[tuple[str, str, str]] = field(default_factory=list)
+    duplicated: list[tuple[str, str, str]] = field(default_factory=list)
+    target_grad: list[str] = field(default_factory=list)
+    cse_merged: int = 0
+    saved_bytes: int = 0
+    saved: list[str] = field(default_factory=list)
+    dumps: list[str] = field(default_factory=list)
+
+
+def split_joint(graph: fx.Graph) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Return the forward and backward ``call_function`` nodes of a joint graph, in order.
+
+    AOTAutograd tags each node: backward nodes ``is_backward``; forward nodes
+    ``is_forward``, or ``must_be_in_forward`` for the buffer updates (``copy_``)
+    it appends after the backward nodes.
+    """
+    forward, backward = [], []
+    for node in graph.nodes:
+        if node.op == "call_function":
+            is_backward = node.meta.get("partitioner_tag") in BACKWARD_TAGS
+            (backward if is_backward else forward).append(node)
+    return forward, backward
+
+
+def drop_detaches(graph: fx.Graph) -> int:
+    """Remove ``aten.detach`` nodes read only by other operators (no-ops in a traced graph)."""
+    dropped = 0
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten.detach.default and all(
+            u.op == "call_function" for u in node.users
+        ):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            dropped += 1
+    return dropped
+
+
+def copy_into_backward(
+    graph: fx.Graph, backward: list[fx.Node], recompute: set[fx.Node]
+) -> dict[fx.Node, fx.Node]:
+    """Make backward read copies of the ``recompute`` values; return ``{original: copy}``.
+
+    Each copy is placed right before the first backward node that reads it
+    (directly or through another copy). Multi-output operators are copied
+    whole when one of their recomputed outputs is needed.
+    """
+    producers = {n.args[0] for n in recompute if n.target is operator.getitem}
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def materialize(node: Any, before: fx.Node) -> Any:
+        if not isinstance(node, fx.Node) or (node not in recompute and node not in producers):
+            return node
+        if node not in copies:
+            with graph.inserting_before(before):
+                copy = graph.node_copy(node, lambda arg: materialize(arg, before))
+            copy.name = graph._graph_namespace.create_name(f"{node.name}_recompute", None)
+            copy.meta["partitioner_tag"] = "is_backward"
+            copy.meta[ATTRS] = dict(DUPLICATED_ATTRS)
+            copy.meta["remat.copy_of"] = node.name
+            copies[node] = copy
+        return copies[node]
+
+    for node in backward:
+        for arg in list(node.all_input_nodes):
+            if arg in recompute:
+                node.replace_input_with(arg, materialize(arg, node))
+                node.meta[ATTRS] = {**node.meta.get(ATTRS, {}), "target_grad": True}
+    for node in recompute:
+        node.meta[ATTRS] = dict(RECOMPUTE_ATTRS)
+    return copies
+
+
+Dump = Callable[[str, fx.GraphModule], list[str] | None]
+
+
+def recompute_partition(
+    joint: fx.GraphModule,
+    joint_inputs: Any,
+    *,
+    modules: dict[int, torch.nn.Module],
+    report: GraphReport,
+    dump: Dump | None = None,
+    **kwargs: Any,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Partition ``joint`` into forward and backward graphs, honouring remat's marks.
+
+    Args:
+        joint: AOTAutograd's joint forward/backward graph module (changed in place).
+        joint_inputs: its example inputs (passed on to the default partitioner).
+        modules: ``id(module) -> module`` of the modules whose marks apply.
+        report: filled with what the pass did.
+        dump: called as ``dump(stage, graph_module)`` after each stage, or None.
+        **kwargs: the partitioner keywords AOTAutograd passes (``num_fwd_outputs``, ...).
+
+    Returns:
+        ``(forward module, backward module)``.
+    """
+    stage = dump or (lambda name, gm: None)
+    stage("captured", joint)
+    graph = joint.graph
+    drop_detaches(graph)
+    forward, backward = split_joint(graph)
+    _, recompute = plan_recompute(forward, modules)
+    copies = copy_into_backward(graph, backward, recompute)
+    graph.lint()
+    joint.recompile()
+    stage("recompute", joint)
+    _, backward = split_joint(graph)
+    report.cse_merged = eliminate_common_subexpressions(graph, backward)
+    joint.recompile()
+    stage("cse", joint)
+    fw_module, bw_module = default_partition(joint, joint_inputs, **kwargs)
+    stage("forward", fw_module)
+    stage("backward", bw_module)
+    _fill_report(report, forward, recompute, copies, graph, bw_module)
+    return fw_module, bw_module
+
+
+def _fill_report(
+    report: GraphReport,
+    forward: list[fx.Node],
+    recompute: set[fx.Node],
+    copies: dict[fx.Node, fx.Node],
+    graph: fx.Graph,
+    bw_module: fx.GraphModule,
+) -> None:
+    alive = set(graph.nodes)
+    report.recomputed = [(n.name, _op(n), module_path(n)) for n in forward if n in recompute]
+    report.duplicated = [(c.name, _op(c), module_path(c)) for c in copies.values() if c in alive]
+    report.target_grad = [
+        n.name for n in graph.nodes if n.meta.get(ATTRS, {}).get("target_grad")
+    ]
+    in_backward = {p.name for p in bw_module.graph.find_nodes(op="placeholder") if p.users}
+    saved = [
+        n
+        for n in graph.nodes
+        if n.name in in_backward and n.op == "call_function" and not _aliases_input(n)
+    ]
+    report.saved = [n.name for n in saved]
+    report.saved_bytes = sum(_nbytes(n.meta.get("val")) for n in saved)
+
+
+def _op(node: fx.Node) -> str:
+    return "getitem" if node.target is operator.getitem else op_name(node)
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    while is_view(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return 0
