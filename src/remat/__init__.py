@@ -15,6 +15,7 @@ from remat._checkpoint import checkpoint, checkpoint_sequential
 from remat._errors import CheckpointError, RecomputeError
 from remat._estimate import estimate
 from remat._functional import recompute
+from remat._graph import compile
 from remat._marks import apply, mark_of, marked_modules, recompute_module, unmark
 from remat._policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
 from remat._profile import profile
@@ -32,6 +33,7 @@ __all__ = [
     "apply",
     "checkpoint",
     "checkpoint_sequential",
+    "compile",
     "estimate",
     "is_recomputing",
     "mark_of",
