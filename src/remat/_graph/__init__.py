@@ -6,10 +6,10 @@
 * ``_partition``: copies them into backward and partitions the joint graph;
 * ``_cse``: common-subexpression elimination after the copies;
 * ``_dump``: MindSpore-style text dumps and Graphviz files;
-* ``_backend``: the ``torch.compile`` backend and ``remat.compile``.
+* ``_backend``: the ``torch.compile`` backend;
+* ``_compile``: ``remat.compile`` (imports the rest on first use).
 """
 
-from remat._graph._backend import RematBackend, compile
-from remat._graph._partition import GraphReport
+from remat._graph._compile import compile
 
-__all__ = ["GraphReport", "RematBackend", "compile"]
+__all__ = ["compile"]

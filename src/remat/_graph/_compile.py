@@ -1,0 +1,83 @@
+"""``remat.compile``, kept light: ``import remat`` must not import Dynamo (front end).
+
+The backend and the pass (``_backend``, ``_partition``) import Dynamo and
+AOTAutograd, which take seconds to load; they are imported on the first call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Compiled = torch.nn.Module | Callable[..., Any]
+
+
+def compile(
+    model_or_fn: Compiled,
+    *,
+    backend: str = "aot_eager",
+    save_graphs: str | None = None,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+) -> Compiled:
+    """Compile a model or a training-step function with MindSpore's graph-mode recomputation.
+
+    ``torch.compile`` with a backend whose partitioner applies every remat mark
+    (``Cell.recompute``, ``remat.recompute_module``, ``remat.apply``, primitives
+    of ``remat.ops``, ``remat.checkpoint`` and ``remat.recompute`` called inside,
+    ``output_recompute``, selective policies) on the joint forward/backward graph:
+    marked forward operators are not saved for backward; their copies run in the
+    backward graph right before the gradient operators that need them. Unmarked
+    operators are never recomputed.
+
+    Args:
+        model_or_fn: a ``torch.nn.Module``, or a function calling modules (found through
+            its closure, the globals it names, ``self`` of a bound method, or its arguments).
+        backend: ``"aot_eager"`` (graphs run as traced; works everywhere) or
+            ``"inductor"`` (needs a C++ compiler on CPU).
+        save_graphs: a directory; when given, every compiled graph is dumped there at
+            each stage (``graph<k>_00_captured``, ``_01_recompute``, ``_02_cse``,
+            ``_03_forward``, ``_04_backward``; ``.ir`` text and ``.dot`` Graphviz).
+        fullgraph: passed to ``torch.compile`` (True: fail on graph breaks).
+        dynamic: passed to ``torch.compile``.
+
+    Returns:
+        The compiled module or function. Its ``remat_reports`` attribute lists one
+        report per compiled graph (copied nodes, saved activation bytes, dump files).
+
+    Raises:
+        ValueError: an unknown ``backend``.
+        TypeError: ``model_or_fn`` is not callable.
+
+    Example:
+        >>> import torch, remat
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> _ = remat.recompute_module(net[1], output_recompute=True)
+        >>> compiled = remat.compile(net)
+        >>> compiled(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        >>> compiled.remat_reports[0].duplicated
+        [('relu_recompute', 'aten::relu', '1 (ReLU)')]
+    """
+    if not callable(model_or_fn):
+        raise TypeError(
+            f"remat.compile: expected a torch.nn.Module or a function, got "
+            f"{type(model_or_fn).__name__}; pass the model or the training-step function"
+        )
+    from remat._graph._backend import RematBackend
+
+    graph_mode = RematBackend(backend, save_graphs=save_graphs, roots=[model_or_fn])
+    compiled = torch.compile(model_or_fn, backend=graph_mode, fullgraph=fullgraph, dynamic=dynamic)
+    if isinstance(model_or_fn, torch.nn.Module):
+        object.__setattr__(compiled, "remat_reports", graph_mode.reports)
+        return compiled
+
+    @functools.wraps(model_or_fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        graph_mode.note_inputs(args, kwargs)
+        return compiled(*args, **kwargs)
+
+    run.remat_reports = graph_mode.reports  # type: ignore[attr-defined]
+    return run
