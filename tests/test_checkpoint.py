@@ -175,7 +175,7 @@ def test_kept_bytes_eight_layers_each_in_a_region_are_region_inputs_only():
     def forward(kind):
         h = x
         for layer in layers:
-            block = lambda t, layer=layer: torch.relu(layer(t))  # noqa: E731
+            block = lambda t, layer=layer: torch.relu(layer(t))
             if kind == "plain":
                 h = block(h)
             elif kind == "region":
@@ -198,7 +198,7 @@ def test_each_region_reruns_once_per_backward(kind):
     x = torch.randn(2, 8, requires_grad=True)
     h = x
     for layer in layers:
-        block = lambda t, layer=layer: torch.relu(layer(t))  # noqa: E731
+        block = lambda t, layer=layer: torch.relu(layer(t))
         if kind == "region":
             h = remat.checkpoint(block, h, use_reentrant=False)
         else:

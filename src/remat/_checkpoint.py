@@ -9,7 +9,9 @@ buffer written in place). See NOTE [No double state updates] in ``_modes.py``.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, ContextManager, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any
 
 import torch
 
@@ -33,7 +35,7 @@ def _region_name(function: Callable) -> str:
 def checkpoint(
     function: Callable,
     *args: Any,
-    use_reentrant: Optional[bool] = None,
+    use_reentrant: bool | None = None,
     context_fn: Callable[[], tuple[ContextManager, ContextManager]] = _noop_context_fn,
     determinism_check: str = "default",
     debug: bool = False,
@@ -113,10 +115,10 @@ def checkpoint(
 
 
 def checkpoint_sequential(
-    functions: Union[torch.nn.Sequential, Iterable[Callable]],
+    functions: torch.nn.Sequential | Iterable[Callable],
     segments: int,
     input: torch.Tensor,
-    use_reentrant: Optional[bool] = None,
+    use_reentrant: bool | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Run ``functions`` in order, in ``segments`` checkpointed chunks (all but the last).

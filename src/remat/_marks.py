@@ -11,7 +11,8 @@ reads ``_remat_spec`` instead.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ def mark_from_keywords(api: str, kwargs: dict, *, keep_outputs: bool) -> RegionS
         raise type(err)(str(err).replace("remat.RegionSpec", api)) from None
 
 
-def mark_of(module: torch.nn.Module) -> Optional[RegionSpec]:
+def mark_of(module: torch.nn.Module) -> RegionSpec | None:
     """Return the recompute options marked on ``module``, or None when it is not marked.
 
     Example:
@@ -139,7 +140,7 @@ def recompute_module(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     return module
 
 
-Where = Union[Callable[[str, torch.nn.Module], bool], type, Iterable[type]]
+Where = Callable[[str, torch.nn.Module], bool] | type | Iterable[type]
 
 
 def apply(model: torch.nn.Module, where: Where, **kwargs: Any) -> list[str]:
@@ -218,14 +219,14 @@ def _stack() -> list:
 
 def _enter_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     if torch.compiler.is_compiling():  # the graph pass reads the mark instead
-        return None
+        return
     spec = mark_of(module)
     if spec is None or _region.passes_through(module):
         _stack().append(None)
-        return None
+        return
     name = type(module).__name__
     _stack().append(_region.open_region(module, args, kwargs, spec, name=name))
-    return None
+    return
 
 
 def _exit_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:

@@ -18,7 +18,7 @@ recomputation run (:class:`OpTrace`); a determinism failure prints both.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -142,7 +142,7 @@ class OpTrace(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.lines: list[str] = []
-        self.last_op: Optional[str] = None
+        self.last_op: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

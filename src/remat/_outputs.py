@@ -19,7 +19,7 @@ saved-tensor hooks (CPU offload, torch.utils.checkpoint) the outputs are kept.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch._C import _autograd as _ag
@@ -30,9 +30,9 @@ _registry: dict[int, tuple] = {}
 class OutputRef:
     """Stands for a saved tensor that is (a view of) an output of a region."""
 
-    __slots__ = ("frame", "index", "layout", "__weakref__")
+    __slots__ = ("__weakref__", "frame", "index", "layout")
 
-    def __init__(self, frame: Any, index: int, layout: Optional[tuple]) -> None:
+    def __init__(self, frame: Any, index: int, layout: tuple | None) -> None:
         self.frame, self.index, self.layout = frame, index, layout
 
     def unpack(self) -> torch.Tensor:
@@ -67,7 +67,7 @@ def _forget(key: int, token: int) -> None:
         pop_hook()
 
 
-def lookup(x: torch.Tensor) -> Optional[OutputRef]:
+def lookup(x: torch.Tensor) -> OutputRef | None:
     """Return a reference for ``x`` if it shares storage with a registered output."""
     if not _registry or not isinstance(x, torch.Tensor) or x.is_sparse:
         return None

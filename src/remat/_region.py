@@ -35,7 +35,8 @@ import sys
 import threading
 import uuid
 import weakref
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -81,14 +82,14 @@ class _Stop(Exception):
 
 
 class _Holder:
-    __slots__ = ("index", "kept", "rebuilt", "probe", "saved_by", "__weakref__")
+    __slots__ = ("__weakref__", "index", "kept", "probe", "rebuilt", "saved_by")
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.kept: Optional[torch.Tensor] = None
+        self.kept: torch.Tensor | None = None
         self.rebuilt: dict[int, torch.Tensor] = {}
-        self.probe: Optional[weakref.ref] = None
-        self.saved_by: Optional[str] = None
+        self.probe: weakref.ref | None = None
+        self.saved_by: str | None = None
 
 
 class _SaveInputs(torch.autograd.Function):
@@ -111,7 +112,7 @@ class _Frame:
     """One forward run of a region, and what it needs to re-run it."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, name: str,
-                 contexts: Optional[tuple]) -> None:
+                 contexts: tuple | None) -> None:
         self.fn, self.spec, self.name = fn, spec, name
         self.contexts = contexts
         leaves, self.treespec = pytree.tree_flatten((args, kwargs))
@@ -126,9 +127,9 @@ class _Frame:
         self.out_pending: dict[int, int] = {}
         self.counter: dict[int, int] = {}
         self.runs = 0
-        self.trace: Optional[OpTrace] = OpTrace() if spec.debug else None
-        self.recompute_trace: Optional[OpTrace] = None
-        self.saver: Optional[torch.Tensor] = None
+        self.trace: OpTrace | None = OpTrace() if spec.debug else None
+        self.recompute_trace: OpTrace | None = None
+        self.saver: torch.Tensor | None = None
         self.pending: Any = None
         tensors = [leaves[i] for i in self.tensor_slots]
         if spec.use_reentrant:
@@ -199,7 +200,7 @@ class _Frame:
             del self.rebuilt_outputs[gid], self.out_pending[gid]
         return outputs[index]
 
-    def _last_needed(self) -> Optional[int]:
+    def _last_needed(self) -> int | None:
         alive = [h.index for r in self.holders if (h := r()) is not None and h.kept is None]
         return max(alive) if alive else -1
 
@@ -233,7 +234,7 @@ class _Frame:
             self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
             self.out_pending[gid] = max(live_refs, 1)
 
-    def _check(self, gid: int, stop_at: Optional[int], mismatches: list[str]) -> None:
+    def _check(self, gid: int, stop_at: int | None, mismatches: list[str]) -> None:
         count = self.counter[gid]
         expected = len(self.holders) if stop_at is None else stop_at + 1
         if self.spec.determinism_check == "none":
@@ -264,7 +265,7 @@ class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
 class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
     """Collect the tensors a re-run saves into the holders of the forward."""
 
-    def __init__(self, frame: _Frame, gid: int, stop_at: Optional[int], mismatches: list) -> None:
+    def __init__(self, frame: _Frame, gid: int, stop_at: int | None, mismatches: list) -> None:
         def pack(x: torch.Tensor) -> torch.Tensor:
             index = frame.counter[gid]
             frame.counter[gid] = index + 1
@@ -366,12 +367,12 @@ def _check_reentrant_outputs(name: str, out: Any) -> None:
 class _Handle:
     """An open region: what close_region needs to finish it."""
 
-    def __init__(self, frame: Optional[_Frame], stack: contextlib.ExitStack) -> None:
+    def __init__(self, frame: _Frame | None, stack: contextlib.ExitStack) -> None:
         self.frame, self.stack = frame, stack
         self.exc = sys.exc_info()[1]
 
 
-def _contexts(spec: RegionSpec, context_fn: Optional[Callable]) -> Optional[tuple]:
+def _contexts(spec: RegionSpec, context_fn: Callable | None) -> tuple | None:
     if spec.policy is not None:
         return policy_context(spec.policy)()
     if context_fn is not None:
@@ -380,7 +381,7 @@ def _contexts(spec: RegionSpec, context_fn: Optional[Callable]) -> Optional[tupl
 
 
 def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
-                context_fn: Optional[Callable] = None) -> _Handle:
+                context_fn: Callable | None = None) -> _Handle:
     """Start a region around the forward of ``fn(*args, **kwargs)``; finish it with :func:`close_region`.
 
     Args:
@@ -443,7 +444,7 @@ def close_region(handle: _Handle, output: Any) -> Any:
 
 
 def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
-        context_fn: Optional[Callable] = None) -> Any:
+        context_fn: Callable | None = None) -> Any:
     """Run ``fn(*args, **kwargs)`` as a region with options ``spec``; return its output."""
     if torch.compiler.is_compiling():
         try:

@@ -9,8 +9,9 @@ leaves the caller's random state untouched afterwards.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -28,7 +29,7 @@ def _devices_of(args: Any) -> tuple[str, list[int]]:
     return device_type, indices
 
 
-def _autocast_state(device_type: str) -> Optional[dict]:
+def _autocast_state(device_type: str) -> dict | None:
     if not torch.amp.is_autocast_available(device_type):
         return None
     return {
@@ -44,10 +45,10 @@ class Replay:
 
     device_type: str
     devices: list[int]
-    cpu_rng: Optional[torch.Tensor]
-    device_rng: Optional[list[torch.Tensor]]
-    cpu_autocast: Optional[dict]
-    device_autocast: Optional[dict]
+    cpu_rng: torch.Tensor | None
+    device_rng: list[torch.Tensor] | None
+    cpu_autocast: dict | None
+    device_autocast: dict | None
     device_initialized: bool
 
     @contextlib.contextmanager

@@ -9,7 +9,8 @@ The same pair works as the ``context_fn`` of :func:`remat.checkpoint`.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree

@@ -8,7 +8,6 @@ recompute options.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional
 
 from remat._errors import check_bool
 from remat._policy import Policy
@@ -49,7 +48,7 @@ class RegionSpec:
     preserve_rng_state: bool = True
     output_recompute: bool = False
     keep_outputs: bool = False
-    policy: Optional[Policy] = None
+    policy: Policy | None = None
     early_stop: bool = True
     determinism_check: str = "default"
     debug: bool = False
@@ -81,6 +80,6 @@ class RegionSpec:
                 f"{api}: a selective policy needs use_reentrant=False, got policy={self.policy!r}"
             )
 
-    def replace(self, **changes: object) -> "RegionSpec":
+    def replace(self, **changes: object) -> RegionSpec:
         """Return a copy with ``changes`` applied (validated again)."""
         return replace(self, **changes)

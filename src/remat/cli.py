@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 SUBCOMMANDS = ("demo", "bench", "profile")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``remat`` command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     parser = argparse.ArgumentParser(prog="remat", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)

@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -42,7 +42,7 @@ class Cell(torch.nn.Module):
         tensor([2., 2.])
     """
 
-    def __init__(self, auto_prefix: bool = True, flags: Optional[dict] = None) -> None:
+    def __init__(self, auto_prefix: bool = True, flags: dict | None = None) -> None:
         super().__init__()
         self.auto_prefix = auto_prefix
         self.flags = dict(flags or {})
