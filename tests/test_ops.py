@@ -203,3 +203,33 @@ def test_matmul_and_bias_add_reject_bad_options():
         ops.BiasAdd("NWC")
     with pytest.raises(ValueError, match=r"BiasAdd: bias must be 1-D with one value per channel"):
         ops.BiasAdd()(torch.zeros(2, 3), torch.zeros(4))
+
+
+@pytest.mark.parametrize("make", [ops.ReLU, ops.Sigmoid, ops.Tanh, ops.Softmax])
+def test_marking_an_op_that_saves_its_own_output_keeps_its_input_instead(make):
+    """Linear -> op -> Linear: the op's output (saved by the op and the next Linear) is kept
+    unmarked; marked, the region keeps its input instead: B*H floats either way."""
+    B, H = 16, 32
+    bare = torch.nn.Sequential(torch.nn.Linear(8, H), make(), torch.nn.Linear(H, 4))
+    marked = copy.deepcopy(bare)
+    marked[1].recompute()
+    x = torch.randn(B, 8)
+    assert remat.memory.saved_bytes(lambda: bare(x).sum()) == B * H * F32
+    assert remat.memory.saved_bytes(lambda: marked(x).sum()) == B * H * F32
+
+
+def test_marked_sigmoid_and_mul_keep_only_their_inputs():
+    """o(sigmoid(a) * b): unmarked keeps s (sigmoid out, Mul input), b, and m (o's input);
+    Sigmoid and Mul marked merge and keep their inputs a and b only."""
+    B, H = 16, 32
+    a, b, o = torch.nn.Linear(8, H), torch.nn.Linear(8, H), torch.nn.Linear(H, 4)
+    sig, mul = ops.Sigmoid(), ops.Mul()
+    x = torch.randn(B, 8)
+    step = lambda: o(mul(sig(a(x)), b(x))).sum()
+    assert remat.memory.saved_bytes(step) == 3 * B * H * F32
+    expected = torch.autograd.grad(step(), list(a.parameters()) + list(b.parameters()))
+    sig.recompute()
+    mul.recompute()
+    assert remat.memory.saved_bytes(step) == 2 * B * H * F32
+    got = torch.autograd.grad(step(), list(a.parameters()) + list(b.parameters()))
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
