@@ -86,7 +86,7 @@ def plot_timeline(runs: Sequence[Any], path: str, *, title: str = "Memory over o
         top = max(range(len(ys)), key=ys.__getitem__)
         main.plot([xs[top]], [ys[top]], marker="v", color=color, ms=8)
         main.annotate(f"{ys[top]:,.1f} MiB", (xs[top], ys[top]), textcoords="offset points",
-                      xytext=(4, 6), color=color, fontsize=8)
+                      xytext=(-40, 8 + 12 * i), color=color, fontsize=8)
         strip = axes[1 + i]
         for start, end, phase in _phase_spans(timeline):
             strip.axvspan(start, end, color=PHASE_COLORS.get(phase, "#bbbbbb"), lw=0)
@@ -95,10 +95,9 @@ def plot_timeline(runs: Sequence[Any], path: str, *, title: str = "Memory over o
     main.set_ylabel("live tensor memory (MiB)")
     main.set_title(title)
     main.grid(alpha=0.3)
-    main.set_ylim(bottom=0)
     handles, names = main.get_legend_handles_labels()
     handles += [Patch(color=c, label=p) for p, c in PHASE_COLORS.items()]
-    main.legend(handles, names + list(PHASE_COLORS), loc="upper left", fontsize=8)
+    main.legend(handles, names + list(PHASE_COLORS), loc="lower right", fontsize=8, ncol=2)
     axes[-1].set_xlabel("progress through the step (allocation and free events)")
     axes[-1].set_xlim(0, 1)
     fig.tight_layout()

@@ -1,0 +1,185 @@
+"""``remat profile``: the per-module memory table of a model, before and after marks.
+
+Example:
+    $ remat profile remat.models.resnet:resnet50 --input-shape 8,3,32,32 --marks blocks \\
+          --json profile.json --plot timeline.png
+    $ remat profile remat.models.llama:llama --arg layers=2 --input-shape 1,128 \\
+          --input-dtype int64 --loss next-token --estimate --marks LlamaBlock
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import fnmatch
+import importlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+API = "remat profile"
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``remat profile`` on the ``remat`` command line."""
+    parser = subparsers.add_parser("profile", help="per-module memory and time of a training step",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("factory", help="model factory as module:function, e.g. remat.models.resnet:resnet50")
+    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument for the factory (a Python literal), repeatable")
+    parser.add_argument("--input-shape", action="append", default=[], metavar="N,N,...",
+                        help="shape of one positional input, repeatable (default: none)")
+    parser.add_argument("--input-dtype", default="float32", help="dtype of the inputs (int64: token ids)")
+    parser.add_argument("--marks", action="append", default=[], metavar="WHICH",
+                        help="modules to recompute: 'blocks' (the model's mark_blocks()), a class "
+                             "name, or a glob over module names; profiles before and after")
+    parser.add_argument("--output-recompute", action="store_true", help="mark with output_recompute=True")
+    parser.add_argument("--loss", choices=("sum", "next-token"), default="sum",
+                        help="loss on the output: sum, or next-token cross-entropy for logits")
+    parser.add_argument("--optimizer", default="adam", help="adam, adamw, sgd or none")
+    parser.add_argument("--estimate", action="store_true",
+                        help="build the model on fake tensors: nothing is allocated, no times")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per profile (default 3)")
+    parser.add_argument("--depth", type=int, default=2, help="module depth shown in the table")
+    parser.add_argument("--json", metavar="PATH", help="write the report(s) as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write the memory timeline as PNG")
+    parser.set_defaults(run=run)
+
+
+def load_factory(spec: str) -> Callable[..., torch.nn.Module]:
+    """Import ``module:function`` and return the function."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise SystemExit(f"{API}: factory must look like module:function, got {spec!r}")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as err:
+        raise SystemExit(f"{API}: cannot load {spec!r}: {err}") from None
+    if not callable(target):
+        raise SystemExit(f"{API}: {spec!r} is not callable")
+    return target
+
+
+def parse_kwargs(items: list[str]) -> dict[str, Any]:
+    """Parse ``KEY=VALUE`` items, values as Python literals (else strings)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"{API}: --arg expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """Parse ``2,3,32,32`` into a shape."""
+    try:
+        return tuple(int(n) for n in text.replace("x", ",").split(",") if n)
+    except ValueError:
+        raise SystemExit(f"{API}: --input-shape expects integers separated by commas, got {text!r}") from None
+
+
+def make_inputs(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> tuple:
+    """Random inputs (zeros for integer dtypes, i.e. token 0) of the given shapes."""
+    if dtype.is_floating_point:
+        return tuple(torch.randn(*s, dtype=dtype) for s in shapes)
+    return tuple(torch.zeros(*s, dtype=dtype) for s in shapes)
+
+
+def mark(model: torch.nn.Module, which: list[str], output_recompute: bool) -> list[str]:
+    """Mark the modules ``which`` selects; return their names (raise SystemExit if none)."""
+    from remat._marks import recompute_module
+
+    options = {"output_recompute": True} if output_recompute else {}
+    chosen: list[str] = []
+    for pattern in which:
+        if pattern == "blocks":
+            if not hasattr(model, "mark_blocks"):
+                raise SystemExit(f"{API}: --marks blocks needs a model with mark_blocks(); "
+                                 f"{type(model).__name__} has none; give a class name or a name glob")
+            blocks = {id(b) for b in model.mark_blocks(**options)}
+            chosen += [n for n, m in model.named_modules() if id(m) in blocks]
+            continue
+        found = [(n, m) for n, m in model.named_modules()
+                 if type(m).__name__ == pattern or (n and fnmatch.fnmatchcase(n, pattern))]
+        if not found:
+            raise SystemExit(f"{API}: --marks {pattern!r} matches no module class or name in "
+                             f"{type(model).__name__}")
+        for name, module in found:
+            recompute_module(module, **options)
+            chosen.append(name)
+    return chosen
+
+
+@contextlib.contextmanager
+def progress(message: str) -> Iterator[None]:
+    """Show ``message`` with a spinner on stderr while the block runs (plain line without rich)."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        print(f"{message} ...", file=sys.stderr, flush=True)
+        yield
+        return
+    with Console(stderr=True).status(message):
+        yield
+
+
+def _profile_one(args: argparse.Namespace, factory: Callable, kwargs: dict, marks: list[str],
+                 label: str) -> Any:
+    import remat
+    from remat._profile import default_loss
+
+    dtype = getattr(torch, args.input_dtype)
+    shapes = [parse_shape(s) for s in args.input_shape]
+    loss_fn = default_loss
+    if args.loss == "next-token":
+        from remat.models.llama import next_token_loss as loss_fn
+    optimizer = None if args.optimizer == "none" else args.optimizer
+
+    def build() -> torch.nn.Module:
+        model = factory(**kwargs)
+        if marks:
+            mark(model, marks, args.output_recompute)
+        return model
+
+    with progress(f"{'estimating' if args.estimate else 'profiling'} {label}"):
+        if args.estimate:
+            return remat.estimate(build, lambda: make_inputs(shapes, dtype), loss_fn=loss_fn,
+                                  optimizer=optimizer, label=label)
+        torch.manual_seed(0)
+        return remat.profile(build(), *make_inputs(shapes, dtype), loss_fn=loss_fn,
+                             optimizer=optimizer, repeat=args.repeat, label=label)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile (or estimate) the model without marks, and with ``--marks`` when given."""
+    factory = load_factory(args.factory)
+    kwargs = parse_kwargs(args.arg)
+    reports = [_profile_one(args, factory, kwargs, [], "no marks")]
+    if args.marks:
+        reports.append(_profile_one(args, factory, kwargs, args.marks, "marks: " + ",".join(args.marks)))
+    for report in reports:
+        report.print(depth=args.depth)
+        print()
+    if len(reports) == 2:
+        print(reports[0].compare(reports[1], depth=min(args.depth, 1)))
+    if args.json:
+        data = [json.loads(r.to_json()) for r in reports]
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(data[0] if len(data) == 1 else {"before": data[0], "after": data[1]}, fh, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from remat.memory._plot import plot_timeline
+
+        plot_timeline(reports, args.plot, title=f"remat profile {args.factory}")
+        print(f"wrote {args.plot}")
+    return 0
