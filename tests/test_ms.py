@@ -154,6 +154,7 @@ def test_weight_init_rejects_unknown_names_and_shapes():
         nn.Dense(2, 2, activation="swish")
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 @pytest.mark.parametrize("kernel, dilation", [(1, 1), (2, 1), (3, 1), (4, 1), (3, 2)])
 def test_conv_same_padding_matches_torch_same_at_stride_one(kernel, dilation):
     conv = nn.Conv2d(2, 3, kernel, dilation=dilation, has_bias=True)
