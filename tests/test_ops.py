@@ -233,3 +233,25 @@ def test_marked_sigmoid_and_mul_keep_only_their_inputs():
     assert remat.memory.saved_bytes(step) == 2 * B * H * F32
     got = torch.autograd.grad(step(), list(a.parameters()) + list(b.parameters()))
     assert all(torch.equal(e, g) for e, g in zip(expected, got))
+
+
+class ReusedRelu(torch.nn.Module):
+    """One ReLU object called twice, as MindSpore's ResNet does with ``self.relu``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = (torch.nn.Linear(6, 6) for _ in range(3))
+        self.relu = CountingTanh()
+
+    def forward(self, x):
+        return self.fc3(self.relu(self.fc2(self.relu(self.fc1(x)))))
+
+
+def test_a_primitive_called_twice_is_two_regions():
+    torch.manual_seed(2)
+    bare = ReusedRelu()
+    marked = copy.deepcopy(bare)
+    marked.relu.recompute()
+    x = torch.randn(4, 6)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(bare, x), _grads(marked, x)))
+    assert (bare.relu.runs, marked.relu.runs) == (2, 4)  # each call rebuilt once
