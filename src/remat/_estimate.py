@@ -84,7 +84,7 @@ def _build_in(model: Any, dtype: torch.dtype | None) -> torch.nn.Module:
         torch.set_default_dtype(old)
 
 
-def _fake_inputs(mode: FakeTensorMode, inputs: tuple) -> tuple:
+def _fake_inputs(mode: FakeTensorMode, inputs: tuple, dtype: torch.dtype | None) -> tuple:
     if len(inputs) == 1 and callable(inputs[0]) and not isinstance(inputs[0], torch.Tensor):
         made = inputs[0]()
         return made if isinstance(made, tuple) else (made,)
@@ -93,7 +93,7 @@ def _fake_inputs(mode: FakeTensorMode, inputs: tuple) -> tuple:
         if isinstance(item, torch.Tensor):
             out.append(mode.from_tensor(item))
         elif isinstance(item, (tuple, list, torch.Size)) and all(isinstance(n, int) for n in item):
-            out.append(torch.randn(*item))
+            out.append(torch.randn(*item, dtype=dtype))
         else:
             raise TypeError(f"{API}: each example input must be a tensor or a shape (tuple of ints), "
                             f"or pass one function that returns the inputs; got {type(item).__name__}")
@@ -109,7 +109,7 @@ def estimate(model: Any, *example_inputs: Any, loss_fn: Callable | None = None,
     Args:
         model: a factory returning the model (class, function, ``functools.partial``),
             or a :class:`~remat.models.llama.LlamaConfig` / GPT config.
-        *example_inputs: tensors (copied as fake tensors), shapes (float32 inputs),
+        *example_inputs: tensors (copied as fake tensors), shapes (random inputs in ``dtype``),
             or one function returning the inputs (called under the fake mode).
         loss_fn: ``loss_fn(output) -> scalar``; default: sum of floating outputs.
         optimizer: ``"adam"`` (default), ``"adamw"``, ``"sgd"``, ``callable(params)``
@@ -136,7 +136,7 @@ def estimate(model: Any, *example_inputs: Any, loss_fn: Callable | None = None,
     with FakeTensorMode() as mode:
         net = _build_in(model, dtype)
         apply_marks(net, marks)
-        inputs = _fake_inputs(mode, example_inputs)
+        inputs = _fake_inputs(mode, example_inputs, dtype)
         net.train()
         device = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
         return measure(net, inputs, loss_fn=loss_fn, optimizer=optimizer,

@@ -199,7 +199,9 @@ def llama(config: LlamaConfig | None = None, *, dtype: torch.dtype = torch.float
         >>> llama(layers=1, width=16, heads=2, hidden=32, vocab=32).config.layers
         1
     """
-    model = Llama(config or LlamaConfig(**sizes)).to(dtype)
+    model = Llama(config or LlamaConfig(**sizes))
+    if dtype != torch.get_default_dtype():  # (fake parameters cannot be converted in place)
+        model = model.to(dtype)
     if recompute:
         model.mark_blocks()
     return model
