@@ -40,7 +40,7 @@ def test_total_kept_equals_saved_bytes(reports):
     # remat.memory.saved_bytes is an independent count of what a forward leaves for backward.
     for report, marked in zip(reports, (False, True)):
         model = _llama(marked)
-        assert report.total_kept == remat.memory.saved_bytes(lambda: next_token_loss(model(TOKENS)))
+        assert report.total_kept == remat.memory.saved_bytes(lambda m=model: next_token_loss(m(TOKENS)))
 
 
 def test_marked_blocks_keep_only_their_output(reports):
@@ -97,7 +97,8 @@ def test_table_lists_modules_and_totals(reports):
 
 def test_plot_writes_png(reports, tmp_path):
     path = plot_timeline(list(reports), str(tmp_path / "timeline.png"))
-    data = open(path, "rb").read()
+    with open(path, "rb") as fh:
+        data = fh.read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
