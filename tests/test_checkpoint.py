@@ -326,12 +326,31 @@ def test_reentrant_rejects_tensors_in_lists_and_autograd_grad_and_second_backwar
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(TypeError, match=r"use_reentrant=True.*inside lists.*use_reentrant=False"):
         remat.checkpoint(lambda xs: lin(xs[0]), [x], use_reentrant=True)
-    with pytest.raises(remat.RecomputeError, match=r"torch.autograd.grad"):
-        torch.autograd.grad(remat.checkpoint(lin, x, use_reentrant=True).sum(), x)
+
+    class Opaque:  # a callable object remat cannot look into
+        def __call__(self, t):
+            return lin(t)
+
+    with pytest.raises(remat.RecomputeError, match=r"cannot see which parameters.*torch.autograd.grad"):
+        torch.autograd.grad(remat.checkpoint(Opaque(), x, use_reentrant=True).sum(), x)
     y = remat.checkpoint(lin, x, use_reentrant=True).sum()
     y.backward()
     with pytest.raises(remat.RecomputeError, match=r"second time.*retain_graph=True"):
         y.backward()
+
+
+@pytest.mark.parametrize("wrap", ["module", "closure", "bound_method"])
+def test_reentrant_works_with_autograd_grad_unlike_torch(wrap):
+    model = MLP()
+    x = torch.randn(4, 16, requires_grad=True)
+    fn = {"module": model, "closure": lambda t: model(t), "bound_method": model.forward}[wrap]
+    params = list(model.parameters())
+    expected = torch.autograd.grad(model(x).pow(2).sum(), [x, *params])
+    got = torch.autograd.grad(remat.checkpoint(fn, x, use_reentrant=True).pow(2).sum(), [x, *params])
+    assert_same(list(expected), list(got))
+    assert all(p.grad is None for p in params)  # nothing accumulated behind the caller's back
+    with pytest.raises(RuntimeError, match=r"torch.autograd.grad|\.grad\(\)"):
+        torch.autograd.grad(tuc.checkpoint(fn, x, use_reentrant=True).sum(), x)
 
 
 def test_torch_compatible_warnings_and_errors():

@@ -31,8 +31,10 @@ runs the forward without grad and the whole region again inside its backward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
+import types
 import uuid
 import weakref
 from collections.abc import Callable
@@ -75,6 +77,77 @@ def _meta(x: torch.Tensor) -> tuple:
 def _show_meta(meta: tuple) -> str:
     shape, dtype, device = meta
     return f"shape {list(shape)}, {str(dtype).replace('torch.', '')}, {device}"
+
+
+def _reachable(fn: Any, args: Any, limit: int = 2000) -> Optional[tuple[list, list]]:
+    """The modules and tensors ``fn`` can reach, or None when ``fn`` is opaque.
+
+    NOTE [What a region reaches]: followed are ``fn`` itself, a bound method's
+    ``__self__``, a function's closure, defaults and the globals it names,
+    ``functools.partial`` arguments, and lists, tuples and dicts of those. The
+    state guard (NOTE [Guard only when needed]) and the reentrant region's
+    parameter inputs use it. A callable object that is not a module, or a walk
+    longer than ``limit``, is opaque.
+    """
+    modules, tensors, seen = [], [], set()
+    todo = [fn, *pytree.tree_leaves(args)]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if len(seen) > limit:
+            return None
+        if isinstance(obj, torch.nn.Module):
+            modules.append(obj)
+        elif isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, functools.partial):
+            todo.extend([obj.func, *obj.args, *obj.keywords.values()])
+        elif isinstance(obj, types.MethodType):
+            todo.extend([obj.__self__, obj.__func__])
+        elif isinstance(obj, types.FunctionType):
+            todo.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
+            todo.extend(obj.__defaults__ or ())
+            todo.extend((obj.__kwdefaults__ or {}).values())
+            names = obj.__code__.co_names
+            todo.extend(obj.__globals__[n] for n in names if n in obj.__globals__)
+        elif obj is fn:
+            return None
+    return modules, tensors
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _state_tensors(reached: tuple[list, list], args: Any) -> list:
+    modules, tensors = reached
+    found = [t for m in modules for t in (*m.buffers(), *m.parameters())] + tensors
+    found += [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    return [(t, t._version) for t in found]
+
+
+def _parameters(reached: Optional[tuple[list, list]], inputs: list) -> list:
+    """Leaf tensors requiring grad that ``fn`` reaches and that are not inputs already."""
+    if reached is None:
+        return []
+    modules, tensors = reached
+    taken = {id(t) for t in inputs}
+    out = []
+    for t in [p for m in modules for p in m.parameters()] + tensors:
+        if t.requires_grad and t.is_leaf and id(t) not in taken:
+            taken.add(id(t))
+            out.append(t)
+    return out
 
 
 class _Stop(Exception):
@@ -120,6 +193,9 @@ class _Frame:
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         self.input_grad = [leaves[i].requires_grad for i in self.tensor_slots]
         self.replay = _rng.capture(args, spec.preserve_rng_state)
+        reached = _reachable(fn, (args, kwargs))
+        self.watch = _state_tensors(reached, (args, kwargs)) if reached is not None else None
+        self.guard = True
         self.holders: list[weakref.ref] = []
         self.metas: list[tuple] = []
         self.out_refs: list[weakref.ref] = []
@@ -134,6 +210,8 @@ class _Frame:
         tensors = [leaves[i] for i in self.tensor_slots]
         if spec.use_reentrant:
             self.pending_inputs = tensors  # handed to _Reentrant.apply, which saves them
+            self.params = _parameters(reached, tensors)
+            self.opaque = reached is None
         else:
             self._save_inputs(tensors)
 
@@ -219,7 +297,8 @@ class _Frame:
             stack.enter_context(_RecomputeHooks(self, gid, stop_at, mismatches))
             if self.contexts is not None:
                 stack.enter_context(self.contexts[1])
-            stack.enter_context(StateGuard())
+            if self.guard:
+                stack.enter_context(StateGuard())
             if self.trace is not None:
                 self.recompute_trace = stack.enter_context(OpTrace())
             _recomputing_fns().append(self.fn)
@@ -290,22 +369,29 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
 
 
 class _Reentrant(torch.autograd.Function):
-    """``use_reentrant=True``: the forward ran without grad; backward re-runs the region."""
+    """``use_reentrant=True``: the forward ran without grad; backward re-runs the region.
+
+    The parameters the region reaches (NOTE [What a region reaches]) are inputs
+    of this Function too, so ``torch.autograd.grad`` gets their gradients (torch's
+    reentrant checkpoint refuses ``torch.autograd.grad``).
+    """
 
     @staticmethod
-    def forward(ctx: Any, frame: _Frame, *tensors: torch.Tensor) -> Any:
-        ctx.frame = frame
-        ctx.save_for_backward(*tensors)
+    def forward(ctx: Any, frame: _Frame, n_inputs: int, *tensors: torch.Tensor) -> Any:
+        ctx.frame, ctx.n_inputs = frame, n_inputs
+        ctx.save_for_backward(*tensors[:n_inputs])
         out, frame.pending = frame.pending, None
         return out
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         frame: _Frame = ctx.frame
-        if not torch.autograd._is_checkpoint_valid():
+        in_backward_call = torch.autograd._is_checkpoint_valid()
+        if not in_backward_call and frame.opaque:
             raise RecomputeError(
-                f"remat: region '{frame.name}' uses use_reentrant=True, which does not work with "
-                f"torch.autograd.grad or backward(inputs=...); use use_reentrant=False"
+                f"remat: region '{frame.name}' uses use_reentrant=True and remat cannot see which "
+                f"parameters it uses, so it does not work with torch.autograd.grad or "
+                f"backward(inputs=...); pass a module, or use use_reentrant=False"
             )
         try:
             tensors = ctx.saved_tensors
@@ -316,22 +402,37 @@ class _Reentrant(torch.autograd.Function):
                 f"use use_reentrant=False"
             ) from err
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
-        leaves = list(frame.leaves)
-        for slot, x in zip(frame.tensor_slots, inputs):
-            leaves[slot] = x
-        args, kwargs = pytree.tree_unflatten(leaves, frame.treespec)
-        frame.runs += 1
-        with _state.recomputing(), frame.replay.context(), torch.enable_grad(), StateGuard():
-            _recomputing_fns().append(frame.fn)
-            try:
-                out = frame.fn(*args, **kwargs)
-            finally:
-                _recomputing_fns().pop()
-        outs = out if isinstance(out, tuple) else (out,)
+        outs = _rerun_reentrant(frame, inputs)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None,) + tuple(x.grad if x.requires_grad else None for x in inputs)
+        wrt = [x for x in inputs if x.requires_grad]
+        if in_backward_call:  # parameters accumulate as in any backward
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            input_grads = [x.grad if x.requires_grad else None for x in inputs]
+            return (None, None, *input_grads) + (None,) * len(frame.params)
+        wrt = wrt + frame.params
+        found = torch.autograd.grad(
+            [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+        ) if pairs and wrt else [None] * len(wrt)
+        by_id = {id(t): g for t, g in zip(wrt, found)}
+        input_grads = [by_id.get(id(x)) for x in inputs]
+        return (None, None, *input_grads, *[by_id.get(id(p)) for p in frame.params])
+
+
+def _rerun_reentrant(frame: _Frame, inputs: list) -> tuple:
+    leaves = list(frame.leaves)
+    for slot, x in zip(frame.tensor_slots, inputs):
+        leaves[slot] = x
+    args, kwargs = pytree.tree_unflatten(leaves, frame.treespec)
+    frame.runs += 1
+    guard = StateGuard() if frame.guard else contextlib.nullcontext()
+    with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard:
+        _recomputing_fns().append(frame.fn)
+        try:
+            out = frame.fn(*args, **kwargs)
+        finally:
+            _recomputing_fns().pop()
+    return out if isinstance(out, tuple) else (out,)
 
 
 def _check_reentrant_args(name: str, args: tuple, kwargs: dict) -> None:
@@ -430,11 +531,14 @@ def close_region(handle: _Handle, output: Any) -> Any:
     frame = handle.frame
     if frame is None:
         return output
+    if frame.watch is not None:  # NOTE [Guard only when needed]
+        frame.guard = any(t._version != v for t, v in frame.watch)
+        frame.watch = None
     spec = frame.spec
     if spec.use_reentrant:
         _check_reentrant_outputs(frame.name, output)
         frame.pending, tensors, frame.pending_inputs = output, frame.pending_inputs, []
-        return _Reentrant.apply(frame, *tensors)
+        return _Reentrant.apply(frame, len(tensors), *tensors, *frame.params)
     flat = pytree.tree_leaves(output)
     if spec.output_recompute:
         _outputs.register(frame, flat)
