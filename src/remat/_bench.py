@@ -240,7 +240,8 @@ def measure_memory(model: torch.nn.Module, workload: Workload, x: torch.Tensor,
     peak = peak_bytes(lambda: _step(model, workload, x, y), model, x.device)
     model.zero_grad(set_to_none=True)
     kept = kept_bytes(lambda: workload.loss(model(x), y))
-    return {"peak_bytes": peak["peak_bytes"], "peak_source": peak["source"], "kept_bytes": kept}
+    return {"peak_bytes": peak["peak_bytes"], "peak_increase_bytes": peak["peak_increase_bytes"],
+            "peak_source": peak["source"], "kept_bytes": kept}
 
 
 def bench_workload(config: BenchConfig, workload: Workload, advance: Callable[[], None]) -> dict:
@@ -325,7 +326,6 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     if unknown:
         raise ValueError(f"remat bench: unknown workloads {unknown}; choose from {sorted(table)}")
     started = time.time()
-    results = _run_all(config, [table[w] for w in config.workloads], progress)
     result = {
         "method": asdict(config),
         "torch": torch.__version__,
@@ -333,36 +333,47 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "device": "cpu",
         "memory_source": "remat.memory.track" if hasattr(remat.memory, "track") else None,
-        "seconds": round(time.time() - started, 1),
-        "workloads": results,
+        "seconds": 0.0,
+        "workloads": [],
     }
-    markdown = render_markdown(result)
-    if config.out_dir is not None:
-        stem = "bench_quick" if config.quick else "bench"
-        os.makedirs(config.out_dir, exist_ok=True)
-        with open(os.path.join(config.out_dir, stem + ".json"), "w") as file:
-            json.dump(result, file, indent=2)
-        with open(os.path.join(config.out_dir, stem + ".md"), "w") as file:
-            file.write(markdown)
+
+    def done(entry: dict) -> None:  # write after every workload: a long run keeps its results
+        result["workloads"].append(entry)
+        result["seconds"] = round(time.time() - started, 1)
+        _write(config, result)
+
+    _run_all(config, [table[w] for w in config.workloads], progress, done)
     if progress:
-        print(markdown)
+        print(render_markdown(result))
     return result
 
 
-def _run_all(config: BenchConfig, chosen: list[Workload], progress: bool) -> list[dict]:
+def _write(config: BenchConfig, result: dict) -> None:
+    if config.out_dir is None:
+        return
+    stem = "bench_quick" if config.quick else "bench"
+    os.makedirs(config.out_dir, exist_ok=True)
+    with open(os.path.join(config.out_dir, stem + ".json"), "w") as file:
+        json.dump(result, file, indent=2)
+    with open(os.path.join(config.out_dir, stem + ".md"), "w") as file:
+        file.write(render_markdown(result))
+
+
+def _run_all(config: BenchConfig, chosen: list[Workload], progress: bool,
+             done: Callable[[dict], None]) -> None:
     per = len(config.configurations) + config.trials * config.pairs
     if not progress:
-        return [bench_workload(config, w, lambda: None) for w in chosen]
+        for w in chosen:
+            done(bench_workload(config, w, lambda: None))
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    out = []
     with Progress("{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn()) as bar:
         task = bar.add_task("bench", total=per * len(chosen))
         for w in chosen:
             bar.update(task, description=w.name)
-            out.append(bench_workload(config, w, lambda: bar.advance(task)))
-    return out
+            done(bench_workload(config, w, lambda: bar.advance(task)))
 
 
 def _mib(n: int | None) -> str:
