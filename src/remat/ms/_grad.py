@@ -95,48 +95,18 @@ def _differentiate(
     targets = [t for t in (outputs[:1] if has_aux else outputs)
                if torch.is_tensor(t) and t.requires_grad]  # fmt: skip
     inputs = [args[i] for i in positions] + list(weights)
-    owned = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
-    grads = _backward_to(targets, inputs, owned) if targets else [None] * len(inputs)
+    grads = _backward_to(targets, inputs) if targets else [None] * len(inputs)
     return out, [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
 
 
-def _leaves(targets: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Every leaf tensor the graph of ``targets`` accumulates a gradient into."""
-    seen, stack, leaves = set(), [t.grad_fn for t in targets], []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if hasattr(node, "variable"):
-            leaves.append(node.variable)
-        stack.extend(n for n, _ in node.next_functions)
-    return leaves
+def _backward_to(targets: list[torch.Tensor], inputs: list[torch.Tensor]) -> list:
+    """Gradients of ``sum(targets)`` with respect to ``inputs``; no ``.grad`` is touched.
 
-
-def _backward_to(
-    targets: list[torch.Tensor], inputs: list[torch.Tensor], owned: list[torch.Tensor]
-) -> list[torch.Tensor | None]:
-    """Gradients of ``sum(targets)`` with respect to ``inputs``, leaving every ``.grad`` as it was.
-
-    NOTE [Why not torch.autograd.grad]: MindSpore's default ``recompute`` is
-    ``use_reentrant=True``, whose custom backward re-runs the block and calls
-    ``backward`` inside; torch forbids that under ``autograd.grad``. So run a
-    plain ``backward`` and read ``.grad``, then put back every ``.grad`` it may
-    have touched: the graph's leaves, ``fn``'s parameters, the inputs.
+    Works through ``use_reentrant=True`` regions too: remat's reentrant region
+    takes the parameters it reaches as inputs (NOTE [What a region reaches]).
     """
-    touched = {id(t): t for t in [*_leaves(targets), *owned, *inputs]}
-    before = {key: t.grad for key, t in touched.items()}
-    for t in touched.values():
-        t.grad = None
-        if not t.is_leaf:
-            t.retain_grad()
-    try:
-        torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
-        return [x.grad for x in inputs]
-    finally:
-        for key, t in touched.items():
-            t.grad = before[key]
+    ones = [torch.ones_like(t) for t in targets]
+    return list(torch.autograd.grad(targets, inputs, ones, allow_unused=True))
 
 
 def _pack(grads: list, grad_position: Positions, weights: Any, n: int) -> Any:
