@@ -1,0 +1,85 @@
+"""`remat bench` at tiny sizes: the schedule, the configurations, a smoke run."""
+
+import json
+
+import pytest
+import torch
+
+import remat
+from remat._bench import (
+    BASELINE,
+    CONFIGURATIONS,
+    BenchConfig,
+    configure,
+    render_markdown,
+    run_bench,
+    schedule,
+    workloads,
+)
+from remat.cli import main
+
+
+@pytest.mark.parametrize("count", [1, 2, 5, 6])
+@pytest.mark.parametrize("round_index", [0, 1, 3])
+def test_schedule_puts_every_configuration_next_to_a_baseline(count, round_index):
+    configs = [f"c{i}" for i in range(count)]
+    plan = schedule(configs, round_index)
+    timed = [name for name, _ in plan if name != BASELINE]
+    assert sorted(timed) == configs  # each configuration exactly once per round
+    for i, (name, base) in enumerate(plan):
+        if name != BASELINE:
+            assert plan[base][0] == BASELINE and abs(base - i) == 1
+    assert plan[0][0] == BASELINE
+
+
+def _gradients(model, x, y):
+    model.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_every_configuration_gives_the_baseline_gradients_and_switches_back():
+    work = workloads(quick=True)["resnet50-cifar-b32"]
+    torch.manual_seed(0)
+    model = work.build()
+    x, y = work.inputs()
+    expected = _gradients(model, x, y)
+    for name in CONFIGURATIONS:
+        configure(model, name)
+        for got, want in zip(_gradients(model, x, y), expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    configure(model, BASELINE)
+    assert remat.marked_modules(model) == {}
+    assert all("forward" not in block.__dict__ for block in model.recompute_blocks())
+    with pytest.raises(ValueError, match="unknown configuration"):
+        configure(model, "nothing")
+
+
+def test_bench_smoke_run_writes_json_and_markdown(tmp_path):
+    config = BenchConfig(quick=True, pairs=1, trials=1, warmup=1, out_dir=str(tmp_path),
+                         workloads=("resnet50-cifar-b32", "gpt"))
+    result = run_bench(config, progress=False)
+    saved = json.loads((tmp_path / "bench_quick.json").read_text())
+    assert [w["name"] for w in saved["workloads"]] == [w["name"] for w in result["workloads"]]
+    assert saved["torch_threads"] == torch.get_num_threads()
+    for w in result["workloads"]:
+        rows = w["rows"]
+        assert list(rows) == list(CONFIGURATIONS)
+        assert rows["remat cell marks"]["kept_bytes"] < rows[BASELINE]["kept_bytes"]
+        assert rows["remat output_recompute"]["kept_bytes"] < rows["remat cell marks"]["kept_bytes"]
+        assert rows["remat cell marks"]["vs_torch"]["against"] == "torch non-reentrant"
+        assert rows["torch reentrant"]["pairs"] == 1
+    markdown = (tmp_path / "bench_quick.md").read_text()
+    assert markdown == render_markdown(saved)
+    assert all(name in markdown for name in CONFIGURATIONS)
+
+
+def test_bench_command_line_refuses_bad_settings(tmp_path):
+    with pytest.raises(ValueError, match="pairs and trials"):
+        run_bench(BenchConfig(quick=True, pairs=0, out_dir=None), progress=False)
+    code = main(["bench", "--quick", "--pairs", "1", "--trials", "1", "--warmup", "0",
+                 "--workloads", "gpt", "--configurations", "none", "remat cell marks",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    saved = json.loads((tmp_path / "bench_quick.json").read_text())
+    assert list(saved["workloads"][0]["rows"]) == ["none", "remat cell marks"]
