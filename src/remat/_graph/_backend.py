@@ -80,14 +80,11 @@ class RematBackend:
         if self.backend == "inductor":
             return _compile_inductor(gm, example_inputs, partition)
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
-
-        def run_as_traced(graph: torch.fx.GraphModule, _inputs: Any) -> Callable:
-            return make_boxed_func(graph.forward)
+        from torch._dynamo.backends.debugging import boxed_nop
 
         compiler = aot_autograd(
-            fw_compiler=run_as_traced,
-            bw_compiler=run_as_traced,
+            fw_compiler=boxed_nop,  # boxed: each saved tensor is freed after its last use
+            bw_compiler=boxed_nop,
             partition_fn=partition,
             keep_inference_input_mutations=True,
         )
@@ -120,7 +117,7 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: list, partition:
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-    class _RematPartitioner(CustomPartitionerFn):
+    class RematPartitioner(CustomPartitionerFn):
         def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
             kwargs.pop("compiler", None)
             return partition(joint, joint_inputs, **kwargs)
@@ -128,7 +125,8 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: list, partition:
         def uuid(self) -> None:
             return None  # marks change between runs: never reuse a cached compile
 
-    with config.patch(custom_partitioner_fn=_RematPartitioner()):
+    # caches key on the partitioner; remat's holds the model's marks, so never cache
+    with config.patch(custom_partitioner_fn=RematPartitioner(), force_disable_caches=True):
         return compile_fx(gm, example_inputs)
 
 
