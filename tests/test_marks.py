@@ -50,6 +50,24 @@ class Bottleneck(remat.nn.Cell):
         return torch.relu(self.bn2(self.conv2(y)) + x)
 
 
+class TransformerBlock(remat.nn.Cell):
+    def __init__(self, d: int = W, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def construct(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
 def make_layer(n: int, c: int = 4, **options) -> torch.nn.Sequential:
     """Seed 003's _make_layer: every block but the first is recomputed."""
     blocks = [Bottleneck(c) for _ in range(n)]
@@ -96,6 +114,7 @@ CASES = {
     "mlp_cells": lambda **kw: chain(MLPBlock, **kw),
     "relu_cells": lambda **kw: chain(ReluBlock, **kw),
     "resnet_layer": lambda **kw: make_layer(3, **kw),
+    "transformer": lambda **kw: chain(TransformerBlock, n=2, **kw),
 }
 OPTIONS = [{}, {"use_reentrant": True}, {"output_recompute": True},
            {"policy": remat.save_compute_intensive}]
@@ -108,7 +127,9 @@ def test_marked_model_gradients_equal_unmarked(case, options):
     marked = CASES[case](**options)
     plain = copy.deepcopy(marked)
     remat.unmark(plain)
-    x = torch.randn(2, 4, 5, 5) if case == "resnet_layer" else torch.randn(B, W)
+    x = {"resnet_layer": torch.randn(2, 4, 5, 5), "transformer": torch.randn(2, 6, W)}.get(
+        case, torch.randn(B, W)
+    )
     x.requires_grad_()
     head = torch.nn.Linear(x.shape[-1], 3)  # a plain consumer after the marked blocks
 
