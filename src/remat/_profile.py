@@ -106,6 +106,8 @@ class _Calls:
 
 
 def _time_step(model: torch.nn.Module, inputs: tuple, loss_fn: Callable, repeat: int) -> tuple:
+    loss_fn(model(*inputs)).backward()  # warm-up: first-call costs are not recompute costs
+    model.zero_grad(set_to_none=True)
     best_step, best = float("inf"), {}
     for _ in range(repeat):
         with _Calls(model, set()) as calls:
@@ -224,7 +226,8 @@ def profile(model: torch.nn.Module, *example_inputs: Any, loss_fn: Callable | No
             step is a steady one, and the step is tracked as phase ``optimizer``.
         output_recompute: for unmarked modules, whether ``if_recomputed`` leaves the
             output out (marked modules use their own option).
-        repeat: timed runs; each module's fastest forward is reported (0: no timing).
+        repeat: timed runs after one warm-up run; each module's fastest forward is
+            reported (0: no timing).
         label: the report's name, e.g. ``"before"``; default: the model's class name.
 
     Returns:
