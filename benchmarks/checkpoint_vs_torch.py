@@ -13,17 +13,17 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import argparse
+import gc
+import json
+import statistics
+import time
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import torch.utils.checkpoint as tuc  # noqa: E402
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as tuc
 
-import remat  # noqa: E402
+import remat
 
 
 class Block(torch.nn.Module):
@@ -131,7 +131,34 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)
-    print(f"wrote {args.json}")
+    markdown = args.json.removesuffix(".json") + ".md"
+    with open(markdown, "w") as f:
+        f.write(to_markdown(results, args))
+    print(f"wrote {args.json} and {markdown}")
+
+
+def to_markdown(results: dict, args: argparse.Namespace) -> str:
+    lines = [
+        "### remat.checkpoint against torch.utils.checkpoint",
+        "",
+        (f"`OMP_NUM_THREADS=1 python benchmarks/checkpoint_vs_torch.py --pairs {args.pairs} "
+        f"--trials {args.trials}` (generated; torch {results['torch']}, "
+        f"{results['threads']} thread, CPU). Every block of each model is checkpointed by both "
+        f"libraries; steps alternate in pairs (remat, torch / torch, remat); the time ratio is "
+        f"the median over trials of the median pair ratio, with the range of the trial medians. "
+        f"Kept bytes are exact (`remat.memory.saved_bytes`)."),
+        "",
+        "| model | mode | step time remat / torch | trials | kept bytes remat / torch |",
+        "| --- | --- | ---: | --- | ---: |",
+    ]
+    for name, r in results["cases"].items():
+        model, mode = name.rsplit(" ", 1)
+        lo, hi = min(r["time_ratio_trials"]), max(r["time_ratio_trials"])
+        lines.append(
+            f"| {model} | {mode} | {r['time_ratio_median']:.3f} | {lo:.3f} .. {hi:.3f} | "
+            f"{r['kept_ratio']:.3f} ({r['kept_bytes_remat'] / 2**20:.1f} MiB) |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
