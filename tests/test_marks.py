@@ -198,6 +198,9 @@ def test_bad_input_errors_name_the_api():
     with pytest.raises(TypeError, match=r"remat.recompute: block must be a torch.nn.Module.*function 'test_bad"):
         remat.recompute(f, torch.randn(2))
     assert remat.recompute(f, torch.randn(2), use_reentrant=False).shape == (2,)
+    with pytest.raises(TypeError, match=r"got primitive ReLU; mark the primitive with ReLU\(\).recompute\(\)"):
+        remat.recompute(remat.ops.ReLU(), torch.randn(2))
+    assert torch.equal(remat.recompute(remat.ops.ReLU(), -torch.ones(2), use_reentrant=False), torch.zeros(2))
     with pytest.raises(TypeError, match=r"'use_reentrant' must be a bool, got str"):
         remat.recompute(MLPBlock(), torch.randn(2, W), use_reentrant="yes")
     with pytest.raises(TypeError, match=r"MLPBlock.recompute: unknown keyword argument\(s\) 'outputs'; accepted: use_reentrant"):

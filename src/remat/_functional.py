@@ -9,6 +9,7 @@ import torch
 from remat import _region
 from remat._errors import check_bool, describe
 from remat._spec import RegionSpec
+from remat.ops import Primitive
 
 
 def recompute(block: Any, *args: Any, use_reentrant: bool = True, output_recompute: bool = False,
@@ -49,6 +50,12 @@ def recompute(block: Any, *args: Any, use_reentrant: bool = True, output_recompu
     check_bool(api, "output_recompute", output_recompute)
     if output_recompute:
         use_reentrant = False
+    if use_reentrant and isinstance(block, Primitive):
+        raise TypeError(
+            f"{api}: block must be a Cell (a torch.nn.Module with operators inside) when "
+            f"use_reentrant=True, got primitive {type(block).__name__}; mark the primitive with "
+            f"{type(block).__name__}().recompute(), or pass use_reentrant=False"
+        )
     if use_reentrant and not isinstance(block, torch.nn.Module):
         raise TypeError(
             f"{api}: block must be a torch.nn.Module (a remat.nn.Cell or any module) when "
