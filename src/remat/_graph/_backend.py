@@ -75,7 +75,11 @@ class RematBackend:
         report = GraphReport()
         self.reports.append(report)
         partition = functools.partial(
-            recompute_partition, modules=self.modules(), report=report, dump=self._dumper(gm, report)
+            recompute_partition,
+            modules=self.modules(),
+            report=report,
+            root=next((r for r in self.roots[:1] if isinstance(r, torch.nn.Module)), None),
+            dump=self._dumper(gm, report),
         )
         if self.backend == "inductor":
             return _compile_inductor(gm, example_inputs, partition)

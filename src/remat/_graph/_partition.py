@@ -135,6 +135,7 @@ def recompute_partition(
     *,
     modules: dict[int, torch.nn.Module],
     report: GraphReport,
+    root: torch.nn.Module | None = None,
     dump: Dump | None = None,
     **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -144,6 +145,7 @@ def recompute_partition(
         joint: AOTAutograd's joint forward/backward graph module (changed in place).
         joint_inputs: its example inputs (passed on to the default partitioner).
         modules: ``id(module) -> module`` of the modules whose marks apply.
+        root: the compiled module (its own mark covers the whole graph), or None.
         report: filled with what the pass did.
         dump: called as ``dump(stage, graph_module)`` after each stage, or None.
         **kwargs: the partitioner keywords AOTAutograd passes (``num_fwd_outputs``, ...).
@@ -156,7 +158,7 @@ def recompute_partition(
     graph = joint.graph
     drop_detaches(graph)
     forward, backward = split_joint(graph)
-    _, recompute = plan_recompute(forward, modules)
+    _, recompute = plan_recompute(forward, modules, root)
     copies = copy_into_backward(graph, backward, recompute)
     graph.lint()
     joint.recompile()

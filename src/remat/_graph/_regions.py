@@ -51,11 +51,13 @@ class Region:
 
 
 _SOURCE_PREFIX = re.compile(r"^(?:L|G)\['([^']+)'\]")
+#: Names Dynamo gives the compiled module itself (``self`` in ``forward``, ``fn`` in ``__call__``).
+_ROOT_NAMES = ("self", "fn")
 
 
 def clean_path(source: str) -> str:
     """Turn a Dynamo source name (``"L['self'].layers[1]"``) into a module path (``"layers.1"``)."""
-    path = _SOURCE_PREFIX.sub(lambda m: "" if m.group(1) == "self" else m.group(1), source)
+    path = _SOURCE_PREFIX.sub(lambda m: "" if m.group(1) in _ROOT_NAMES else m.group(1), source)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.lstrip(".")
@@ -127,20 +129,27 @@ def is_replayable(node: fx.Node) -> bool:
 
 
 def plan_recompute(
-    forward: Iterable[fx.Node], modules: dict[int, torch.nn.Module]
+    forward: Iterable[fx.Node],
+    modules: dict[int, torch.nn.Module],
+    root: torch.nn.Module | None = None,
 ) -> tuple[dict[fx.Node, list[Region]], set[fx.Node]]:
     """Decide which forward values are recomputed rather than saved.
 
     Args:
         forward: the forward nodes of a joint graph, in order.
         modules: ``id(module) -> module`` for every module that may be marked.
+        root: the compiled module, if any. Dynamo does not list it in the module
+            stacks (its ``forward`` is the traced frame); when it is marked, every
+            forward node belongs to its region.
 
     Returns:
         ``(regions, recompute)``: the marked regions of each node, and the set of
         forward value nodes whose copies the backward graph will use.
     """
     forward = [n for n in forward if n.op == "call_function"]
-    regions = {n: regions_of(n, modules) for n in forward}
+    spec = mark_of(root) if root is not None else None
+    outer = [Region("root", "", type(root).__name__, spec)] if spec is not None else []
+    regions = {n: outer + regions_of(n, modules) for n in forward}
     kept = _region_outputs(forward, regions)
     recompute: set[fx.Node] = set()
     for node in forward:
