@@ -54,11 +54,13 @@ def test_marked_blocks_keep_only_their_output(reports):
 
 
 def test_if_recomputed_is_inputs_plus_output(reports):
-    before, _ = reports
+    before, after = reports
     row = before.row("blocks.0")
     assert row.calls == 1
     assert row.output_bytes == 2 * 16 * 32 * 4
     assert row.if_recomputed == row.input_bytes + row.output_bytes
+    assert after.row("blocks.0").calls == 1  # the re-run in backward is not counted
+    assert after.row("blocks.0").if_recomputed == row.if_recomputed
     dropped = remat.profile(_llama(), TOKENS, loss_fn=next_token_loss, repeat=0, output_recompute=True)
     assert dropped.row("blocks.0").if_recomputed == row.input_bytes
 

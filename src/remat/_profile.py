@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
 from remat._marks import mark_of
+from remat._state import is_recomputing
 from remat.memory._report import ModuleRow, ProfileReport, downsample
 from remat.memory._tracker import track
 
@@ -98,6 +99,8 @@ class _Calls:
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         name = self.names.get(id(module), type(module).__name__)
         elapsed = time.perf_counter() - self._starts.pop() if self._starts else 0.0
+        if is_recomputing():  # a re-run in backward is not a forward call
+            return
         self.times[name] = self.times.get(name, 0.0) + elapsed
         entry = self.io.setdefault(name, [0, 0, 0])
         entry[0] += 1
