@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import random
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -126,18 +125,14 @@ def set_seed(seed: int) -> None:
 def _prepare(fn: Callable) -> Callable:
     """Return how ``fn`` runs in the current mode: the one routing point of graph mode.
 
-    PYNATIVE_MODE runs ``fn`` eagerly. GRAPH_MODE is meant to compile ``fn``
-    with ``remat.compile``; until that lands it runs eagerly and warns once.
+    PYNATIVE_MODE runs ``fn`` eagerly. GRAPH_MODE compiles ``fn`` with
+    ``remat.compile`` (once per function; the marks are applied on the joint
+    forward/backward graph) and, when ``save_graphs`` is set, dumps its graphs
+    to ``save_graphs_path``.
     """
-    global _warned_graph_mode
     if _context["mode"] != GRAPH_MODE:
         return fn
-    if not _warned_graph_mode:
-        _warned_graph_mode = True
-        warnings.warn(
-            "remat.ms: GRAPH_MODE runs eagerly (as PYNATIVE_MODE) until remat.compile lands; "
-            "results are the same, only the graph dump and compilation are missing",
-            UserWarning,
-            stacklevel=3,
-        )
-    return fn
+    from remat._graph._compile import compile_cached
+
+    save_graphs = _context["save_graphs_path"] if _context["save_graphs"] else None
+    return compile_cached(fn, save_graphs=save_graphs)
