@@ -387,3 +387,41 @@ def test_same_bytes_kept_as_torch_checkpoint():
     theirs = remat.memory.saved_bytes(lambda: tuc.checkpoint(model, x, use_reentrant=False).sum())
     plain = remat.memory.saved_bytes(lambda: model(x).sum())
     assert ours == theirs < plain
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"output_recompute": True}, {"use_reentrant": True}, {"policy": remat.save_compute_intensive}],
+    ids=lambda o: ",".join(o) or "default",
+)
+def test_no_engine_object_outlives_its_graph(options):
+    import gc
+
+    from remat import _region
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)])
+    remat.apply(model, where=lambda name, m: name in ("0", "1", "2"), **options)
+    for _ in range(3):
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    y = model(torch.randn(2, 8, requires_grad=True))  # forward only, then dropped
+    del y
+    gc.collect()
+    alive = [o for o in gc.get_objects() if isinstance(o, (_region._Frame, _region._Holder, _outputs.OutputRef))]
+    assert alive == [] and _outputs._registry == {} and not _outputs.hook_active()
+
+
+def test_kept_output_changed_in_place_is_rebuilt_not_replayed():
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def f(t):
+        h = t @ w  # kept by the policy ...
+        h.add_(1)  # ... then changed in place: replaying it would add 1 twice
+        return torch.sin(h)
+
+    f(x).sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    ctx = remat.policy_context(remat.save_compute_intensive)
+    remat.checkpoint(f, x, use_reentrant=False, context_fn=ctx).sum().backward()
+    assert torch.equal(x.grad, expected)

@@ -59,7 +59,9 @@ class SaveMode(TorchDispatchMode):
         if _keeps(self.policy, func):
             index = self.calls[func]
             self.calls[func] += 1
-            self.store.kept[func][index] = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+            self.store.kept[func][index] = pytree.tree_map_only(
+                torch.Tensor, lambda t: (_alias(t), t._version), out
+            )
         return out
 
 
@@ -86,7 +88,27 @@ class ReplayMode(TorchDispatchMode):
                 f"remat selective recompute: {func} call #{index} ran in recomputation but "
                 f"not in forward (policy {self.policy!r}); the region is not deterministic"
             )
-        return kept[index]
+        entry = kept[index]
+        stored = [t for t in pytree.tree_leaves(entry, is_leaf=_is_pair) if _is_pair(t)]
+        if any(t._version != version for t, version in stored):
+            return func(*args, **(kwargs or {}))  # changed in place after forward: rebuild it
+        # a fresh alias: autograd attaches the recomputation's graph to it, not to the store
+        return pytree.tree_map(lambda p: _alias(p[0]) if _is_pair(p) else p, entry, is_leaf=_is_pair)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A detached alias of ``t`` that shares its version counter.
+
+    Under a dispatch mode the ADInplaceOrView key is excluded, so a plain
+    ``detach()`` would get a version counter of its own and in-place changes to
+    ``t`` would go unseen.
+    """
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
+def _is_pair(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], torch.Tensor)
 
 
 def policy_context(policy: Policy) -> Callable[[], tuple[SaveMode, ReplayMode]]:
