@@ -215,3 +215,29 @@ def test_resnet_peak_memory(resnet_runs):
         peaks[name + " eager"] = allocation_peak(model, x)
     assert peaks["marked"] <= peaks["marked eager"]
     assert peaks["marked"] < peaks["unmarked"]
+
+
+def test_torch_checkpoint_on_the_same_blocks_compiled_by_torch(resnet_runs):
+    """The bench's comparison: torch.compile + torch.utils.checkpoint on the marked blocks."""
+    import functools
+
+    import torch.utils.checkpoint
+
+    from remat._graph._compare import allocation_peak, compile_configuration
+
+    torch._dynamo.reset()
+    x = resnet_runs["x"]
+    model = copy.deepcopy(resnet_runs["unmarked"][0])
+    for name, block in model.named_modules():
+        if name in resnet_runs["blocks"]:
+            block.forward = functools.partial(
+                torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False
+            )
+    compiled = compile_configuration(model, "torch")
+    out, got = train_step(compiled, model, x)
+    eager_out, eager_grads = resnet_runs["unmarked eager"]
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
+    assert_same(got, eager_grads)
+    torch_peak = allocation_peak(lambda: compiled(x).sum().backward())
+    remat_peak = allocation_peak(lambda: resnet_runs["marked"][1](x).sum().backward())
+    assert remat_peak <= torch_peak
