@@ -243,7 +243,7 @@ def profile(model: torch.nn.Module, *example_inputs: Any, loss_fn: Callable | No
         >>> import torch, remat
         >>> net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
         >>> report = remat.profile(net, torch.randn(8, 16), repeat=1)
-        >>> report.row("1").kept_self == 8 * 16 * 4  # GELU keeps its output for backward
+        >>> report.row("1").kept_self == 8 * 16 * 4  # GELU output, kept by the last Linear
         True
     """
     if not isinstance(model, torch.nn.Module):
