@@ -90,7 +90,9 @@ def format_node(
     out = describe_value(node.meta.get("val"))
     if node.op == "placeholder":
         label = input_names.get(node.name, "")
-        return f"{head} = input{' ' + label if label else ''} : () -> ({out})"
+        path = module_path(node)  # a saved forward value, in a backward graph
+        where = f" {{instance name: {path}}}" if path else ""
+        return f"{head} = input{' ' + label if label else ''}{where} : () -> ({out})"
     if node.op == "output":
         return "return " + _show_arg(node.args[0], index)
     target = node.target
