@@ -79,7 +79,7 @@ def _show_meta(meta: tuple) -> str:
     return f"shape {list(shape)}, {str(dtype).replace('torch.', '')}, {device}"
 
 
-def _reachable(fn: Any, args: Any, limit: int = 2000) -> Optional[tuple[list, list]]:
+def _reachable(fn: Any, args: Any, limit: int = 2000) -> tuple[list, list] | None:
     """The modules and tensors ``fn`` can reach, or None when ``fn`` is opaque.
 
     NOTE [What a region reaches]: followed are ``fn`` itself, a bound method's
@@ -123,20 +123,27 @@ def _reachable(fn: Any, args: Any, limit: int = 2000) -> Optional[tuple[list, li
 
 def _filled(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:
         return False
     return True
 
 
-def _state_tensors(reached: tuple[list, list], args: Any) -> list:
+def _state_tensors(reached: tuple[list, list], inputs: list) -> list:
+    """Buffers of the reached modules, reached tensors and inputs, with their versions.
+
+    Parameters are left out: autograd refuses in-place writes to them under grad.
+    """
     modules, tensors = reached
-    found = [t for m in modules for t in (*m.buffers(), *m.parameters())] + tensors
-    found += [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    found, todo = list(tensors) + inputs, list(modules)
+    while todo:
+        module = todo.pop()
+        found.extend(b for b in module._buffers.values() if b is not None)
+        todo.extend(m for m in module._modules.values() if m is not None)
     return [(t, t._version) for t in found]
 
 
-def _parameters(reached: Optional[tuple[list, list]], inputs: list) -> list:
+def _parameters(reached: tuple[list, list] | None, inputs: list) -> list:
     """Leaf tensors requiring grad that ``fn`` reaches and that are not inputs already."""
     if reached is None:
         return []
@@ -169,12 +176,9 @@ class _SaveInputs(torch.autograd.Function):
     """Saves a region's tensor inputs through the saved-tensor hooks around the region."""
 
     @staticmethod
-    def forward(dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
         return dummy.new_empty((0,))
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.save_for_backward(*inputs[1:])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> None:  # pragma: no cover - never differentiated
@@ -188,13 +192,16 @@ class _Frame:
                  contexts: tuple | None) -> None:
         self.fn, self.spec, self.name = fn, spec, name
         self.contexts = contexts
-        leaves, self.treespec = pytree.tree_flatten((args, kwargs))
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            leaves, self.treespec = list(args), None  # the common case, without pytree
+        else:
+            leaves, self.treespec = pytree.tree_flatten((args, kwargs))
         self.tensor_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        self.input_grad = [leaves[i].requires_grad for i in self.tensor_slots]
-        self.replay = _rng.capture(args, spec.preserve_rng_state)
-        reached = _reachable(fn, (args, kwargs))
-        self.watch = _state_tensors(reached, (args, kwargs)) if reached is not None else None
+        tensors = [leaves[i] for i in self.tensor_slots]
+        self.replay = _rng.capture(tensors, spec.preserve_rng_state)
+        reached = _reachable(fn, tensors if self.treespec is None else (args, kwargs))
+        self.watch = _state_tensors(reached, tensors) if reached is not None else None
         self.guard = True
         self.holders: list[weakref.ref] = []
         self.metas: list[tuple] = []
@@ -207,7 +214,6 @@ class _Frame:
         self.recompute_trace: OpTrace | None = None
         self.saver: torch.Tensor | None = None
         self.pending: Any = None
-        tensors = [leaves[i] for i in self.tensor_slots]
         if spec.use_reentrant:
             self.pending_inputs = tensors  # handed to _Reentrant.apply, which saves them
             self.params = _parameters(reached, tensors)
@@ -221,11 +227,16 @@ class _Frame:
             dummy = torch.empty((0,), requires_grad=True)
             self.saver = _SaveInputs.apply(dummy, *tensors)
 
-    def inputs(self, detach: bool = False) -> tuple[tuple, dict]:
+    def inputs(self) -> tuple[tuple, dict]:
         leaves = list(self.leaves)
         saved = self.saver.grad_fn.saved_tensors if self.saver is not None else ()
-        for slot, x, grad in zip(self.tensor_slots, saved, self.input_grad):
-            leaves[slot] = x.detach().requires_grad_(grad) if detach else x
+        for slot, x in zip(self.tensor_slots, saved):
+            leaves[slot] = x
+        return self.unflatten(leaves)
+
+    def unflatten(self, leaves: list) -> tuple[tuple, dict]:
+        if self.treespec is None:
+            return tuple(leaves), {}
         return pytree.tree_unflatten(leaves, self.treespec)
 
     # -- forward packing ---------------------------------------------------------
@@ -423,7 +434,7 @@ def _rerun_reentrant(frame: _Frame, inputs: list) -> tuple:
     leaves = list(frame.leaves)
     for slot, x in zip(frame.tensor_slots, inputs):
         leaves[slot] = x
-    args, kwargs = pytree.tree_unflatten(leaves, frame.treespec)
+    args, kwargs = frame.unflatten(leaves)
     frame.runs += 1
     guard = StateGuard() if frame.guard else contextlib.nullcontext()
     with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard:
