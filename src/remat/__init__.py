@@ -40,6 +40,7 @@ __all__ = [
     "marked_modules",
     "memory",
     "nn",
+    "ops",
     "policy_context",
     "profile",
     "recompute",

@@ -2,9 +2,8 @@
 
 The context is a small record of what the program asked for. ``mode`` decides
 how :func:`_prepare` runs a function: ``PYNATIVE_MODE`` runs it eagerly;
-``GRAPH_MODE`` is routed through :func:`_prepare`, the one place that will hand
-functions to ``remat.compile`` (until it exists, graph mode runs eagerly and
-says so once in a warning).
+``GRAPH_MODE`` hands the function to ``remat.compile`` (once per function), so
+the marks are applied by the graph pass and ``save_graphs`` writes its dumps.
 
 Example:
     >>> import remat.ms as mindspore
@@ -36,7 +35,6 @@ _DEFAULTS: dict[str, Any] = {
     "deterministic": "OFF",
 }
 _context: dict[str, Any] = dict(_DEFAULTS)
-_warned_graph_mode = False
 
 
 def set_context(**kwargs: Any) -> None:
