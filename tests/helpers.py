@@ -6,6 +6,7 @@ import copy
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 
 def grads_of(model: torch.nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -31,3 +32,23 @@ def assert_same(a: list, b: list) -> None:
         assert (x is None) == (y is None), i
         if x is not None:
             assert torch.equal(x, y), f"tensor {i} differs: max abs diff {(x - y).abs().max()}"
+
+
+class TransformerBlock(torch.nn.Module):
+    """Pre-LN attention (causal, SDPA) and a GELU MLP, with dropout."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))

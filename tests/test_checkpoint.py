@@ -12,7 +12,7 @@ import torch.utils.checkpoint as tuc
 
 import remat
 from remat import _outputs, _state
-from tests.helpers import assert_same, step_grads
+from tests.helpers import TransformerBlock, assert_same, step_grads
 
 MODES = [False, True]  # use_reentrant
 
@@ -37,24 +37,6 @@ class ConvBlock(torch.nn.Module):
 
     def forward(self, x):
         return x + self.drop(torch.relu(self.bn(self.conv(x))))
-
-
-class TransformerBlock(torch.nn.Module):
-    def __init__(self, d: int = 16, heads: int = 2) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-        self.drop = torch.nn.Dropout(0.1)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 CASES = {

@@ -10,48 +10,17 @@ import pytest
 import torch
 
 from remat.ms import _context
+from tests.test_seeds import SEED_000_MINDSPORE, swap_imports
 
 torch.set_num_threads(1)
 
-# Seed 001, "Code Example 1", the MindSpore half, with imports swapped to remat.ms
-# and one context line (seed 003's way of asking for graph dumps).
-SEED_001 = """
-import remat.ms as mindspore
-import numpy as np
-from remat.ms import nn, ops
-{context}
-class Net(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Dense(12, 24)
-        self.relu1 = ops.ReLU()
-        self.fc2 = nn.Dense(24, 48)
-        self.fc2.recompute()
-        self.relu2 = ops.ReLU()
-        self.relu2.recompute()
-        self.fc3 = nn.Dense(48, 2)
 
-    def construct(self, x):
-        x = self.fc1(x)
-        x = self.relu1(x)
-        x = self.fc2(x)
-        x = self.relu2(x)
-        x = self.fc3(x)
-        return x
 
-model = Net()
-
-def forward_fn(data, label):
-    logits = model(data)
-    loss = logits.sum()
-    return loss, logits
-
-grad_fn = mindspore.value_and_grad(forward_fn, None, (model.fc1.weight,), has_aux=True)
-x = mindspore.Tensor(np.random.randn(2, 12), dtype=mindspore.float32)
-label = mindspore.Tensor(np.random.randn(2, 12), dtype=mindspore.float32)
-(loss, _), grads = grad_fn(x, label)
-print(grads)
-"""
+def program(context: str) -> str:
+    """Seed 001's MindSpore program with imports swapped, and one context line after them."""
+    lines = swap_imports(SEED_000_MINDSPORE).splitlines()
+    last_import = max(i for i, line in enumerate(lines) if line.startswith(("import ", "from ")))
+    return "\n".join(lines[: last_import + 1] + [context] + lines[last_import + 1 :])
 
 
 def run(context: str) -> tuple[dict, str]:
@@ -60,7 +29,7 @@ def run(context: str) -> tuple[dict, str]:
     scope: dict = {"__name__": "__seed__"}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(SEED_001.format(context=context), "<seed>", "exec"), scope)  # noqa: S102
+        exec(compile(program(context), "<seed>", "exec"), scope)  # noqa: S102
     return scope, out.getvalue()
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import remat
 from remat import _outputs, _state
+from tests import helpers
 from tests.helpers import assert_same, step_grads
 
 B, W = 8, 32
@@ -50,22 +51,9 @@ class Bottleneck(remat.nn.Cell):
         return torch.relu(self.bn2(self.conv2(y)) + x)
 
 
-class TransformerBlock(remat.nn.Cell):
-    def __init__(self, d: int = W, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-        self.drop = torch.nn.Dropout(0.1)
-
-    def construct(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+class TransformerBlock(helpers.TransformerBlock, remat.nn.Cell):
+    def __init__(self) -> None:
+        super().__init__(d=W, heads=4)
 
 
 def make_layer(n: int, c: int = 4, **options) -> torch.nn.Sequential:
