@@ -30,10 +30,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", choices=("resnet50", "tiny"), default=default.model,
                         help="resnet50 (seed 003) or a tiny ResNet for smoke tests")
     parser.add_argument("--seed", type=int, default=default.seed, help="seed of the weights")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared CPU more threads wait on "
+                             "each other and run many times slower)")
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
     config = DemoConfig(
         steps=args.steps, batch_size=args.batch_size, data_dir=args.data, out_dir=args.out,
         device=args.device, model=args.model, seed=args.seed,
