@@ -83,3 +83,16 @@ def test_bench_command_line_refuses_bad_settings(tmp_path):
     assert code == 0
     saved = json.loads((tmp_path / "bench_quick.json").read_text())
     assert list(saved["workloads"][0]["rows"]) == ["none", "remat cell marks"]
+
+
+def test_the_readme_table_is_rewritten_between_its_markers(tmp_path):
+    from remat._bench import BEGIN, END, include_markdown
+
+    readme = tmp_path / "demo.md"
+    readme.write_text(f"intro\n{BEGIN}\nold table\n{END}\noutro\n")
+    assert include_markdown(str(readme), "| new | table |\n")
+    assert readme.read_text() == f"intro\n{BEGIN}\n| new | table |\n{END}\noutro\n"
+    plain = tmp_path / "plain.md"
+    plain.write_text("no markers\n")
+    assert not include_markdown(str(plain), "x")
+    assert plain.read_text() == "no markers\n"

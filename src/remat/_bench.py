@@ -166,6 +166,7 @@ class BenchConfig:
         out_dir: where ``bench.json`` and ``bench.md`` go (``bench_quick.*`` when quick);
             None writes nothing.
         configurations: the configurations to run (the baseline always runs).
+        readme: a markdown file whose bench markers receive the table (not when quick).
     """
 
     workloads: tuple[str, ...] = (
@@ -177,6 +178,7 @@ class BenchConfig:
     quick: bool = False
     out_dir: str | None = "benchmarks/results"
     configurations: tuple[str, ...] = field(default=CONFIGURATIONS)
+    readme: str | None = "docs/sections/demo.md"
 
 
 def _step(model: torch.nn.Module, workload: Workload, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -340,7 +342,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     def done(entry: dict) -> None:  # write after every workload: a long run keeps its results
         result["workloads"].append(entry)
         result["seconds"] = round(time.time() - started, 1)
-        _write(config, result)
+        write_results(config, result)
 
     _run_all(config, [table[w] for w in config.workloads], progress, done)
     if progress:
@@ -348,7 +350,8 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     return result
 
 
-def _write(config: BenchConfig, result: dict) -> None:
+def write_results(config: BenchConfig, result: dict) -> None:
+    """Write ``bench.json``, ``bench.md`` and the README table for ``result``."""
     if config.out_dir is None:
         return
     stem = "bench_quick" if config.quick else "bench"
@@ -357,6 +360,28 @@ def _write(config: BenchConfig, result: dict) -> None:
         json.dump(result, file, indent=2)
     with open(os.path.join(config.out_dir, stem + ".md"), "w") as file:
         file.write(render_markdown(result))
+    if not config.quick and config.readme and os.path.isfile(config.readme):
+        include_markdown(config.readme, render_markdown(result))
+
+
+BEGIN, END = "<!-- bench:begin (written by remat bench) -->", "<!-- bench:end -->"
+
+
+def include_markdown(path: str, markdown: str) -> bool:
+    """Replace the text between the bench markers of ``path`` with ``markdown``.
+
+    Returns:
+        Whether ``path`` had the markers (and was rewritten).
+    """
+    with open(path) as file:
+        text = file.read()
+    if BEGIN not in text or END not in text:
+        return False
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    with open(path, "w") as file:
+        file.write(f"{head}{BEGIN}\n{markdown.rstrip()}\n{END}{tail}")
+    return True
 
 
 def _run_all(config: BenchConfig, chosen: list[Workload], progress: bool,

@@ -7,9 +7,10 @@ Example:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
-from remat._bench import CONFIGURATIONS, BenchConfig, run_bench, workloads
+from remat._bench import CONFIGURATIONS, BenchConfig, run_bench, workloads, write_results
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,10 +36,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--out", default=default.out_dir, metavar="DIR",
                         help=f"where bench.json and bench.md go (default {default.out_dir})")
+    parser.add_argument("--readme", default=default.readme, metavar="FILE",
+                        help="markdown file whose bench markers receive the table "
+                             f"(default {default.readme})")
+    parser.add_argument("--render", metavar="JSON",
+                        help="only re-render bench.md and the README table from a saved bench.json")
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.render:
+        with open(args.render) as file:
+            result = json.load(file)
+        config = BenchConfig(**{**result["method"], "out_dir": args.out, "readme": args.readme,
+                                "workloads": tuple(result["method"]["workloads"]),
+                                "configurations": tuple(result["method"]["configurations"])})
+        write_results(config, result)
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
 
@@ -46,7 +60,7 @@ def _run(args: argparse.Namespace) -> int:
     config = BenchConfig(
         workloads=tuple(args.workloads), pairs=args.pairs, trials=args.trials,
         warmup=args.warmup, quick=args.quick, out_dir=args.out,
-        configurations=tuple(args.configurations),
+        configurations=tuple(args.configurations), readme=args.readme,
     )
     run_bench(config, progress=True)
     return 0
