@@ -130,7 +130,10 @@ def test_marked_model_gradients_equal_unmarked(case, options):
     reruns = _state.recompute_count() - before
     assert torch.equal(l0, l1)
     assert_same(g0, g1)
-    assert reruns == len(remat.marked_modules(marked))
+    # output_recompute: each block runs once to hand its output on (NOTE [Output pass]) and
+    # once to rebuild its own saved tensors (none of these blocks saves only its output)
+    per_block = 2 if options.get("output_recompute") else 1
+    assert reruns == per_block * len(remat.marked_modules(marked))
     if case == "resnet_layer":  # running statistics equal too (no double update)
         _check_buffers_after_step(plain, marked, x)
 

@@ -30,10 +30,11 @@ _registry: dict[int, tuple] = {}
 class OutputRef:
     """Stands for a saved tensor that is (a view of) an output of a region."""
 
-    __slots__ = ("__weakref__", "frame", "index", "layout")
+    __slots__ = ("__weakref__", "done", "frame", "index", "layout")
 
     def __init__(self, frame: Any, index: int, layout: tuple | None) -> None:
         self.frame, self.index, self.layout = frame, index, layout
+        self.done: set[int] = set()  # graph tasks that unpacked it
 
     def unpack(self) -> torch.Tensor:
         out = self.frame.rebuild_output(self.index, self)

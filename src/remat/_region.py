@@ -162,13 +162,14 @@ class _Stop(Exception):
 
 
 class _Holder:
-    __slots__ = ("__weakref__", "index", "kept", "probe", "rebuilt", "saved_by")
+    __slots__ = ("__weakref__", "index", "kept", "out_of", "probe", "rebuilt", "saved_by")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.kept: torch.Tensor | None = None
         self.rebuilt: dict[int, torch.Tensor] = {}
         self.probe: weakref.ref | None = None
+        self.out_of: tuple | None = None  # (output index, layout) when it is an output
         self.saved_by: str | None = None
 
 
@@ -207,7 +208,8 @@ class _Frame:
         self.metas: list[tuple] = []
         self.out_refs: list[weakref.ref] = []
         self.rebuilt_outputs: dict[int, list] = {}
-        self.out_pending: dict[int, int] = {}
+        self.cached_inputs: dict[int, tuple] = {}
+        self.stored: set[int] = set()
         self.counter: dict[int, int] = {}
         self.runs = 0
         self.trace: OpTrace | None = OpTrace() if spec.debug else None
@@ -245,7 +247,7 @@ class _Frame:
         self.holders.append(weakref.ref(holder))
         if self.spec.determinism_check == "default":
             self.metas.append(_meta(x))
-        if self.spec.keep_outputs and not self.spec.output_recompute:
+        if self.spec.keep_outputs or self.spec.output_recompute:
             holder.probe = weakref.ref(x)
         if self.trace is not None:
             holder.saved_by = self.trace.last_op
@@ -262,6 +264,19 @@ class _Frame:
             if x is not None and x.untyped_storage()._cdata in keys:
                 holder.kept = x.detach()
 
+    def note_outputs(self, flat_outputs: list) -> None:
+        """NOTE [Output pass]: remember which saved tensors are (views of) outputs."""
+        where = {t.untyped_storage()._cdata: j for j, t in enumerate(flat_outputs)
+                 if isinstance(t, torch.Tensor)}
+        for ref in self.holders:
+            holder = ref()
+            if holder is None or holder.probe is None:
+                continue
+            x, holder.probe = holder.probe(), None
+            j = where.get(x.untyped_storage()._cdata) if x is not None else None
+            if j is not None and x.dtype == flat_outputs[j].dtype:
+                holder.out_of = (j, (tuple(x.shape), x.stride(), x.storage_offset()))
+
     def add_output_ref(self, ref: _outputs.OutputRef) -> None:
         self.out_refs.append(weakref.ref(ref))
 
@@ -271,7 +286,7 @@ class _Frame:
             return holder.kept
         gid = _graph_task()
         if gid not in holder.rebuilt:
-            if gid in self.counter:
+            if gid in self.stored:
                 raise RecomputeError(
                     f"remat: region '{self.name}': saved tensor #{holder.index} was unpacked twice "
                     f"in one backward; unpack each saved tensor once (ctx.saved_tensors once)"
@@ -280,32 +295,54 @@ class _Frame:
         return holder.rebuilt.pop(gid)
 
     def rebuild_output(self, index: int, ref: _outputs.OutputRef) -> torch.Tensor:
+        """NOTE [Output pass]: rebuild an output for a consumer, keeping nothing else."""
         gid = _graph_task()
+        ref.done.add(gid)
         if gid not in self.rebuilt_outputs:
-            self.recompute(gid, need_outputs=True)
+            self.recompute(gid, store=False)
         outputs = self.rebuilt_outputs[gid]
-        self.out_pending[gid] -= 1
-        if self.out_pending[gid] <= 0:
-            del self.rebuilt_outputs[gid], self.out_pending[gid]
+        if not self._refs_pending(gid):
+            del self.rebuilt_outputs[gid]
         return outputs[index]
 
-    def _last_needed(self) -> int | None:
-        alive = [h.index for r in self.holders if (h := r()) is not None and h.kept is None]
+    def _refs_pending(self, gid: int) -> bool:
+        return any((r := ref()) is not None and gid not in r.done for ref in self.out_refs)
+
+    def _last_needed(self, gid: int | None = None) -> int:
+        alive = [
+            h.index for r in self.holders
+            if (h := r()) is not None and h.kept is None and gid not in h.rebuilt
+        ]
         return max(alive) if alive else -1
 
-    def recompute(self, gid: int, need_outputs: bool = False) -> None:
-        live_refs = sum(1 for r in self.out_refs if r() is not None)
-        need_outputs = need_outputs or live_refs > 0
-        stop_at = self._last_needed() if self.spec.early_stop and not need_outputs else None
+    def recompute(self, gid: int, store: bool = True) -> None:
+        """Re-run the region for graph task ``gid``.
+
+        NOTE [Output pass]: a consumer that needs an output of an
+        ``output_recompute`` region (the next region's recomputation) gets it
+        from a run that stores no saved tensor (``store=False``); the inputs it
+        used are held for the later run that rebuilds the saved tensors, when
+        this region's own backward comes. So a chain of marked regions is never
+        rebuilt all at once: backward holds one region's tensors at a time and
+        the chain's boundary outputs, as a chain of plain regions would.
+        """
+        need_outputs = not store or self._refs_pending(gid)
+        stop_at = self._last_needed(gid) if self.spec.early_stop and not need_outputs else None
         self.counter[gid] = 0
         self.runs += 1
-        args, kwargs = self.inputs()
+        if store:
+            self.stored.add(gid)
+            args, kwargs = self.cached_inputs.pop(gid, None) or self.inputs()
+        else:
+            args, kwargs = self.inputs()
+            if self._last_needed() >= 0:  # some saved tensors will be rebuilt later
+                self.cached_inputs[gid] = (args, kwargs)
         mismatches: list[str] = []
         with contextlib.ExitStack() as stack:
             stack.enter_context(_state.recomputing())
             stack.enter_context(self.replay.context())
             stack.enter_context(torch.enable_grad())
-            stack.enter_context(_RecomputeHooks(self, gid, stop_at, mismatches))
+            stack.enter_context(_RecomputeHooks(self, gid, stop_at, mismatches, store))
             if self.contexts is not None:
                 stack.enter_context(self.contexts[1])
             if self.guard:
@@ -322,7 +359,16 @@ class _Frame:
         if need_outputs:
             flat = pytree.tree_leaves(out)
             self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
-            self.out_pending[gid] = max(live_refs, 1)
+            self._fill_from_outputs(gid)
+
+    def _fill_from_outputs(self, gid: int) -> None:
+        """Saved tensors that are outputs come from the output pass, not from another run."""
+        outputs = self.rebuilt_outputs[gid]
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None and holder.out_of is not None and gid not in holder.rebuilt:
+                j, (size, stride, offset) = holder.out_of
+                holder.rebuilt[gid] = outputs[j].as_strided(size, stride, offset)
 
     def _check(self, gid: int, stop_at: int | None, mismatches: list[str]) -> None:
         count = self.counter[gid]
@@ -355,7 +401,8 @@ class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
 class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
     """Collect the tensors a re-run saves into the holders of the forward."""
 
-    def __init__(self, frame: _Frame, gid: int, stop_at: int | None, mismatches: list) -> None:
+    def __init__(self, frame: _Frame, gid: int, stop_at: int | None, mismatches: list,
+                 store: bool) -> None:
         def pack(x: torch.Tensor) -> torch.Tensor:
             index = frame.counter[gid]
             frame.counter[gid] = index + 1
@@ -369,8 +416,8 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
                     f"tensor #{index}{by}: forward {_show_meta(frame.metas[index])}; "
                     f"recomputation {_show_meta(_meta(x))}"
                 )
-            holder = frame.holders[index]()
-            if holder is not None and holder.kept is None:
+            holder = frame.holders[index]() if store else None
+            if holder is not None and holder.kept is None and gid not in holder.rebuilt:
                 holder.rebuilt[gid] = x
             if stop_at is not None and index >= stop_at:
                 raise _Stop
@@ -552,6 +599,7 @@ def close_region(handle: _Handle, output: Any) -> Any:
         return _Reentrant.apply(frame, len(tensors), *tensors, *frame.params)
     flat = pytree.tree_leaves(output)
     if spec.output_recompute:
+        frame.note_outputs(flat)
         _outputs.register(frame, flat)
     elif spec.keep_outputs:
         frame.keep_outputs(flat)
