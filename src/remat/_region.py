@@ -157,6 +157,44 @@ def _parameters(reached: tuple[list, list] | None, inputs: list) -> list:
     return out
 
 
+def _norms_writing_only(modules: list, written: list) -> list:
+    """The batch norms in ``modules`` if their running statistics are all that was written.
+
+    NOTE [Quiet batch norms]: BatchNorm in training mode normalizes with the
+    batch's statistics; its running statistics are only written, never read.
+    If they are the only state the forward wrote, the re-run writes them as
+    usual and their values are put back afterwards (a copy of a few numbers
+    per channel), instead of running every operator under the state guard.
+    """
+    if not written:
+        return []
+    norms, todo = [], list(modules)
+    while todo:
+        module = todo.pop()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            norms.append(module)
+        todo.extend(m for m in module._modules.values() if m is not None)
+    stats = {id(b) for m in norms if m.training and m.track_running_stats
+             for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None}
+    if not all(id(t) in stats for t in written):
+        return []
+    return [m for m in norms if m.training and m.track_running_stats]
+
+
+@contextlib.contextmanager
+def _quiet(norms: list) -> Any:
+    """Put the running statistics of ``norms`` back as they were. See NOTE [Quiet batch norms]."""
+    stats = [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+             if b is not None]
+    before = [b.clone() for b in stats]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in zip(stats, before):
+                b.copy_(value)
+
+
 class _Stop(Exception):
     """Raised inside a re-run once the last needed tensor is rebuilt (NOTE [Early stop])."""
 
@@ -203,7 +241,9 @@ class _Frame:
         self.replay = _rng.capture(tensors, spec.preserve_rng_state)
         reached = _reachable(fn, tensors if self.treespec is None else (args, kwargs))
         self.watch = _state_tensors(reached, tensors) if reached is not None else None
+        self.modules = reached[0] if reached is not None else []
         self.guard = True
+        self.quiet_norms: list = []
         self.holders: list[weakref.ref] = []
         self.metas: list[tuple] = []
         self.out_refs: list[weakref.ref] = []
@@ -347,6 +387,7 @@ class _Frame:
                 stack.enter_context(self.contexts[1])
             if self.guard:
                 stack.enter_context(StateGuard())
+            stack.enter_context(_quiet(self.quiet_norms))
             if self.trace is not None:
                 self.recompute_trace = stack.enter_context(OpTrace())
             _recomputing_fns().append(self.fn)
@@ -460,6 +501,11 @@ class _Reentrant(torch.autograd.Function):
                 f"use use_reentrant=False"
             ) from err
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
+        with _quiet(frame.quiet_norms):  # its inner backward reads the saved statistics
+            return _Reentrant._backward(frame, inputs, grads, in_backward_call)
+
+    @staticmethod
+    def _backward(frame: _Frame, inputs: list, grads: tuple, in_backward_call: bool) -> tuple:
         outs = _rerun_reentrant(frame, inputs)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
         wrt = [x for x in inputs if x.requires_grad]
@@ -590,8 +636,10 @@ def close_region(handle: _Handle, output: Any) -> Any:
     if frame is None:
         return output
     if frame.watch is not None:  # NOTE [Guard only when needed]
-        frame.guard = any(t._version != v for t, v in frame.watch)
+        written = [t for t, v in frame.watch if t._version != v]
         frame.watch = None
+        frame.quiet_norms = _norms_writing_only(frame.modules, written)
+        frame.guard = bool(written) and not frame.quiet_norms
     spec = frame.spec
     if spec.use_reentrant:
         _check_reentrant_outputs(frame.name, output)
