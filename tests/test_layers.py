@@ -13,6 +13,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "remat"
 LAYERS = {
     "_errors": 1, "_policy": 1, "_spec": 1,
     "_state": 2, "_rng": 2, "_modes": 2, "_selective": 2, "_outputs": 2, "_region": 2,
+    "_reach": 2, "_reentrant": 2,
     "_trace_marks": 2,
     "_checkpoint": 3, "_functional": 3, "_marks": 3, "nn": 3, "ops": 3, "ms": 3, "_graph": 3,
     "memory": 4, "_profile": 4, "_estimate": 4, "models": 4, "data": 4, "_demo": 4, "_bench": 4,

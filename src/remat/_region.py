@@ -23,6 +23,11 @@ NOTE [Keep outputs]
 region closes, a holder whose tensor shares storage with one of the region's
 outputs (alive anyway) keeps the tensor instead of waiting for a rebuild.
 
+NOTE [Output recompute] (``_outputs.py``) and NOTE [Output pass] (``_Frame.recompute``)
+say how a region's outputs are not kept either; NOTE [What a region reaches],
+[Guard only when needed] and [Quiet batch norms] (``_reach.py``) how recomputation
+avoids writing module state twice at little cost.
+
 Two implementations share all of this: saved-tensor hooks (``use_reentrant=
 False``) and a custom ``autograd.Function`` (``use_reentrant=True``), which
 runs the forward without grad and the whole region again inside its backward.
@@ -31,10 +36,7 @@ runs the forward without grad and the whole region again inside its backward.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
-import threading
-import types
 import uuid
 import weakref
 from collections.abc import Callable
@@ -43,25 +45,18 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from remat import _outputs, _rng, _state
+from remat import _outputs, _reentrant, _rng, _state
 from remat._errors import RecomputeError
 from remat._modes import OpTrace, StateGuard
 from remat._policy import save_all
+from remat._reach import norms_writing_only, parameters, quiet, reachable, state_tensors
 from remat._selective import policy_context
 from remat._spec import RegionSpec
-
-_local = threading.local()
-
-
-def _recomputing_fns() -> list:
-    if not hasattr(_local, "fns"):
-        _local.fns = []
-    return _local.fns
 
 
 def passes_through(module: Any) -> bool:
     """Return True when ``module`` is being re-run by its own region (its hooks stay quiet)."""
-    fns = _recomputing_fns()
+    fns = _state.recomputing_fns()
     return bool(fns) and fns[-1] is module
 
 
@@ -77,122 +72,6 @@ def _meta(x: torch.Tensor) -> tuple:
 def _show_meta(meta: tuple) -> str:
     shape, dtype, device = meta
     return f"shape {list(shape)}, {str(dtype).replace('torch.', '')}, {device}"
-
-
-def _reachable(fn: Any, args: Any, limit: int = 2000) -> tuple[list, list] | None:
-    """The modules and tensors ``fn`` can reach, or None when ``fn`` is opaque.
-
-    NOTE [What a region reaches]: followed are ``fn`` itself, a bound method's
-    ``__self__``, a function's closure, defaults and the globals it names,
-    ``functools.partial`` arguments, and lists, tuples and dicts of those. The
-    state guard (NOTE [Guard only when needed]) and the reentrant region's
-    parameter inputs use it. A callable object that is not a module, or a walk
-    longer than ``limit``, is opaque.
-    """
-    modules, tensors, seen = [], [], set()
-    todo = [fn, *pytree.tree_leaves(args)]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if len(seen) > limit:
-            return None
-        if isinstance(obj, torch.nn.Module):
-            modules.append(obj)
-        elif isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            todo.extend(obj)
-        elif isinstance(obj, dict):
-            todo.extend(obj.values())
-        elif isinstance(obj, functools.partial):
-            todo.extend([obj.func, *obj.args, *obj.keywords.values()])
-        elif isinstance(obj, types.MethodType):
-            todo.extend([obj.__self__, obj.__func__])
-        elif isinstance(obj, types.FunctionType):
-            todo.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
-            todo.extend(obj.__defaults__ or ())
-            todo.extend((obj.__kwdefaults__ or {}).values())
-            names = obj.__code__.co_names
-            todo.extend(obj.__globals__[n] for n in names if n in obj.__globals__)
-        elif obj is fn:
-            return None
-    return modules, tensors
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        _ = cell.cell_contents
-    except ValueError:
-        return False
-    return True
-
-
-def _state_tensors(reached: tuple[list, list], inputs: list) -> list:
-    """Buffers of the reached modules, reached tensors and inputs, with their versions.
-
-    Parameters are left out: autograd refuses in-place writes to them under grad.
-    """
-    modules, tensors = reached
-    found, todo = list(tensors) + inputs, list(modules)
-    while todo:
-        module = todo.pop()
-        found.extend(b for b in module._buffers.values() if b is not None)
-        todo.extend(m for m in module._modules.values() if m is not None)
-    return [(t, t._version) for t in found]
-
-
-def _parameters(reached: tuple[list, list] | None, inputs: list) -> list:
-    """Leaf tensors requiring grad that ``fn`` reaches and that are not inputs already."""
-    if reached is None:
-        return []
-    modules, tensors = reached
-    taken = {id(t) for t in inputs}
-    out = []
-    for t in [p for m in modules for p in m.parameters()] + tensors:
-        if t.requires_grad and t.is_leaf and id(t) not in taken:
-            taken.add(id(t))
-            out.append(t)
-    return out
-
-
-def _norms_writing_only(modules: list, written: list) -> list:
-    """The batch norms in ``modules`` if their running statistics are all that was written.
-
-    NOTE [Quiet batch norms]: BatchNorm in training mode normalizes with the
-    batch's statistics; its running statistics are only written, never read.
-    If they are the only state the forward wrote, the re-run writes them as
-    usual and their values are put back afterwards (a copy of a few numbers
-    per channel), instead of running every operator under the state guard.
-    """
-    if not written:
-        return []
-    norms, todo = [], list(modules)
-    while todo:
-        module = todo.pop()
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-            norms.append(module)
-        todo.extend(m for m in module._modules.values() if m is not None)
-    stats = {id(b) for m in norms if m.training and m.track_running_stats
-             for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None}
-    if not all(id(t) in stats for t in written):
-        return []
-    return [m for m in norms if m.training and m.track_running_stats]
-
-
-@contextlib.contextmanager
-def _quiet(norms: list) -> Any:
-    """Put the running statistics of ``norms`` back as they were. See NOTE [Quiet batch norms]."""
-    stats = [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
-             if b is not None]
-    before = [b.clone() for b in stats]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, value in zip(stats, before):
-                b.copy_(value)
 
 
 class _Stop(Exception):
@@ -239,8 +118,8 @@ class _Frame:
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         tensors = [leaves[i] for i in self.tensor_slots]
         self.replay = _rng.capture(tensors, spec.preserve_rng_state)
-        reached = _reachable(fn, tensors if self.treespec is None else (args, kwargs))
-        self.watch = _state_tensors(reached, tensors) if reached is not None else None
+        reached = reachable(fn, tensors if self.treespec is None else (args, kwargs))
+        self.watch = state_tensors(reached, tensors) if reached is not None else None
         self.modules = reached[0] if reached is not None else []
         self.guard = True
         self.quiet_norms: list = []
@@ -258,7 +137,7 @@ class _Frame:
         self.pending: Any = None
         if spec.use_reentrant:
             self.pending_inputs = tensors  # handed to _Reentrant.apply, which saves them
-            self.params = _parameters(reached, tensors)
+            self.params = parameters(reached, tensors)
             self.opaque = reached is None
         else:
             self._save_inputs(tensors)
@@ -293,19 +172,13 @@ class _Frame:
             holder.saved_by = self.trace.last_op
         return holder
 
-    def keep_outputs(self, flat_outputs: list) -> None:
-        """NOTE [Keep outputs]: holders whose tensor shares storage with an output keep it."""
-        keys = {t.untyped_storage()._cdata for t in flat_outputs if isinstance(t, torch.Tensor)}
-        for ref in self.holders:
-            holder = ref()
-            if holder is None or holder.probe is None:
-                continue
-            x, holder.probe = holder.probe(), None
-            if x is not None and x.untyped_storage()._cdata in keys:
-                holder.kept = x.detach()
+    def settle_outputs(self, flat_outputs: list) -> None:
+        """Match saved tensors with the outputs, once the region has returned.
 
-    def note_outputs(self, flat_outputs: list) -> None:
-        """NOTE [Output pass]: remember which saved tensors are (views of) outputs."""
+        A holder whose tensor shares storage with an output keeps it (NOTE [Keep
+        outputs]) or, under ``output_recompute``, will take it from the output
+        pass (NOTE [Output pass]).
+        """
         where = {t.untyped_storage()._cdata: j for j, t in enumerate(flat_outputs)
                  if isinstance(t, torch.Tensor)}
         for ref in self.holders:
@@ -314,8 +187,12 @@ class _Frame:
                 continue
             x, holder.probe = holder.probe(), None
             j = where.get(x.untyped_storage()._cdata) if x is not None else None
-            if j is not None and x.dtype == flat_outputs[j].dtype:
+            if j is None or x.dtype != flat_outputs[j].dtype:
+                continue
+            if self.spec.output_recompute:
                 holder.out_of = (j, (tuple(x.shape), x.stride(), x.storage_offset()))
+            else:
+                holder.kept = x.detach()
 
     def add_output_ref(self, ref: _outputs.OutputRef) -> None:
         self.out_refs.append(weakref.ref(ref))
@@ -387,11 +264,11 @@ class _Frame:
                 stack.enter_context(self.contexts[1])
             if self.guard:
                 stack.enter_context(StateGuard())
-            stack.enter_context(_quiet(self.quiet_norms))
+            stack.enter_context(quiet(self.quiet_norms))
             if self.trace is not None:
                 self.recompute_trace = stack.enter_context(OpTrace())
-            _recomputing_fns().append(self.fn)
-            stack.callback(_recomputing_fns().pop)
+            _state.recomputing_fns().append(self.fn)
+            stack.callback(_state.recomputing_fns().pop)
             try:
                 out = self.fn(*args, **kwargs)
             except _Stop:
@@ -467,108 +344,6 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, lambda x: x)
 
 
-class _Reentrant(torch.autograd.Function):
-    """``use_reentrant=True``: the forward ran without grad; backward re-runs the region.
-
-    The parameters the region reaches (NOTE [What a region reaches]) are inputs
-    of this Function too, so ``torch.autograd.grad`` gets their gradients (torch's
-    reentrant checkpoint refuses ``torch.autograd.grad``).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, frame: _Frame, n_inputs: int, *tensors: torch.Tensor) -> Any:
-        ctx.frame, ctx.n_inputs = frame, n_inputs
-        ctx.save_for_backward(*tensors[:n_inputs])
-        out, frame.pending = frame.pending, None
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        frame: _Frame = ctx.frame
-        in_backward_call = torch.autograd._is_checkpoint_valid()
-        if not in_backward_call and frame.opaque:
-            raise RecomputeError(
-                f"remat: region '{frame.name}' uses use_reentrant=True and remat cannot see which "
-                f"parameters it uses, so it does not work with torch.autograd.grad or "
-                f"backward(inputs=...); pass a module, or use use_reentrant=False"
-            )
-        try:
-            tensors = ctx.saved_tensors
-        except RuntimeError as err:
-            raise RecomputeError(
-                f"remat: backward ran a second time through reentrant region '{frame.name}' after "
-                f"its saved inputs were freed; pass retain_graph=True to the first backward, or "
-                f"use use_reentrant=False"
-            ) from err
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
-        with _quiet(frame.quiet_norms):  # its inner backward reads the saved statistics
-            return _Reentrant._backward(frame, inputs, grads, in_backward_call)
-
-    @staticmethod
-    def _backward(frame: _Frame, inputs: list, grads: tuple, in_backward_call: bool) -> tuple:
-        outs = _rerun_reentrant(frame, inputs)
-        pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
-        wrt = [x for x in inputs if x.requires_grad]
-        if in_backward_call:  # parameters accumulate as in any backward
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            input_grads = [x.grad if x.requires_grad else None for x in inputs]
-            return (None, None, *input_grads) + (None,) * len(frame.params)
-        wrt = wrt + frame.params
-        found = torch.autograd.grad(
-            [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
-        ) if pairs and wrt else [None] * len(wrt)
-        by_id = {id(t): g for t, g in zip(wrt, found)}
-        input_grads = [by_id.get(id(x)) for x in inputs]
-        return (None, None, *input_grads, *[by_id.get(id(p)) for p in frame.params])
-
-
-def _rerun_reentrant(frame: _Frame, inputs: list) -> tuple:
-    leaves = list(frame.leaves)
-    for slot, x in zip(frame.tensor_slots, inputs):
-        leaves[slot] = x
-    args, kwargs = frame.unflatten(leaves)
-    frame.runs += 1
-    guard = StateGuard() if frame.guard else contextlib.nullcontext()
-    with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard:
-        _recomputing_fns().append(frame.fn)
-        try:
-            out = frame.fn(*args, **kwargs)
-        finally:
-            _recomputing_fns().pop()
-    return out if isinstance(out, tuple) else (out,)
-
-
-def _check_reentrant_args(name: str, args: tuple, kwargs: dict) -> None:
-    if kwargs:
-        pass  # keyword arguments are saved like positional ones
-    for position, arg in enumerate(args):
-        if isinstance(arg, torch.Tensor):
-            continue
-        nested = [x for x in pytree.tree_leaves(arg) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if nested:
-            raise TypeError(
-                f"remat: region '{name}' (use_reentrant=True) got argument {position} of type "
-                f"{type(arg).__name__} holding {len(nested)} tensor(s) that require grad; the "
-                f"reentrant implementation cannot differentiate tensors inside lists, tuples or "
-                f"dicts; pass them as separate arguments or use use_reentrant=False"
-            )
-
-
-def _check_reentrant_outputs(name: str, out: Any) -> None:
-    outs = out if isinstance(out, tuple) else (out,)
-    for position, item in enumerate(outs):
-        if isinstance(item, torch.Tensor):
-            continue
-        if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(item)):
-            raise TypeError(
-                f"remat: region '{name}' (use_reentrant=True) returned output {position} of type "
-                f"{type(item).__name__} holding tensors; the reentrant implementation cannot "
-                f"differentiate tensors inside lists, tuples or dicts; return them directly "
-                f"(a flat tuple) or use use_reentrant=False"
-            )
-
-
 class _Handle:
     """An open region: what close_region needs to finish it."""
 
@@ -604,7 +379,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
     if not torch.is_grad_enabled() or spec.policy == save_all:
         return _Handle(None, stack)
     if spec.use_reentrant:
-        _check_reentrant_args(name, args, kwargs)
+        _reentrant.check_args(name, args, kwargs)
     frame = _Frame(fn, args, kwargs, spec, name, _contexts(spec, context_fn))
     try:
         if spec.use_reentrant:
@@ -638,19 +413,18 @@ def close_region(handle: _Handle, output: Any) -> Any:
     if frame.watch is not None:  # NOTE [Guard only when needed]
         written = [t for t, v in frame.watch if t._version != v]
         frame.watch = None
-        frame.quiet_norms = _norms_writing_only(frame.modules, written)
+        frame.quiet_norms = norms_writing_only(frame.modules, written)
         frame.guard = bool(written) and not frame.quiet_norms
     spec = frame.spec
     if spec.use_reentrant:
-        _check_reentrant_outputs(frame.name, output)
+        _reentrant.check_outputs(frame.name, output)
         frame.pending, tensors, frame.pending_inputs = output, frame.pending_inputs, []
-        return _Reentrant.apply(frame, len(tensors), *tensors, *frame.params)
+        return _reentrant.Reentrant.apply(frame, len(tensors), *tensors, *frame.params)
     flat = pytree.tree_leaves(output)
+    if spec.output_recompute or spec.keep_outputs:
+        frame.settle_outputs(flat)
     if spec.output_recompute:
-        frame.note_outputs(flat)
         _outputs.register(frame, flat)
-    elif spec.keep_outputs:
-        frame.keep_outputs(flat)
     return output
 
 

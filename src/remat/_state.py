@@ -15,6 +15,13 @@ from collections.abc import Iterator
 _local = threading.local()
 
 
+def recomputing_fns() -> list:
+    """The functions being re-run in this thread, innermost last (used by the engine)."""
+    if not hasattr(_local, "fns"):
+        _local.fns = []
+    return _local.fns
+
+
 def is_recomputing() -> bool:
     """Return True while remat is re-running a region to rebuild saved tensors."""
     return getattr(_local, "recompute_depth", 0) > 0
