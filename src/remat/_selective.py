@@ -44,6 +44,7 @@ class _Store:
 
     def __init__(self) -> None:
         self.kept: dict[Any, dict[int, Any]] = defaultdict(dict)
+        self.count: dict[Any, int] = {}  # calls seen in forward, per operator
 
 
 class SaveMode(TorchDispatchMode):
@@ -59,6 +60,7 @@ class SaveMode(TorchDispatchMode):
         if _keeps(self.policy, func):
             index = self.calls[func]
             self.calls[func] += 1
+            self.store.count[func] = index + 1
             self.store.kept[func][index] = pytree.tree_map_only(
                 torch.Tensor, lambda t: (_alias(t), t._version), out
             )
@@ -84,11 +86,13 @@ class ReplayMode(TorchDispatchMode):
         self.calls[func] += 1
         kept = self.store.kept.get(func, {})
         if index not in kept:
+            if index < self.store.count.get(func, 0):  # handed back to an earlier backward
+                return func(*args, **(kwargs or {}))
             raise RecomputeError(
                 f"remat selective recompute: {func} call #{index} ran in recomputation but "
                 f"not in forward (policy {self.policy!r}); the region is not deterministic"
             )
-        entry = kept[index]
+        entry = kept.pop(index)  # handed back once; a later backward rebuilds it
         stored = [t for t in pytree.tree_leaves(entry, is_leaf=_is_pair) if _is_pair(t)]
         if any(t._version != version for t, version in stored):
             return func(*args, **(kwargs or {}))  # changed in place after forward: rebuild it
