@@ -8,9 +8,11 @@ import torch
 import remat
 from remat._bench import (
     BASELINE,
+    COMPILED,
     CONFIGURATIONS,
     BenchConfig,
     configure,
+    preparer,
     render_markdown,
     run_bench,
     schedule,
@@ -32,9 +34,9 @@ def test_schedule_puts_every_configuration_next_to_a_baseline(count, round_index
     assert plan[0][0] == BASELINE
 
 
-def _gradients(model, x, y):
+def _gradients(model, x, y, forward=None):
     model.zero_grad(set_to_none=True)
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    torch.nn.functional.cross_entropy((model if forward is None else forward)(x), y).backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -44,11 +46,18 @@ def test_every_configuration_gives_the_baseline_gradients_and_switches_back():
     model = work.build()
     x, y = work.inputs()
     expected = _gradients(model, x, y)
-    for name in CONFIGURATIONS:
+    eager = [name for name in CONFIGURATIONS if name not in COMPILED]
+    for name in eager:
         configure(model, name)
         for got, want in zip(_gradients(model, x, y), expected):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     configure(model, BASELINE)
+    prepare = preparer(model, list(CONFIGURATIONS))
+    for name in CONFIGURATIONS:  # compiled ones on configured copies, eager ones on model
+        module, forward = prepare(name)
+        for got, want in zip(_gradients(module, x, y, forward), expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    prepare(BASELINE)
     assert remat.marked_modules(model) == {}
     assert all("forward" not in block.__dict__ for block in model.recompute_blocks())
     with pytest.raises(ValueError, match="unknown configuration"):
@@ -69,6 +78,9 @@ def test_bench_smoke_run_writes_json_and_markdown(tmp_path):
         assert rows["remat output_recompute"]["kept_bytes"] < rows["remat cell marks"]["kept_bytes"]
         assert rows["remat cell marks"]["vs_torch"]["against"] == "torch non-reentrant"
         assert rows["torch reentrant"]["pairs"] == 1
+        compiled = rows["compiled remat cell marks"]
+        assert compiled["kept_bytes"] < rows["compiled none"]["kept_bytes"]
+        assert compiled["peak_bytes"] < rows["compiled none"]["peak_bytes"]
     markdown = (tmp_path / "bench_quick.md").read_text()
     assert markdown == render_markdown(saved)
     assert all(name in markdown for name in CONFIGURATIONS)

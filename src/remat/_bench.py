@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import json
@@ -49,12 +50,26 @@ CONFIGURATIONS = (
     "remat output_recompute",
     "remat selective",
     "remat primitive marks",
+    "compiled none",
+    "compiled remat cell marks",
+    "compiled torch non-reentrant",
 )
+#: Compiled configurations: ``remat.compile`` (unmarked: the compiled baseline; marked) and
+#: ``torch.compile`` over ``torch.utils.checkpoint`` on the same blocks. Their peaks come
+#: from allocator events (the tracker's dispatch mode would make Dynamo run eagerly) and
+#: their memory ratios are to ``compiled none``.
+COMPILED = {
+    "compiled none": (BASELINE, "remat"),
+    "compiled remat cell marks": ("remat cell marks", "remat"),
+    "compiled torch non-reentrant": ("torch non-reentrant", "torch"),
+}
+COMPILED_BASELINE = "compiled none"
 #: For each remat configuration, the torch configuration with the same marks.
 TORCH_EQUIVALENT = {
     "remat cell marks": "torch non-reentrant",
     "remat output_recompute": "torch non-reentrant",
     "remat selective": "torch non-reentrant",
+    "compiled remat cell marks": "compiled torch non-reentrant",
 }
 
 
@@ -181,16 +196,48 @@ class BenchConfig:
     readme: str | None = "docs/sections/demo.md"
 
 
-def _step(model: torch.nn.Module, workload: Workload, x: torch.Tensor, y: torch.Tensor) -> None:
-    model.zero_grad(set_to_none=True)
-    workload.loss(model(x), y).backward()
+Prepare = Callable[[str], tuple[torch.nn.Module, Callable]]
 
 
-def _timed(model: torch.nn.Module, workload: Workload, x: torch.Tensor, y: torch.Tensor,
+def preparer(model: torch.nn.Module, configs: list[str], backend: str = "aot_eager") -> Prepare:
+    """Return ``prepare(name) -> (module, step function)`` for the configurations ``configs``.
+
+    Eager configurations reconfigure ``model`` itself; each compiled one gets a
+    configured deep copy, compiled once here.
+    """
+    from remat._graph._compare import compile_configuration
+
+    compiled = {}
+    for name in configs:
+        if name in COMPILED:
+            eager_name, compiler = COMPILED[name]
+            configure(model, BASELINE)
+            twin = copy.deepcopy(model)
+            configure(twin, eager_name)
+            compiled[name] = (twin, compile_configuration(twin, compiler, backend=backend))
+    configure(model, BASELINE)
+
+    def prepare(name: str) -> tuple[torch.nn.Module, Callable]:
+        if name in compiled:
+            return compiled[name]
+        configure(model, name)
+        return model, model
+
+    return prepare
+
+
+def _step(target: tuple[torch.nn.Module, Callable], workload: Workload, x: torch.Tensor,
+          y: torch.Tensor) -> None:
+    module, forward = target
+    module.zero_grad(set_to_none=True)
+    workload.loss(forward(x), y).backward()
+
+
+def _timed(prepare: Prepare, workload: Workload, x: torch.Tensor, y: torch.Tensor,
            name: str) -> float:
-    configure(model, name)
+    target = prepare(name)
     start = time.perf_counter()
-    _step(model, workload, x, y)
+    _step(target, workload, x, y)
     return time.perf_counter() - start
 
 
@@ -218,12 +265,12 @@ def schedule(configs: list[str], round_index: int) -> list[tuple[str, int]]:
     return plan
 
 
-def time_round(model: torch.nn.Module, workload: Workload, x: torch.Tensor, y: torch.Tensor,
+def time_round(prepare: Prepare, workload: Workload, x: torch.Tensor, y: torch.Tensor,
                configs: list[str], round_index: int) -> tuple[dict[str, float], list[float]]:
     """Run one round of :func:`schedule`; return each configuration's pair ratio and the
     baseline's step times."""
     plan = schedule(configs, round_index)
-    times = [_timed(model, workload, x, y, name) for name, _ in plan]
+    times = [_timed(prepare, workload, x, y, name) for name, _ in plan]
     ratios = {name: times[i] / times[base] for i, (name, base) in enumerate(plan) if base >= 0}
     return ratios, [t for t, (name, base) in zip(times, plan) if base < 0]
 
@@ -235,13 +282,27 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def measure_memory(model: torch.nn.Module, workload: Workload, x: torch.Tensor,
+def measure_memory(prepare: Prepare, workload: Workload, x: torch.Tensor,
                    y: torch.Tensor, name: str) -> dict:
-    """Peak bytes of one step (exact tracker) and kept bytes of one forward, for ``name``."""
-    configure(model, name)
-    peak = peak_bytes(lambda: _step(model, workload, x, y), model, x.device)
-    model.zero_grad(set_to_none=True)
-    kept = kept_bytes(lambda: workload.loss(model(x), y))
+    """Peak bytes of one step and kept bytes of one forward, for ``name``.
+
+    Eager: the exact tracker and ``saved_bytes``. Compiled: allocator events and the
+    saved bytes the graph pass reports (None for ``torch.compile``).
+    """
+    target = prepare(name)
+    module, forward = target
+    if name in COMPILED:
+        from remat._graph._compare import allocation_peak
+
+        module.zero_grad(set_to_none=True)
+        peak = allocation_peak(lambda: _step(target, workload, x, y))
+        reports = getattr(forward, "remat_reports", None)
+        kept = int(reports[0].saved_bytes) if reports else None  # the first (static) graph
+        return {"peak_bytes": peak, "peak_increase_bytes": peak,
+                "peak_source": "allocator events (torch.profiler)", "kept_bytes": kept}
+    peak = peak_bytes(lambda: _step(target, workload, x, y), module, x.device)
+    module.zero_grad(set_to_none=True)
+    kept = kept_bytes(lambda: workload.loss(forward(x), y))
     return {"peak_bytes": peak["peak_bytes"], "peak_increase_bytes": peak["peak_increase_bytes"],
             "peak_source": peak["source"], "kept_bytes": kept}
 
@@ -252,12 +313,12 @@ def bench_workload(config: BenchConfig, workload: Workload, advance: Callable[[]
     model = workload.build()
     x, y = workload.inputs()
     configs = [c for c in config.configurations if c != BASELINE]
+    prepare = preparer(model, configs)
     rows: dict[str, dict] = {}
     for name in [BASELINE, *configs]:
-        configure(model, name)
         for _ in range(config.warmup):
-            _step(model, workload, x, y)
-        rows[name] = measure_memory(model, workload, x, y, name)
+            _step(prepare(name), workload, x, y)
+        rows[name] = measure_memory(prepare, workload, x, y, name)
         advance()
     ratios: dict[str, list[list[float]]] = {c: [] for c in configs}
     baseline_times: list[float] = []
@@ -267,7 +328,7 @@ def bench_workload(config: BenchConfig, workload: Workload, advance: Callable[[]
         gc.disable()
         try:
             for r in range(config.pairs):
-                pair_ratios, base_times = time_round(model, workload, x, y, configs, r)
+                pair_ratios, base_times = time_round(prepare, workload, x, y, configs, r)
                 baseline_times += base_times
                 for name, ratio in pair_ratios.items():
                     trial[name].append(ratio)
@@ -286,8 +347,9 @@ def _summarise(rows: dict[str, dict], ratios: dict[str, list[list[float]]]) -> N
     base = rows[BASELINE]
     base.update(time_ratio=1.0, time_q1=1.0, time_q3=1.0, trial_medians=[1.0])
     for name, row in rows.items():
+        reference = rows.get(COMPILED_BASELINE, base) if name in COMPILED else base
         for key in ("peak_bytes", "kept_bytes"):
-            a, b = row[key], base[key]
+            a, b = row[key], reference[key]
             row[key.replace("_bytes", "_ratio")] = a / b if a is not None and b else None
         if name == BASELINE:
             continue
@@ -422,7 +484,9 @@ def render_markdown(result: dict) -> str:
         f"configuration, {m['trials']} trials x {m['pairs']} pairs, gc off while timing; "
         f"memory: {result['memory_source'] or 'tracker not available'} (peak of one step) and "
         f"remat.memory.saved_bytes (kept for backward). Time: median of the pair ratios "
-        f"[quartiles]. vs torch: remat / torch non-reentrant on the same blocks. "
+        f"[quartiles]. vs torch: remat / torch non-reentrant on the same blocks. Compiled "
+        f"rows (backend aot_eager): peak from allocator events, memory ratios to 'compiled "
+        f"none' (remat.compile without marks), kept = what the compiled graph saves. "
         f"Total {result['seconds']:.0f} s."),
         "",
     ]
