@@ -6,7 +6,6 @@
 import copy
 
 import torch
-import torch.nn.functional as F
 
 import remat
 
@@ -21,9 +20,10 @@ class Block(torch.nn.Module):
         super().__init__()
         self.ln = torch.nn.LayerNorm(D)
         self.fc1, self.fc2 = torch.nn.Linear(D, 4 * D), torch.nn.Linear(4 * D, D)
+        self.act = torch.nn.GELU()
 
     def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        return x + self.fc2(self.act(self.fc1(self.ln(x))))
 
 
 model = torch.nn.Sequential(*[Block() for _ in range(4)])
@@ -55,10 +55,11 @@ selective = copy.deepcopy(model)
 remat.apply(selective, where=Block, policy=remat.save_compute_intensive)
 rows.append(("... policy=save_compute_intensive", kept(selective)))
 
-# 2. operator marks: every GELU's output is rebuilt from its input
+# 2. operator marks (MindSpore's Primitive.recompute): every GELU's output is not kept,
+#    even by fc2 which saves it; it is rebuilt from GELU's input when backward needs it
 ops = copy.deepcopy(model)
-remat.apply(ops, where=lambda name, m: name.endswith("fc1"), output_recompute=True)
-rows.append(("fc1 marked output_recompute (op-level)", kept(ops)))
+remat.apply(ops, where=torch.nn.GELU, output_recompute=True)
+rows.append(("remat.apply(model, where=nn.GELU, output_recompute=True)", kept(ops)))
 
 
 # 3. functional: remat.recompute(block, x) inside forward
@@ -71,9 +72,9 @@ def functional(m):
 
 rows.append(("remat.recompute(block, h) per block", kept(model, lambda: functional(model))))
 
-print(f"{'marks':42} {'kept for backward':>18} {'vs none':>8}")
+print(f"{'marks':58} {'kept for backward':>18} {'vs none':>8}")
 for name, nbytes in rows:
-    print(f"{name:42} {nbytes / 2**20:14.1f} MiB {nbytes / plain:8.2f}")
+    print(f"{name:58} {nbytes / 2**20:14.1f} MiB {nbytes / plain:8.2f}")
 
 reference = grads(model, lambda m: m(x).pow(2).mean())
 for name, m in [("cells", cells), ("cells+output_recompute", cells_out), ("selective", selective), ("op", ops)]:
