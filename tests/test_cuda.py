@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ def test_cuda_rng_of_the_caller_is_untouched():
 
 def test_batch_norm_statistics_once_on_cuda():
     block = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4)).cuda()
-    twin = __import__("copy").deepcopy(block)
+    twin = copy.deepcopy(block)
     x = torch.randn(2, 4, 6, 6, device="cuda", requires_grad=True)
     block(x).sum().backward()
     remat.checkpoint(twin, x, use_reentrant=False).sum().backward()
