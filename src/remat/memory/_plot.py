@@ -85,8 +85,9 @@ def plot_timeline(runs: Sequence[Any], path: str, *, title: str = "Memory over o
         main.plot(xs, ys, color=color, lw=1.4, label=f"{name} (peak {max(ys):,.1f} MiB)")
         top = max(range(len(ys)), key=ys.__getitem__)
         main.plot([xs[top]], [ys[top]], marker="v", color=color, ms=8)
-        main.annotate(f"{ys[top]:,.1f} MiB", (xs[top], ys[top]), textcoords="offset points",
-                      xytext=(-40, 8 + 12 * i), color=color, fontsize=8)
+        if len(series) == 1:  # with several lines the legend gives each peak
+            main.annotate(f"{ys[top]:,.1f} MiB", (xs[top], ys[top]), textcoords="offset points",
+                          xytext=(-40, 8), color=color, fontsize=8)
         strip = axes[1 + i]
         for start, end, phase in _phase_spans(timeline):
             strip.axvspan(start, end, color=PHASE_COLORS.get(phase, "#bbbbbb"), lw=0)
