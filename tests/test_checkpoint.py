@@ -446,3 +446,23 @@ def test_kept_output_changed_in_place_is_rebuilt_not_replayed():
     ctx = remat.policy_context(remat.save_compute_intensive)
     remat.checkpoint(f, x, use_reentrant=False, context_fn=ctx).sum().backward()
     assert torch.equal(x.grad, expected)
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+def test_swapping_the_import_trains_identically_to_torch(reentrant):
+    """Three optimizer steps of a dropout transformer: remat.checkpoint == torch's, bitwise."""
+
+    def train(checkpoint):
+        torch.manual_seed(5)
+        blocks = torch.nn.ModuleList(TransformerBlock() for _ in range(2))
+        opt = torch.optim.AdamW(blocks.parameters(), lr=1e-2)
+        for step in range(3):
+            x = torch.randn(2, 5, 16, requires_grad=reentrant)
+            for block in blocks:
+                x = checkpoint(block, x, use_reentrant=reentrant)
+            opt.zero_grad()
+            x.pow(2).mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in blocks.parameters()]
+
+    assert_same(train(tuc.checkpoint), train(remat.checkpoint))
