@@ -17,7 +17,7 @@ Example:
     >>> from remat._bench import BenchConfig, run_bench
     >>> result = run_bench(BenchConfig(quick=True, pairs=1, trials=1, warmup=1,
     ...                                workloads=("gpt",), out_dir=None), progress=False)
-    >>> sorted(result["workloads"][0]["rows"])[0]
+    >>> list(result["workloads"][0]["rows"])[0]
     'none'
 """
 

@@ -204,7 +204,15 @@ def unmark(model: torch.nn.Module) -> list[str]:
 
 
 def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
-    """Return ``{qualified name: options}`` of every marked module in ``model``."""
+    """Return ``{qualified name: options}`` of every marked module in ``model``.
+
+    Example:
+        >>> import torch, remat
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> _ = remat.apply(model, where=torch.nn.ReLU, output_recompute=True)
+        >>> {name: spec.output_recompute for name, spec in remat.marked_modules(model).items()}
+        {'1': True}
+    """
     return {n: s for n, m in model.named_modules() if (s := mark_of(m)) is not None}
 
 

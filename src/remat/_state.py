@@ -23,7 +23,19 @@ def recomputing_fns() -> list:
 
 
 def is_recomputing() -> bool:
-    """Return True while remat is re-running a region to rebuild saved tensors."""
+    """Return True while remat is re-running a region to rebuild saved tensors.
+
+    Example:
+        >>> import torch, remat
+        >>> seen = []
+        >>> def block(x):
+        ...     seen.append(remat.is_recomputing())
+        ...     return x.sin()
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> remat.checkpoint(block, x, use_reentrant=False).sum().backward()
+        >>> seen
+        [False, True]
+    """
     return getattr(_local, "recompute_depth", 0) > 0
 
 
