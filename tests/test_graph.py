@@ -12,10 +12,10 @@ import re
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import remat
 from remat import ops
+from remat._graph import _compare
 from remat.models import resnet
 
 torch.set_num_threads(1)
@@ -60,19 +60,9 @@ def dump_lines(report, stage: str) -> list[str]:
 
 
 def allocation_peak(fn, x: torch.Tensor) -> int:
-    """Peak bytes allocated above the start by ``fn(x).sum().backward()``, from the CPU allocator's events.
-
-    ``remat.memory.track`` is a TorchDispatchMode, under which Dynamo runs frames
-    eagerly; the profiler's allocator events see compiled code too.
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn(x).sum().backward()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = top = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        top = max(top, live)
-    return top
+    """Peak bytes allocated above the start by ``fn(x).sum().backward()`` (allocator events;
+    ``remat.memory.track`` would make Dynamo run the frames eagerly)."""
+    return _compare.allocation_peak(lambda: fn(x).sum().backward())
 
 
 # --- seed MLP -----------------------------------------------------------------
