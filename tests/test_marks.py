@@ -261,3 +261,33 @@ def test_exception_in_marked_forward_leaves_no_hooks_behind():
     block.recompute()
     x = torch.randn(B, W, requires_grad=True)
     assert kept(block, x) == ACT  # the next marked call works normally
+
+
+def test_a_marked_module_that_fails_to_open_leaves_the_outer_region_intact():
+    outer, inner = ReluBlock(), torch.nn.Linear(W, W)
+    outer.recompute()
+    remat.recompute_module(inner, use_reentrant=True)
+    bad = [torch.randn(2, W, requires_grad=True)]  # a list: the reentrant region refuses it
+
+    class Wrapper(remat.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.outer, self.inner = outer, inner
+
+        def construct(self, x):
+            mine = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            with pytest.raises(TypeError, match="inside lists"):
+                self.inner(bad)
+            # the wrapper's own region is still open: its hooks are still on top
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False) == mine
+            return self.outer(x)
+
+    wrapper = Wrapper()
+    wrapper.recompute()
+    x = torch.randn(B, W, requires_grad=True)
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    y = wrapper(x)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) == top
+    y.sum().backward()
+    expected = torch.autograd.grad(torch.relu(outer.fc(x)).sum(), x)[0]
+    assert torch.equal(x.grad, expected)

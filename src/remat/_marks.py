@@ -232,8 +232,9 @@ def _enter_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     if spec is None or _region.passes_through(module):
         _stack().append(None)
         return
-    name = type(module).__name__
-    _stack().append(_region.open_region(module, args, kwargs, spec, name=name))
+    stack = _stack()
+    stack.append(None)  # the exit hook pops one entry even if opening fails
+    stack[-1] = _region.open_region(module, args, kwargs, spec, name=type(module).__name__)
     return
 
 
