@@ -291,3 +291,18 @@ def test_a_marked_module_that_fails_to_open_leaves_the_outer_region_intact():
     y.sum().backward()
     expected = torch.autograd.grad(torch.relu(outer.fc(x)).sum(), x)[0]
     assert torch.equal(x.grad, expected)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_marked_model_in_inference_runs_plainly(context):
+    model = chain(MLPBlock, output_recompute=True)
+    plain = copy.deepcopy(model)
+    remat.unmark(plain)
+    x = torch.randn(B, W)
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    before = _state.recompute_count()
+    with context():
+        assert torch.equal(model(x), plain(x))
+    assert _state.recompute_count() == before
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) == top
+    assert _outputs._registry == {}
