@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import remat
-from remat._bench import (
+from remat.cli import main
+from remat.cli._bench import (
     BASELINE,
     COMPILED,
     CONFIGURATIONS,
@@ -18,7 +19,6 @@ from remat._bench import (
     schedule,
     workloads,
 )
-from remat.cli import main
 
 
 @pytest.mark.parametrize("count", [1, 2, 5, 6])
@@ -98,7 +98,7 @@ def test_bench_command_line_refuses_bad_settings(tmp_path):
 
 
 def test_the_readme_table_is_rewritten_between_its_markers(tmp_path):
-    from remat._bench import BEGIN, END, include_markdown
+    from remat.cli._bench_report import BEGIN, END, include_markdown
 
     readme = tmp_path / "demo.md"
     readme.write_text(f"intro\n{BEGIN}\nold table\n{END}\noutro\n")

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
 
 import remat
-from remat import _outputs, _state
+from remat._engine import outputs as _outputs
+from remat._engine import state as _state
 from tests.helpers import TransformerBlock, assert_same, step_grads
 
 MODES = [False, True]  # use_reentrant
@@ -416,7 +417,7 @@ def test_same_bytes_kept_as_torch_checkpoint():
 def test_no_engine_object_outlives_its_graph(options):
     import gc
 
-    from remat import _region
+    from remat._engine import region as _region
 
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)])
     remat.apply(model, where=lambda name, m: name in ("0", "1", "2"), **options)

@@ -5,8 +5,8 @@ import json
 import torch
 
 import remat
-from remat._demo import CONFIGURATIONS, DemoConfig, build_model, run_demo
 from remat.cli import main
+from remat.cli._demo import CONFIGURATIONS, DemoConfig, build_model, run_demo
 from remat.data import load_cifar10
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import remat
-from remat._estimate import build_model
+from remat.memory.estimate import build_model
 from remat.models.llama import Llama, LlamaConfig, llama_7b, next_token_loss
 
 torch.set_num_threads(1)

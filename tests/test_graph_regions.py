@@ -11,10 +11,10 @@ import torch
 from torch import fx
 
 import remat
+from remat._engine.trace_marks import decode_spec, encode_spec, run_marked
 from remat._graph._cse import eliminate_common_subexpressions
 from remat._graph._regions import clean_path
 from remat._spec import RegionSpec
-from remat._trace_marks import decode_spec, encode_spec, run_marked
 
 torch.set_num_threads(1)
 

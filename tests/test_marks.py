@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat import _outputs, _state
+from remat._engine import outputs as _outputs
+from remat._engine import state as _state
 from tests import helpers
 from tests.helpers import assert_same, step_grads
 

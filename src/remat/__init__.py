@@ -12,16 +12,16 @@ Example:
 
 from remat import memory, nn, ops
 from remat._checkpoint import checkpoint, checkpoint_sequential
+from remat._engine.selective import policy_context
+from remat._engine.state import is_recomputing
 from remat._errors import CheckpointError, RecomputeError
-from remat._estimate import estimate
 from remat._functional import recompute
 from remat._graph import compile
 from remat._marks import apply, mark_of, marked_modules, recompute_module, unmark
 from remat._policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
-from remat._profile import profile
-from remat._selective import policy_context
 from remat._spec import RegionSpec
-from remat._state import is_recomputing
+from remat.memory.estimate import estimate
+from remat.memory.profile import profile
 
 __version__ = "0.1.0"
 

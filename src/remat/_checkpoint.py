@@ -3,7 +3,7 @@
 Same signatures, defaults, warnings and errors as ``torch.utils.checkpoint`` in
 torch 2.13, with one deliberate difference: recomputation does not update module
 state a second time (BatchNorm running statistics, ``num_batches_tracked``, any
-buffer written in place). See NOTE [No double state updates] in ``_modes.py``.
+buffer written in place). See NOTE [No double state updates] in ``_engine/modes.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from remat import _region
+from remat._engine import region as _region
 from remat._errors import describe
 from remat._spec import DETERMINISM_CHECKS, RegionSpec
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from remat import _region
+from remat._engine import region as _region
 from remat._errors import check_bool, describe
 from remat._spec import RegionSpec
 from remat.ops import Primitive

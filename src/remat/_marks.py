@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from remat import _region
+from remat._engine import region as _region
 from remat._errors import check_bool, check_keywords
 from remat._policy import Policy
 from remat._spec import RegionSpec

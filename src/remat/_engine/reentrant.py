@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from remat import _state
+from remat._engine import state as _state
+from remat._engine.modes import StateGuard
+from remat._engine.reach import quiet
 from remat._errors import RecomputeError
-from remat._modes import StateGuard
-from remat._reach import quiet
 
 
 class Reentrant(torch.autograd.Function):

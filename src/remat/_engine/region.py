@@ -23,9 +23,9 @@ NOTE [Keep outputs]
 region closes, a holder whose tensor shares storage with one of the region's
 outputs (alive anyway) keeps the tensor instead of waiting for a rebuild.
 
-NOTE [Output recompute] (``_outputs.py``) and NOTE [Output pass] (``_Frame.recompute``)
+NOTE [Output recompute] (``outputs.py``) and NOTE [Output pass] (``_Frame.recompute``)
 say how a region's outputs are not kept either; NOTE [What a region reaches],
-[Guard only when needed] and [Quiet batch norms] (``_reach.py``) how recomputation
+[Guard only when needed] and [Quiet batch norms] (``reach.py``) how recomputation
 avoids writing module state twice at little cost.
 
 Two implementations share all of this: saved-tensor hooks (``use_reentrant=
@@ -45,12 +45,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from remat import _outputs, _reentrant, _rng, _state
+from remat._engine import outputs as _outputs
+from remat._engine import reentrant as _reentrant
+from remat._engine import rng as _rng
+from remat._engine import state as _state
+from remat._engine.modes import OpTrace, StateGuard
+from remat._engine.reach import norms_writing_only, parameters, quiet, reachable, state_tensors
+from remat._engine.selective import policy_context
 from remat._errors import RecomputeError
-from remat._modes import OpTrace, StateGuard
 from remat._policy import save_all
-from remat._reach import norms_writing_only, parameters, quiet, reachable, state_tensors
-from remat._selective import policy_context
 from remat._spec import RegionSpec
 
 
@@ -433,7 +436,7 @@ def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
     """Run ``fn(*args, **kwargs)`` as a region with options ``spec``; return its output."""
     if torch.compiler.is_compiling():
         try:
-            from remat._trace_marks import run_marked
+            from remat._engine.trace_marks import run_marked
         except ImportError:
             return fn(*args, **kwargs)
         return run_marked(fn, args, kwargs, spec)

@@ -1,7 +1,7 @@
 """Thread-local engine state that tools may read (layer 2).
 
 Example:
-    >>> from remat._state import is_recomputing
+    >>> from remat._engine.state import is_recomputing
     >>> is_recomputing()
     False
 """

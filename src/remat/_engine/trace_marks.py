@@ -15,7 +15,7 @@ encoded as a tuple and decoded back.
 Example:
     >>> import torch
     >>> from remat._spec import RegionSpec
-    >>> from remat._trace_marks import run_marked
+    >>> from remat._engine.trace_marks import run_marked
     >>> run_marked(torch.sin, (torch.zeros(2),), {}, RegionSpec())
     tensor([0., 0.])
 """
@@ -95,7 +95,7 @@ def run_marked(
     Example:
         >>> import torch
         >>> from remat._spec import RegionSpec
-        >>> from remat._trace_marks import run_marked
+        >>> from remat._engine.trace_marks import run_marked
         >>> run_marked(torch.add, (torch.ones(1), torch.ones(1)), {}, RegionSpec())
         tensor([2.])
     """

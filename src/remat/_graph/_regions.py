@@ -8,7 +8,7 @@ Marks reach the graph two ways:
   ``id(module)`` plus ``@n`` for the n-th call). The ids are mapped back to the
   modules the user compiled, and ``remat.mark_of`` gives their options;
 * functional regions (``remat.checkpoint``, ``remat.recompute``): the engine
-  annotates the nodes it traces (see ``remat._trace_marks``).
+  annotates the nodes it traces (see ``remat._engine.trace_marks``).
 
 One call of a marked module, or one functional region, is a *region*. The rule
 is MindSpore's: every operator of a region is recomputed except its output
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from remat._engine.trace_marks import region_of_meta
 from remat._marks import mark_of
 from remat._spec import RegionSpec
-from remat._trace_marks import region_of_meta
 
 
 @dataclass(frozen=True)

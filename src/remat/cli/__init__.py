@@ -1,6 +1,6 @@
 """The ``remat`` command line: ``remat demo``, ``remat bench``, ``remat profile``.
 
-Each subcommand lives in its own private module (``remat._cli_<name>``) that
+Each subcommand lives in its own private module (``remat.cli.<name>``) that
 defines ``add_parser(subparsers)``; this file only dispatches.
 
 Example:
@@ -23,9 +23,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         try:
-            module = importlib.import_module(f"remat._cli_{name}")
+            module = importlib.import_module(f"remat.cli.{name}")
         except ModuleNotFoundError as err:
-            if err.name != f"remat._cli_{name}":
+            if err.name != f"remat.cli.{name}":
                 raise
             continue
         module.add_parser(subparsers)

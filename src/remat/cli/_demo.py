@@ -6,7 +6,7 @@ its peak memory, its step time, and its final loss, which recompute must not
 change.
 
 Example:
-    >>> from remat._demo import DemoConfig, run_demo
+    >>> from remat.cli._demo import DemoConfig, run_demo
     >>> result = run_demo(DemoConfig(steps=2, batch_size=2, model="tiny", out_dir=None),
     ...                   progress=False)
     >>> result["losses_identical"]

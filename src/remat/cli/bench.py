@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 
-from remat._bench import CONFIGURATIONS, BenchConfig, run_bench, workloads, write_results
+from remat.cli._bench import CONFIGURATIONS, BenchConfig, run_bench, workloads, write_results
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

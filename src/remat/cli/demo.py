@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from remat._demo import DemoConfig, run_demo
+from remat.cli._demo import DemoConfig, run_demo
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -136,7 +136,7 @@ def progress(message: str) -> Iterator[None]:
 def _profile_one(args: argparse.Namespace, factory: Callable, kwargs: dict, marks: list[str],
                  label: str) -> Any:
     import remat
-    from remat._profile import default_loss
+    from remat.memory.profile import default_loss
 
     dtype = getattr(torch, args.input_dtype)
     shapes = [parse_shape(s) for s in args.input_shape]

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
-from remat._state import is_recomputing
+from remat._engine.state import is_recomputing
 from remat.memory._report import format_bytes
 
 OUTSIDE = "(outside modules)"

@@ -19,8 +19,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat._marks import apply
-from remat._profile import OptimizerLike, measure
 from remat.memory._report import ProfileReport
+from remat.memory.profile import OptimizerLike, measure
 
 Marks = None | str | type | Iterable[type] | Callable[[torch.nn.Module], Any]
 API = "remat.estimate"

@@ -18,8 +18,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
+from remat._engine.state import is_recomputing
 from remat._marks import mark_of
-from remat._state import is_recomputing
 from remat.memory._report import ModuleRow, ProfileReport, downsample
 from remat.memory._tracker import track
 
