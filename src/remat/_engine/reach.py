@@ -2,7 +2,7 @@
 
 Used to decide, per region, whether its re-run needs the state guard (NOTE [Guard
 only when needed]), which batch norms to put back (NOTE [Quiet batch norms]), and
-which parameters a reentrant region takes as inputs.
+which tensors a reentrant region takes as inputs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def reachable(fn: Any, args: Any, limit: int = 2000) -> tuple[list, list] | None
     ``__self__``, a function's closure, defaults and the globals it names,
     ``functools.partial`` arguments, and lists, tuples and dicts of those. The
     state guard (NOTE [Guard only when needed]) and the reentrant region's
-    parameter inputs use it. A callable object that is not a module, or a walk
+    extra inputs (NOTE [Reentrant gradients]) use it. A callable object that is not a module, or a walk
     longer than ``limit``, is opaque.
     """
     modules, tensors, seen = [], [], set()
@@ -84,15 +84,21 @@ def state_tensors(reached: tuple[list, list], inputs: list) -> list:
     return [(t, t._version) for t in found]
 
 
-def parameters(reached: tuple[list, list] | None, inputs: list) -> list:
-    """Leaf tensors requiring grad that ``fn`` reaches and that are not inputs already."""
+def differentiable(reached: tuple[list, list] | None) -> list:
+    """The tensors requiring grad that a region reaches besides its arguments.
+
+    Parameters of the reached modules and tensors read through a closure (leaves
+    or not, an argument too when the closure also reads it), each once. A
+    reentrant region takes them as inputs of its ``autograd.Function`` (NOTE
+    [Reentrant gradients]).
+    """
     if reached is None:
         return []
     modules, tensors = reached
-    taken = {id(t) for t in inputs}
+    taken: set[int] = set()
     out = []
     for t in [p for m in modules for p in m.parameters()] + tensors:
-        if t.requires_grad and t.is_leaf and id(t) not in taken:
+        if t.requires_grad and id(t) not in taken:
             taken.add(id(t))
             out.append(t)
     return out

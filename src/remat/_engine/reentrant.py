@@ -4,6 +4,28 @@ The forward ran without grad; the Function's backward re-runs the region with
 grad and back-propagates through the re-run. Limits, each with a clear error:
 tensors nested in containers, ``torch.autograd.grad`` through an opaque callable,
 a second backward after the graph was freed.
+
+NOTE [Reentrant gradients]
+Every gradient leaves the region through its Function, as from any other
+operator: the tensors the region reaches besides its arguments (parameters of
+the modules it reaches, tensors read through its closure; NOTE [What a region
+reaches]) are inputs of the Function too, and its backward returns their
+gradients (one ``torch.autograd.grad`` over the re-run) instead of
+accumulating them itself. So ``torch.autograd.grad`` and ``backward(inputs=...)``
+get them, DDP sees each parameter's gradient arrive once, and a closure that
+reads a tensor the region also takes as an argument sends both contributions
+on. Arguments are re-run as fresh leaves; under ``create_graph=True`` they are
+re-run through :class:`_Boundary` instead, so the returned gradients stay
+differentiable down to the real inputs (a gradient penalty), while the nested
+``torch.autograd.grad`` still stops there. An argument the forward wrote in place
+is re-run from a copy (the saved one is never written again), and when it
+requires grad the Function marks it dirty and returns it, so its later readers
+back-propagate through the region as they would through the in-place operator.
+Only an opaque callable (no reached tensors known) still accumulates parameter
+gradients from its own backward, as torch's reentrant checkpoint does.
+The gradients a region's re-run sends to one tensor are summed inside the
+nested backward before the engine adds other consumers'; so a tensor read both
+inside and outside a region may differ from the unmarked model in the last bit.
 """
 
 from __future__ import annotations
@@ -20,12 +42,23 @@ from remat._engine.reach import quiet
 from remat._errors import RecomputeError
 
 
+def apply(frame: Any, output: Any, tensors: list) -> Any:
+    """Wrap a region's forward ``output`` in :class:`Reentrant`; return what the caller sees."""
+    frame.dirty = [i for i in sorted(frame.written) if tensors[i].requires_grad]
+    frame.pending = output
+    result = Reentrant.apply(frame, len(tensors), *tensors, *frame.params)
+    if not frame.dirty:
+        return result
+    result = result[:len(result) - len(frame.dirty)]
+    return result if isinstance(output, tuple) else result[0]
+
+
 class Reentrant(torch.autograd.Function):
     """``use_reentrant=True``: the forward ran without grad; backward re-runs the region.
 
-    The parameters the region reaches (NOTE [What a region reaches]) are inputs
-    of this Function too, so ``torch.autograd.grad`` gets their gradients (torch's
-    reentrant checkpoint refuses ``torch.autograd.grad``).
+    Its inputs: the region's tensor arguments, then the tensors it reaches
+    (NOTE [Reentrant gradients]). Its outputs: the region's, then the arguments
+    the forward wrote in place (marked dirty).
     """
 
     @staticmethod
@@ -33,7 +66,12 @@ class Reentrant(torch.autograd.Function):
         ctx.frame, ctx.n_inputs = frame, n_inputs
         ctx.save_for_backward(*tensors[:n_inputs])
         out, frame.pending = frame.pending, None
-        return out
+        outs = tuple(_not_a_view(o) for o in (out if isinstance(out, tuple) else (out,)))
+        if frame.dirty:
+            dirty = [tensors[i] for i in frame.dirty]
+            ctx.mark_dirty(*dirty)
+            return (*outs, *dirty)
+        return outs if isinstance(out, tuple) else outs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -48,32 +86,111 @@ class Reentrant(torch.autograd.Function):
         try:
             tensors = ctx.saved_tensors
         except RuntimeError as err:
+            if "inplace" in str(err):
+                raise  # torch's message names the true cause
             raise RecomputeError(
                 f"remat: backward ran a second time through reentrant region '{frame.name}' after "
                 f"its saved inputs were freed; pass retain_graph=True to the first backward, or "
                 f"use use_reentrant=False"
             ) from err
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
         with quiet(frame.quiet_norms):  # its inner backward reads the saved statistics
-            return Reentrant._backward(frame, inputs, grads, in_backward_call)
+            if frame.opaque:
+                return _accumulate(frame, tensors, grads)
+            return _differentiate(frame, tensors, grads)
+
+
+class _Boundary(torch.autograd.Function):
+    """An argument of a re-run under ``create_graph=True``: the nested backward stops here."""
 
     @staticmethod
-    def _backward(frame: Any, inputs: list, grads: tuple, in_backward_call: bool) -> tuple:
-        outs = _rerun(frame, inputs)
-        pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
-        wrt = [x for x in inputs if x.requires_grad]
-        if in_backward_call:  # parameters accumulate as in any backward
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            input_grads = [x.grad if x.requires_grad else None for x in inputs]
-            return (None, None, *input_grads) + (None,) * len(frame.params)
-        wrt = wrt + frame.params
-        found = torch.autograd.grad(
-            [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
-        ) if pairs and wrt else [None] * len(wrt)
-        by_id = {id(t): g for t, g in zip(wrt, found)}
-        input_grads = [by_id.get(id(x)) for x in inputs]
-        return (None, None, *input_grads, *[by_id.get(id(p)) for p in frame.params])
+    def forward(ctx: Any, stop: list, x: torch.Tensor) -> torch.Tensor:
+        ctx.stop = stop
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return None, (None if ctx.stop[0] else grad)
+
+
+def _not_a_view(x: Any) -> Any:
+    """A view returned from a custom Function may not be changed in place; an alias may."""
+    return x.detach() if isinstance(x, torch.Tensor) and x._is_view() else x
+
+
+def _feed(frame: Any, i: int, x: torch.Tensor, wrt: torch.Tensor | None) -> torch.Tensor:
+    feed = wrt if wrt is not None else x.detach()
+    if i not in frame.written:
+        return feed
+    with torch.enable_grad():  # a copy the re-run may write to; gradients pass through it
+        return feed.clone()
+
+
+def _pairs(frame: Any, outs: tuple, feeds: list, grads: tuple) -> tuple[list, list]:
+    n = len(grads) - len(frame.dirty)
+    pairs = [(o, g) for o, g in zip(outs, grads[:n]) if isinstance(o, torch.Tensor) and o.requires_grad]
+    pairs += [(feeds[i], g) for i, g in zip(frame.dirty, grads[n:]) if feeds[i].requires_grad]
+    return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _differentiate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
+    """NOTE [Reentrant gradients]: every gradient returned through the Function."""
+    create_graph = torch.is_grad_enabled()
+    stop = [True]
+    wrts: list = []
+    for x in tensors:
+        if not x.requires_grad:
+            wrts.append(None)
+        elif create_graph:
+            wrts.append(_Boundary.apply(stop, x))
+        else:
+            wrts.append(x.detach().requires_grad_())
+    feeds = [_feed(frame, i, x, w) for i, (x, w) in enumerate(zip(tensors, wrts))]
+    outs, out_grads = _pairs(frame, _rerun(frame, feeds), feeds, grads)
+    wrt = [w for w in wrts if w is not None] + frame.params
+    found: list = [None] * len(wrt)
+    if outs and wrt:
+        try:
+            with _closure_stops(frame):
+                found = list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
+                                                 create_graph=create_graph))
+        finally:
+            stop[0] = False
+    found.reverse()
+    input_grads = [None if w is None else found.pop() for w in wrts]
+    return (None, None, *input_grads, *reversed(found))
+
+
+def _accumulate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
+    """An opaque region in a ``backward`` call: parameters accumulate as torch's do."""
+    leaves = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
+    feeds = [_feed(frame, i, x, x) for i, x in enumerate(leaves)]
+    outs, out_grads = _pairs(frame, _rerun(frame, feeds), feeds, grads)
+    if outs:
+        torch.autograd.backward(outs, out_grads)
+    return (None, None, *[x.grad if x.requires_grad else None for x in leaves])
+
+
+@contextlib.contextmanager
+def _closure_stops(frame: Any) -> Any:
+    """Refuse a nested backward that would run on past a tensor read through the closure.
+
+    Its gradient goes back through the Function; running on from it as well would
+    count the part it sends to the region's other reached tensors twice.
+    """
+    def refuse(grad_outputs: Any) -> None:
+        raise RecomputeError(
+            f"remat: region '{frame.name}' (use_reentrant=True) reads a tensor through its "
+            f"closure that was computed from other tensors the region reaches (its parameters); "
+            f"the reentrant implementation cannot split their gradients; pass that tensor as an "
+            f"argument, or use use_reentrant=False"
+        )
+
+    handles = [p.grad_fn.register_prehook(refuse) for p in frame.params if p.grad_fn is not None]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _rerun(frame: Any, inputs: list) -> tuple:

@@ -50,7 +50,7 @@ from remat._engine import reentrant as _reentrant
 from remat._engine import rng as _rng
 from remat._engine import state as _state
 from remat._engine.modes import OpTrace, StateGuard
-from remat._engine.reach import norms_writing_only, parameters, quiet, reachable, state_tensors
+from remat._engine.reach import differentiable, norms_writing_only, quiet, reachable, state_tensors
 from remat._engine.selective import policy_context
 from remat._errors import RecomputeError
 from remat._policy import save_all
@@ -139,9 +139,12 @@ class _Frame:
         self.saver: torch.Tensor | None = None
         self.pending: Any = None
         if spec.use_reentrant:
-            self.pending_inputs = tensors  # handed to _Reentrant.apply, which saves them
-            self.params = parameters(reached, tensors)
-            self.opaque = reached is None
+            self.pending_inputs = tensors  # handed to Reentrant.apply, which saves them
+            self.versions = [x._version for x in tensors]
+            self.written: set[int] = set()
+            own = reachable(fn, [x for x in leaves if not isinstance(x, torch.Tensor)])
+            self.params = differentiable(own)  # NOTE [Reentrant gradients]
+            self.opaque = own is None
         else:
             self._save_inputs(tensors)
 
@@ -421,8 +424,9 @@ def close_region(handle: _Handle, output: Any) -> Any:
     spec = frame.spec
     if spec.use_reentrant:
         _reentrant.check_outputs(frame.name, output)
-        frame.pending, tensors, frame.pending_inputs = output, frame.pending_inputs, []
-        return _reentrant.Reentrant.apply(frame, len(tensors), *tensors, *frame.params)
+        tensors, frame.pending_inputs = frame.pending_inputs, []
+        frame.written = {i for i, (x, v) in enumerate(zip(tensors, frame.versions)) if x._version != v}
+        return _reentrant.apply(frame, output, tensors)
     flat = pytree.tree_leaves(output)
     if spec.output_recompute or spec.keep_outputs:
         frame.settle_outputs(flat)
