@@ -37,7 +37,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from remat._engine import state as _state
-from remat._engine.modes import StateGuard
+from remat._engine.modes import _UNANNOTATED, StateGuard, _allocates, _storage_key, _written_args
 from remat._engine.reach import quiet
 from remat._errors import RecomputeError
 
@@ -181,8 +181,8 @@ def _closure_stops(frame: Any) -> Any:
         raise RecomputeError(
             f"remat: region '{frame.name}' (use_reentrant=True) reads a tensor through its "
             f"closure that was computed from other tensors the region reaches (its parameters); "
-            f"the reentrant implementation cannot split their gradients; pass that tensor as an "
-            f"argument, or use use_reentrant=False"
+            f"the reentrant implementation cannot split their gradients; read that tensor through "
+            f"an argument only, or use use_reentrant=False"
         )
 
     handles = [p.grad_fn.register_prehook(refuse) for p in frame.params if p.grad_fn is not None]
@@ -199,7 +199,10 @@ def _rerun(frame: Any, inputs: list) -> tuple:
         leaves[slot] = x
     args, kwargs = frame.unflatten(leaves)
     frame.runs += 1
-    guard = StateGuard() if frame.guard else contextlib.nullcontext()
+    if frame.written:
+        guard: Any = _WrittenArguments(frame, inputs)
+    else:
+        guard = StateGuard() if frame.guard else contextlib.nullcontext()
     with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard:
         _state.recomputing_fns().append(frame.fn)
         try:
@@ -207,6 +210,41 @@ def _rerun(frame: Any, inputs: list) -> tuple:
         finally:
             _state.recomputing_fns().pop()
     return out if isinstance(out, tuple) else (out,)
+
+
+class _WrittenArguments(StateGuard):
+    """The state guard, refusing a re-run that reads an argument before writing it.
+
+    The forward changed those arguments in place, so the re-run starts from their
+    new values and the guard drops the writes (NOTE [No double state updates]):
+    exact only when nothing read an argument before its last write.
+    """
+
+    def __init__(self, frame: Any, feeds: list) -> None:
+        super().__init__()
+        self.name = frame.name
+        self.watched = {_storage_key(feeds[i]): i for i in frame.written}
+        self.read: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        seen = {_storage_key(t) for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and _storage_key(t) in self.watched}
+        if seen:
+            writes = _written_args(func) if func._schema.is_mutable or func in _UNANNOTATED else ()
+            targets = {_storage_key(t) for i, name in writes
+                       if isinstance(t := StateGuard._arg(func, i, name, args, kwargs), torch.Tensor)}
+            for key in targets & seen:
+                if self.watched[key] in self.read:
+                    raise RecomputeError(
+                        f"remat: region '{self.name}' (use_reentrant=True) reads its argument "
+                        f"{self.watched[key]} and then changes it in place ({func}); the forward "
+                        f"already changed it, so the re-run cannot see the value it read; change "
+                        f"a copy instead (x = x.clone()), or change it outside the region"
+                    )
+            if targets or _allocates(func):  # a view reads nothing
+                self.read |= {self.watched[key] for key in seen - targets}
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def check_args(name: str, args: tuple, kwargs: dict) -> None:
