@@ -98,7 +98,7 @@ def _worker(rank: int, port: int, results: mp.Queue) -> None:
             torch.save(_train(model, ddp), buffer)
             results.put((rank, name, buffer.getvalue(), None))
         dist.destroy_process_group()
-    except Exception:  # report it, so the test fails at once instead of waiting out the deadline
+    except Exception:  # noqa: BLE001  report it, so the test fails at once instead of waiting out the deadline
         results.put((rank, None, None, traceback.format_exc()))
 
 

@@ -1,0 +1,256 @@
+"""``use_reentrant=True`` regions against the unmarked model, bit for bit (NOTE [Reentrant gradients])."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from tests.helpers import assert_same
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _marks(model: nn.Module) -> dict:
+    return {
+        "recompute": lambda x: remat.recompute(model, x),
+        "checkpoint": lambda x: remat.checkpoint(model, x, use_reentrant=True),
+        "closure": lambda x: remat.checkpoint(lambda t: model(t), x, use_reentrant=True),
+    }
+
+
+def _grads(model: nn.Module, *inputs: torch.Tensor) -> list:
+    return [p.grad for p in model.parameters()] + [x.grad for x in inputs]
+
+
+# -- 3: create_graph=True (a gradient penalty) ----------------------------------------------
+@pytest.mark.parametrize("how", ["recompute", "checkpoint", "closure"])
+def test_gradient_penalty_is_differentiable_and_exact(how):
+    """The gradient a reentrant region returns under create_graph=True has its graph."""
+    model, x0, weights = _mlp(), torch.randn(5, 4), torch.randn(5, 3)
+
+    def penalty(forward, model):
+        x = x0.clone().requires_grad_()
+        params = list(model.parameters())
+        grads = torch.autograd.grad((forward(x) * weights).sum(), [x, *params], create_graph=True)
+        assert grads[0].requires_grad and grads[1].requires_grad
+        sum(g.pow(2).sum() for g in grads).backward()
+        return _grads(model, x)
+
+    plain = copy.deepcopy(model)
+    assert_same(penalty(plain, plain), penalty(_marks(model)[how], model))
+
+
+def test_gradient_penalty_through_shared_weights_is_exact():
+    """A parameter used before the region and inside it: the nested backward stops at the input."""
+    lin, x0 = nn.Linear(4, 4), torch.randn(3, 4)
+
+    def run(mark):
+        x = x0.clone().requires_grad_()
+        h = lin(x)
+        f = lambda t: lin(torch.tanh(t))
+        out = remat.checkpoint(f, h, use_reentrant=True) if mark else f(h)
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        gx.pow(2).sum().backward()
+        grads = _grads(lin, x)
+        lin.zero_grad(set_to_none=True)
+        return grads
+
+    assert_same(run(False), run(True))
+
+
+@pytest.mark.parametrize("loss", ["penalty_plus_loss", "penalty_of_a_square"])
+def test_gradient_penalty_through_the_output_differs_at_most_in_the_last_bits(loss):
+    """When the second backward also runs through the region's output (the loss is added, or
+    the gradient fed to the output depends on it), that part reaches the parameters through a
+    second re-run, as a separate sum (README, "Where remat differs from torch"). Before the fix
+    the penalty added nothing (differences of 0.1 and more)."""
+    model, x0 = _mlp(), torch.randn(5, 4)
+
+    def run(forward, model):
+        x = x0.clone().requires_grad_()
+        out = forward(x)
+        if loss == "penalty_plus_loss":
+            (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            (gx.pow(2).sum() + out.pow(2).sum()).backward()
+        else:
+            (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+            gx.pow(2).sum().backward()
+        return _grads(model, x)
+
+    plain = copy.deepcopy(model)
+    for want, got in zip(run(plain, plain), run(_marks(model)["recompute"], model)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# -- 4: a closure that reads the argument as well ----------------------------------------------
+@pytest.mark.parametrize("call", ["grad", "backward"])
+def test_closure_reading_the_argument_sends_both_contributions(call):
+    torch.manual_seed(0)
+    l0, l1, x = nn.Linear(4, 4), nn.Linear(4, 4), torch.randn(3, 4)
+    params = [*l0.parameters(), *l1.parameters()]
+
+    def run(mark):
+        h = l0(x)
+        f = lambda a: l1(a) * h  # reads h through the closure and as its argument
+        out = remat.checkpoint(f, h, use_reentrant=True) if mark else f(h)
+        if call == "grad":
+            return list(torch.autograd.grad(out.pow(2).sum(), params))
+        out.pow(2).sum().backward()
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+    assert_same(run(False), run(True))
+
+
+def test_closure_tensor_computed_from_the_regions_parameters_is_refused():
+    lin, x = nn.Linear(4, 4), torch.randn(3, 4)
+    h = lin(x)
+    out = remat.checkpoint(lambda a: lin(a) * h, torch.randn(3, 4), use_reentrant=True)
+    with pytest.raises(remat.RecomputeError, match=r"reads a tensor through its closure.*use_reentrant=False"):
+        torch.autograd.grad(out.sum(), list(lin.parameters()))
+
+
+# -- 8: an in-place operator on an output that is a view --------------------------------------
+@pytest.mark.parametrize("how", ["recompute", "checkpoint", "closure"])
+def test_in_place_on_a_view_output(how):
+    model, x0 = nn.Linear(4, 4), torch.randn(2, 3, 4)  # a 3-D input: Linear returns a view
+    assert model(x0)._is_view()
+
+    def run(forward, model):
+        x = x0.clone().requires_grad_()
+        out = forward(x)
+        out.relu_()
+        out.pow(2).sum().backward()
+        return _grads(model, x)
+
+    plain = copy.deepcopy(model)
+    assert_same(run(plain, plain), run(_marks(model)[how], model))
+
+
+# -- 9: a region that writes its own argument in place ----------------------------------------
+class _Block(nn.Module):
+    """Starts with an in-place activation on its input, as pre-activation blocks do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act, self.lin = nn.ReLU(inplace=True), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.act(x)
+        return self.lin(x) * x
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("how", ["recompute", "checkpoint"])
+def test_region_writing_its_argument_backward_twice(requires_grad, how):
+    model, x0 = _Block(), torch.randn(3, 4)
+
+    def run(forward, model):
+        x = x0.clone().requires_grad_(requires_grad)
+        a = x * 1.5
+        out = forward(a)
+        loss = (out.sum() + a.pow(2).sum())  # a later reader sees (and differentiates) the ReLU
+        loss.backward(retain_graph=True)
+        first = [g.clone() for g in _grads(model, *([x] if requires_grad else []))]
+        loss.backward(retain_graph=True)
+        return first + _grads(model, *([x] if requires_grad else []))
+
+    plain = copy.deepcopy(model)
+    assert_same(run(plain, plain), run(_marks(model)[how], model))
+
+
+def test_region_reading_its_argument_before_writing_it_is_refused():
+    lin = nn.Linear(4, 4)
+
+    def f(a):
+        y = a * 3  # read, then written: the re-run cannot see the old value
+        a.mul_(2)
+        return lin(a) + y
+
+    out = remat.checkpoint(f, torch.randn(3, 4), use_reentrant=True)
+    with pytest.raises(remat.RecomputeError, match=r"reads its argument 0 and then changes it in place"):
+        out.sum().backward()
+
+
+# -- 10: each parameter's gradient arrives once --------------------------------------------
+@pytest.mark.parametrize("how", ["recompute", "checkpoint", "closure"])
+def test_each_parameter_gradient_arrives_once(how):
+    """DDP's readiness hooks sit on the gradient accumulators: each must run once per backward."""
+    model = _mlp()
+    calls: dict[int, int] = {}
+    keep = []
+    for i, p in enumerate(model.parameters()):
+        acc = p.view_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(lambda *_, i=i: calls.__setitem__(i, calls.get(i, 0) + 1))
+        keep.append(acc)
+    x = torch.randn(5, 4, requires_grad=True)
+    _marks(model)[how](x).sum().backward()
+    assert calls == {i: 1 for i in range(4)}
+    grads = _grads(model, x)
+    plain = copy.deepcopy(model)
+    for p in plain.parameters():
+        p.grad = None
+    y = x.detach().clone().requires_grad_()
+    plain(y).sum().backward()
+    assert_same(_grads(plain, y), grads)
+
+
+def test_backward_with_inputs_gets_only_those():
+    model, x = _mlp(), torch.randn(5, 4, requires_grad=True)
+    first = model[0].weight
+    remat.recompute(model, x).sum().backward(inputs=[first])
+    assert first.grad is not None and x.grad is None
+    assert all(p.grad is None for p in model.parameters() if p is not first)
+    plain = copy.deepcopy(model)
+    plain[0].weight.grad = None
+    plain(x.detach()).sum().backward(inputs=[plain[0].weight])
+    assert torch.equal(first.grad, plain[0].weight.grad)
+
+
+# -- the one place a reentrant region is not bitwise --------------------------------------
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) * self.b(x)  # x read twice inside
+
+
+@pytest.mark.parametrize("outside", [False, True])
+def test_gradients_bitwise_unless_read_twice_inside_and_also_outside(outside):
+    """Bitwise, except for a tensor read twice inside the region and again outside it: the
+    region's contributions are summed before the engine adds the outside one (README, "Where
+    remat differs from torch"), so that tensor's gradient may differ in the last bit."""
+    torch.manual_seed(3)
+    block, x0 = _Twice(), torch.randn(64, 8)
+
+    def run(reentrant):
+        model = copy.deepcopy(block)
+        x = x0.clone().requires_grad_()
+        h = torch.sin(x)
+        out = remat.checkpoint(model, h, use_reentrant=reentrant)
+        loss = out.sum() + (h.pow(2).sum() if outside else 0)
+        loss.backward()
+        return _grads(model, x)
+
+    plain = copy.deepcopy(block)
+    x = x0.clone().requires_grad_()
+    h = torch.sin(x)
+    (plain(h).sum() + (h.pow(2).sum() if outside else 0)).backward()
+    want = _grads(plain, x)
+    assert_same(want, run(False))
+    got = run(True)
+    assert_same(want[:-1], got[:-1])  # the parameters: bitwise
+    if outside:
+        torch.testing.assert_close(got[-1], want[-1], rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(got[-1], want[-1])
