@@ -51,8 +51,9 @@ def checkpoint(
     Args:
         function: what to run (a module or any callable).
         *args: its positional arguments.
-        use_reentrant: True: custom ``autograd.Function`` (no ``torch.autograd.grad``,
-            no tensors nested in containers, no keyword arguments); False: saved-tensor
+        use_reentrant: True: custom ``autograd.Function`` (``torch.autograd.grad`` only
+            when the callable is not opaque, no tensors nested in containers, no keyword
+            arguments); False: saved-tensor
             hooks. Must be passed explicitly (a warning, then True, as in torch).
         context_fn: returns the (forward, recomputation) context pair; accepts
             ``torch.utils.checkpoint.create_selective_checkpoint_contexts(...)`` and

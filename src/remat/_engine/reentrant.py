@@ -3,7 +3,8 @@
 The forward ran without grad; the Function's backward re-runs the region with
 grad and back-propagates through the re-run. Limits, each with a clear error:
 tensors nested in containers, ``torch.autograd.grad`` through an opaque callable,
-a second backward after the graph was freed.
+a second backward after the graph was freed, a closure tensor computed from the
+region's own parameters, an argument read and then changed in place.
 
 NOTE [Reentrant gradients]
 Every gradient leaves the region through its Function, as from any other
@@ -17,15 +18,23 @@ reads a tensor the region also takes as an argument sends both contributions
 on. Arguments are re-run as fresh leaves; under ``create_graph=True`` they are
 re-run through :class:`_Boundary` instead, so the returned gradients stay
 differentiable down to the real inputs (a gradient penalty), while the nested
-``torch.autograd.grad`` still stops there. An argument the forward wrote in place
-is re-run from a copy (the saved one is never written again), and when it
-requires grad the Function marks it dirty and returns it, so its later readers
-back-propagate through the region as they would through the in-place operator.
+``torch.autograd.grad`` still stops there. A tensor read through the closure
+cannot be stopped at: if the nested backward runs on past it (it was computed
+from the region's own parameters), the region is refused (:func:`_closure_stops`).
+An argument the forward wrote in place is re-run from a copy of its new value
+(the saved one is never written again) with the write dropped (NOTE [No double
+state updates]), which is exact unless the region read it before writing it:
+that is refused (:class:`_WrittenArguments`). When it requires grad the Function
+marks it dirty and returns it, so its later readers back-propagate through the
+region as they would through the in-place operator.
 Only an opaque callable (no reached tensors known) still accumulates parameter
 gradients from its own backward, as torch's reentrant checkpoint does.
 The gradients a region's re-run sends to one tensor are summed inside the
-nested backward before the engine adds other consumers'; so a tensor read both
-inside and outside a region may differ from the unmarked model in the last bit.
+nested backward before the engine adds other consumers'; so a tensor read twice
+or more inside a region and again outside it may differ from the unmarked model
+by rounding (the terms summed in another order). Under ``create_graph=True`` the
+part of the second backward that runs through the region's output reaches the
+parameters through another re-run, a separate sum, with the same effect.
 """
 
 from __future__ import annotations
