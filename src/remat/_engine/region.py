@@ -121,7 +121,8 @@ class _Frame:
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         tensors = [leaves[i] for i in self.tensor_slots]
         self.replay = _rng.capture(tensors, spec.preserve_rng_state)
-        reached = reachable(fn, tensors if self.treespec is None else (args, kwargs))
+        # the arguments' tensors are inputs; what else the arguments hold is walked
+        reached = reachable(fn, [x for x in self.leaves if x is not None])
         self.watch = state_tensors(reached, tensors) if reached is not None else None
         self.modules = reached[0] if reached is not None else []
         self.guard = True
@@ -142,9 +143,8 @@ class _Frame:
             self.pending_inputs = tensors  # handed to Reentrant.apply, which saves them
             self.versions = [x._version for x in tensors]
             self.written: set[int] = set()
-            own = reachable(fn, [x for x in leaves if not isinstance(x, torch.Tensor)])
-            self.params = differentiable(own)  # NOTE [Reentrant gradients]
-            self.opaque = own is None
+            self.params = differentiable(reached)  # NOTE [Reentrant gradients]
+            self.opaque = reached is None
         else:
             self._save_inputs(tensors)
 
