@@ -15,9 +15,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from remat._engine import state as _state
+from remat._engine.errors import RecomputeError
 from remat._engine.modes import StateGuard
 from remat._engine.reach import quiet
-from remat._errors import RecomputeError
 
 
 class Reentrant(torch.autograd.Function):
