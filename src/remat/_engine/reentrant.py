@@ -43,7 +43,11 @@ class Reentrant(torch.autograd.Function):
             raise RecomputeError(
                 f"remat: region '{frame.name}' uses use_reentrant=True and remat cannot see which "
                 f"parameters it uses, so it does not work with torch.autograd.grad or "
-                f"backward(inputs=...); pass a module, or use use_reentrant=False"
+                f"backward(inputs=...); pass a module, or use use_reentrant=False. "
+                f"Checkpointing is not compatible with .grad() or when an `inputs` parameter is "
+                f"passed to .backward() (torch 2.13: When use_reentrant=True, "
+                f"torch.utils.checkpoint is incompatible with .grad() or passing an `inputs` "
+                f"parameter to .backward().)"
             )
         try:
             tensors = ctx.saved_tensors
