@@ -550,3 +550,139 @@ def test_helpers_behave_like_torchs():
     fwd, rec = remat.noop_context_fn()
     with fwd, rec:
         pass
+
+
+# --- more of torch's checkpoint tests (test_autograd.py, test_utils.py), against remat ---------
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_correct_grad(use_reentrant):
+    """Port of test_checkpointing_without_reentrant_correct_grad (both implementations)."""
+    a = torch.randn(2, requires_grad=True)
+    (expected,) = torch.autograd.grad(torch.exp(a).sum(), a)
+    a.grad = None
+    remat.checkpoint(torch.exp, a, use_reentrant=use_reentrant).sum().backward()
+    assert torch.equal(a.grad, expected)
+
+
+def test_parameter_used_in_an_out():
+    """Port of test_checkpointing_without_reentrant_parameter_used_in_an_out."""
+    w = torch.randn(10, 10, requires_grad=True)
+    x = torch.randn(10, 10, requires_grad=True)
+
+    def fn(t):
+        return torch.matmul(w, t) + torch.matmul(w, w)  # w reached through the closure
+
+    expected = torch.autograd.grad(fn(x).sum(), (w, x))
+    got = torch.autograd.grad(remat.checkpoint(fn, x, use_reentrant=False).sum(), (w, x))
+    assert same(got, expected)
+
+
+def test_arbitrary_input_output():
+    """Port of test_checkpointing_without_reentrant_arbitrary_input_output."""
+
+    class MyModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(5, 5, bias=False)
+
+        def forward(self, dict_input):
+            return {"result": self.layer(dict_input["tensor"])}
+
+    model = MyModel()
+    inp = {"tensor": torch.randn(5, 5)}
+    plain = model(inp)["result"].sum()
+    (expected,) = torch.autograd.grad(plain, model.layer.weight)
+    out = remat.checkpoint(model, inp, use_reentrant=False)["result"].sum()
+    assert torch.equal(out, plain)
+    assert torch.equal(torch.autograd.grad(out, model.layer.weight)[0], expected)
+
+
+def test_context_fn_runs_forward_and_recomputation_under_its_contexts():
+    """Port of test_checkpointing_without_reentrant_with_context_fn."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Verbose(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.operators = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.operators.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.tensor(1.0, requires_grad=True)
+    verbose = Verbose()
+    remat.checkpoint(lambda t: t.exp(), x, use_reentrant=False,
+                     context_fn=lambda: (verbose, contextlib.nullcontext()))
+    assert verbose.operators == ["exp.default"]
+    verbose.operators = []
+    out = remat.checkpoint(lambda t: t.exp(), x, use_reentrant=False,
+                           context_fn=lambda: (contextlib.nullcontext(), verbose))
+    assert verbose.operators == []
+    out.backward()
+    assert [op for op in verbose.operators if op != "detach.default"] == ["exp.default"]
+    with pytest.raises(ValueError, match="only supported when use_reentrant=False"):
+        remat.checkpoint(lambda t: t.sin(), x, use_reentrant=True,
+                         context_fn=lambda: (contextlib.nullcontext(), verbose))
+
+
+def test_warns_if_use_reentrant_not_passed_explicitly():
+    """Port of test_checkpoint(_sequential)_warns_if_use_reentrant_not_passed_explcitly."""
+    a = torch.randn(1, 4, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remat.checkpoint(lambda t: t, a, use_reentrant=False)
+        remat.checkpoint_sequential([torch.nn.Identity()], 1, a, use_reentrant=False)
+    with pytest.warns(UserWarning, match=".*the use_reentrant parameter should be passed explicitly.*"):
+        remat.checkpoint(lambda t: t, a)
+    with pytest.warns(UserWarning, match=".*the use_reentrant parameter should be passed explicitly.*"):
+        remat.checkpoint_sequential([torch.nn.Identity()], 1, a)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_non_tensor_inputs_and_outputs(use_reentrant):
+    """Port of TestCheckpoint.test_checkpoint_non_tensor_inputs_outputs."""
+
+    def foo(t1, t2, scale, t3):
+        t4 = t1 + t2 * t3
+        t5 = t1 * t2 + t3
+        t4 *= scale
+        t5 *= scale
+        return scale, t4, None, True, t5, "bar", t1
+
+    t1, t2, t3 = (torch.rand(10, requires_grad=True) for _ in range(3))
+    res = remat.checkpoint(foo, t1, t2, 3, t3, use_reentrant=use_reentrant)
+    plain = foo(t1, t2, 3, t3)
+    assert (res[0], res[2], res[3], res[5]) == (3, None, True, "bar")
+    assert torch.equal(res[1], plain[1]) and torch.equal(res[4], plain[4]) and torch.equal(res[6], t1)
+    got = torch.autograd.grad([res[1].sum(), res[4].sum()], (t1, t2, t3), retain_graph=True)
+    expected = torch.autograd.grad([plain[1].sum(), plain[4].sum()], (t1, t2, t3))
+    assert same(got, expected)
+
+
+def test_partial_grad():
+    """Port of TestCheckpoint.test_checkpoint_partial_grad (its first half)."""
+    x = torch.randn(1, 4, requires_grad=True)
+    other = torch.randn(1, 4, requires_grad=False)
+    for use_reentrant in (True, False):
+        x.grad = None
+        out = remat.checkpoint(lambda a, b: (a.sin(), b), x, other, use_reentrant=use_reentrant)
+        out[0].sum().backward()
+        assert torch.equal(x.grad, x.cos()) and torch.equal(out[1], other)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_rng_cpu(use_reentrant):
+    """Port of TestCheckpoint.test_checkpoint_rng_cpu: dropout masks replayed exactly."""
+    for _ in range(3):
+        inp = torch.randn(20000).requires_grad_()
+        phase1, phase2 = torch.nn.Dropout(), torch.nn.Dropout()
+        state = torch.get_rng_state()
+        out = remat.checkpoint(phase2, phase1(inp), use_reentrant=use_reentrant)
+        out.sum().backward()
+        with_recompute = inp.grad
+        torch.set_rng_state(state)
+        inp.grad = None
+        phase2(phase1(inp)).sum().backward()
+        assert torch.equal(with_recompute, inp.grad)
