@@ -117,7 +117,8 @@ def checkpoint(
         ValueError: keyword arguments, ``context_fn`` or ``debug`` with ``use_reentrant=True``;
             an unknown ``determinism_check``.
         TypeError: ``function`` is not callable.
-        remat.RecomputeError: a rebuilt tensor differs from the saved one.
+        remat.CheckpointError: a rebuilt tensor differs from the saved one (also a
+            ``torch.utils.checkpoint.CheckpointError``; the message has torch's key sentence).
 
     Example:
         >>> import torch, remat
