@@ -686,3 +686,40 @@ def test_rng_cpu(use_reentrant):
         inp.grad = None
         phase2(phase1(inp)).sum().backward()
         assert torch.equal(with_recompute, inp.grad)
+
+
+def test_selective_contexts_allow_a_second_backward_unlike_torch():
+    """torch raises "Trying to backward an extra time"; remat rebuilds and stays exact."""
+    x = torch.randn(16, 16, requires_grad=True)
+    y = torch.randn(16, 16, requires_grad=True)
+    expected = torch.autograd.grad(_sac_fn(x, y).sum(), (x, y))
+    for create in (remat.create_selective_checkpoint_contexts, tuc.create_selective_checkpoint_contexts):
+        context_fn = functools.partial(create, [torch.ops.aten.mm.default])
+        out = remat.checkpoint(_sac_fn, x, y, use_reentrant=False, context_fn=context_fn).sum()
+        first = torch.autograd.grad(out, (x, y), retain_graph=True)
+        if create is tuc.create_selective_checkpoint_contexts:
+            with pytest.raises(RuntimeError, match="Trying to backward an extra time"):
+                torch.autograd.grad(out, (x, y))
+            continue
+        assert same(first, expected) and same(torch.autograd.grad(out, (x, y)), expected)
+
+
+def test_selective_contexts_rebuild_a_kept_output_changed_in_place():
+    """torch raises "has been mutated" (unless allow_cache_entry_mutation); remat rebuilds it."""
+    x = torch.randn(8, 8, requires_grad=True)
+    w = torch.randn(8, 8)
+
+    def fn(t):
+        h = t @ w
+        out = h * 2
+        h.relu_()  # the kept mm output changes in place after forward kept it
+        return out + h
+
+    expected = torch.autograd.grad(fn(x).sum(), x)
+    context_fn = functools.partial(remat.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    got = torch.autograd.grad(remat.checkpoint(fn, x, use_reentrant=False, context_fn=context_fn).sum(), x)
+    assert same(got, expected)
+    torch_fn = functools.partial(tuc.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    out = tuc.checkpoint(fn, x, use_reentrant=False, context_fn=torch_fn).sum()
+    with pytest.raises(RuntimeError, match="has been mutated"):
+        torch.autograd.grad(out, x)
