@@ -222,6 +222,18 @@ def test_dropout_sequential_flatten_and_activations():
     assert torch.equal(nn.GELU()(x), F.gelu(x, approximate="tanh"))
 
 
+def test_ms_ops_gelu_is_mindspores_tanh_primitive():
+    """mindspore.ops.GeLU is the tanh approximation; the erf form differs in the last bits."""
+    x = torch.randn(64, 64)
+    assert remat.ms.ops.GeLU is remat.ops.GeLU
+    assert torch.equal(remat.ms.ops.GeLU()(x), F.gelu(x, approximate="tanh"))
+    assert not torch.equal(remat.ms.ops.GeLU()(x), F.gelu(x))
+    xg = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(remat.ms.ops.GeLU()(xg).sum(), xg)
+    (expected,) = torch.autograd.grad(F.gelu(xg, approximate="tanh").sum(), xg)
+    assert torch.equal(g, expected)
+
+
 def test_layers_take_recompute_marks_and_keep_gradients():
     torch.manual_seed(0)
     bare = nn.SequentialCell(nn.Conv2d(2, 4, 3, has_bias=True), nn.BatchNorm2d(4), nn.ReLU(),

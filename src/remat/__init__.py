@@ -1,6 +1,7 @@
 """remat: MindSpore-style recomputation (activation rematerialization) for PyTorch.
 
-Public names are re-exported here; every other module is private.
+Public names are re-exported here; every other module is private. Every public
+name of ``torch.utils.checkpoint`` is one of them, with the same signature.
 
 Example:
     >>> import torch, remat
@@ -11,7 +12,20 @@ Example:
 """
 
 from remat import memory, nn, ops
-from remat._checkpoint import checkpoint, checkpoint_sequential
+from remat._checkpoint import (
+    CheckpointFunction,
+    DefaultDeviceType,
+    GraphExecGroup,
+    check_backward_validity,
+    checkpoint,
+    checkpoint_sequential,
+    detach_variable,
+    get_device_states,
+    noop_context_fn,
+    set_checkpoint_debug_enabled,
+    set_checkpoint_early_stop,
+    set_device_states,
+)
 from remat._engine.selective import policy_context
 from remat._engine.state import is_recomputing
 from remat._errors import CheckpointError, RecomputeError
@@ -19,6 +33,12 @@ from remat._functional import recompute
 from remat._graph import compile
 from remat._marks import apply, mark_of, marked_modules, recompute_module, unmark
 from remat._policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
+from remat._selective import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
 from remat._spec import RegionSpec
 from remat.memory.estimate import estimate
 from remat.memory.profile import profile
@@ -26,20 +46,31 @@ from remat.memory.profile import profile
 __version__ = "0.1.0"
 
 __all__ = [
+    "SAC_IGNORED_OPS",
     "CheckpointError",
+    "CheckpointFunction",
+    "CheckpointPolicy",
+    "DefaultDeviceType",
+    "GraphExecGroup",
     "Policy",
     "RecomputeError",
     "RegionSpec",
+    "SelectiveCheckpointContext",
     "apply",
+    "check_backward_validity",
     "checkpoint",
     "checkpoint_sequential",
     "compile",
+    "create_selective_checkpoint_contexts",
+    "detach_variable",
     "estimate",
+    "get_device_states",
     "is_recomputing",
     "mark_of",
     "marked_modules",
     "memory",
     "nn",
+    "noop_context_fn",
     "ops",
     "policy_context",
     "profile",
@@ -49,5 +80,8 @@ __all__ = [
     "save_all",
     "save_compute_intensive",
     "save_only",
+    "set_checkpoint_debug_enabled",
+    "set_checkpoint_early_stop",
+    "set_device_states",
     "unmark",
 ]

@@ -4,6 +4,13 @@ Same signatures, defaults, warnings and errors as ``torch.utils.checkpoint`` in
 torch 2.13, with one deliberate difference: recomputation does not update module
 state a second time (BatchNorm running statistics, ``num_batches_tracked``, any
 buffer written in place). See NOTE [No double state updates] in ``_engine/modes.py``.
+
+Every other public name of ``torch.utils.checkpoint`` is here or in
+``_selective.py`` too (``remat`` re-exports them), so changing the import is
+enough: the global switches (NOTE [Global switches] in ``_engine/flags.py``),
+``CheckpointFunction``, ``noop_context_fn`` and the small helpers
+``detach_variable``, ``check_backward_validity``, ``get_device_states``,
+``set_device_states`` and ``DefaultDeviceType``.
 """
 
 from __future__ import annotations
@@ -14,16 +21,53 @@ from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 
+from remat._engine import flags as _flags
 from remat._engine import region as _region
+from remat._engine.flags import (
+    GraphExecGroup,
+    set_checkpoint_debug_enabled,
+    set_checkpoint_early_stop,
+)
+from remat._engine.rng import DefaultDeviceType
 from remat._errors import describe
 from remat._spec import DETERMINISM_CHECKS, RegionSpec
 
+__all__ = [
+    "CheckpointFunction",
+    "DefaultDeviceType",
+    "GraphExecGroup",
+    "check_backward_validity",
+    "checkpoint",
+    "checkpoint_sequential",
+    "detach_variable",
+    "get_device_states",
+    "noop_context_fn",
+    "set_checkpoint_debug_enabled",
+    "set_checkpoint_early_stop",
+    "set_device_states",
+]
 
-def _noop_context_fn() -> tuple[ContextManager, ContextManager]:
+
+def noop_context_fn() -> tuple[ContextManager, ContextManager]:
+    """The default ``context_fn`` of :func:`checkpoint`: two contexts that do nothing.
+
+    torch's ``noop_context_fn`` counts as the default too.
+
+    Example:
+        >>> import remat
+        >>> forward, recompute = remat.noop_context_fn()
+        >>> with forward, recompute:
+        ...     pass
+    """
     import contextlib
 
     return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+_noop_context_fn = noop_context_fn
+_DEFAULT_CONTEXT_FNS = (noop_context_fn, _torch_checkpoint.noop_context_fn)
 
 
 def _region_name(function: Callable) -> str:
@@ -36,7 +80,7 @@ def checkpoint(
     function: Callable,
     *args: Any,
     use_reentrant: bool | None = None,
-    context_fn: Callable[[], tuple[ContextManager, ContextManager]] = _noop_context_fn,
+    context_fn: Callable[[], tuple[ContextManager, ContextManager]] = noop_context_fn,
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
@@ -61,8 +105,10 @@ def checkpoint(
         determinism_check: ``"default"`` (shape, dtype, device of rebuilt tensors
             checked) or ``"none"``.
         debug: record the operators run in forward and recomputation; print both
-            if the check fails.
+            if the check fails. :func:`set_checkpoint_debug_enabled` (remat's or
+            torch's) overrides it.
         early_stop: stop re-running once the last needed tensor is rebuilt.
+            :func:`set_checkpoint_early_stop` (remat's or torch's) overrides it.
         **kwargs: ``preserve_rng_state`` (default True) and keyword arguments of ``function``.
 
     Returns:
@@ -72,7 +118,8 @@ def checkpoint(
         ValueError: keyword arguments, ``context_fn`` or ``debug`` with ``use_reentrant=True``;
             an unknown ``determinism_check``.
         TypeError: ``function`` is not callable.
-        remat.RecomputeError: a rebuilt tensor differs from the saved one.
+        remat.CheckpointError: a rebuilt tensor differs from the saved one (also a
+            ``torch.utils.checkpoint.CheckpointError``; the message has torch's key sentence).
 
     Example:
         >>> import torch, remat
@@ -93,7 +140,8 @@ def checkpoint(
     preserve = kwargs.pop("preserve_rng_state", True)
     if kwargs and use_reentrant:
         raise ValueError("Unexpected keyword arguments: " + ",".join(arg for arg in kwargs))
-    if use_reentrant and (context_fn is not _noop_context_fn or debug is not False):
+    default_context = context_fn in _DEFAULT_CONTEXT_FNS
+    if use_reentrant and (not default_context or debug is not False):
         raise ValueError(
             "Passing `context_fn` or `debug` is only supported when use_reentrant=False."
         )
@@ -102,8 +150,11 @@ def checkpoint(
             f"determinism_check should be one of {list(DETERMINISM_CHECKS)}, "
             f"but got {determinism_check}"
         )
-    if debug and context_fn is not _noop_context_fn:
-        raise ValueError("debug=True is incompatible with non-default context_fn")
+    if not use_reentrant and _flags.resolve(RegionSpec(debug=bool(debug))).debug and not default_context:
+        raise ValueError(
+            "remat.checkpoint: debug=True is incompatible with non-default context_fn (debug "
+            "is on through the argument or set_checkpoint_debug_enabled(True)); turn one off"
+        )
     spec = RegionSpec(
         use_reentrant=bool(use_reentrant),
         preserve_rng_state=bool(preserve),
@@ -111,7 +162,7 @@ def checkpoint(
         determinism_check=determinism_check,
         debug=bool(debug),
     )
-    contexts = None if context_fn is _noop_context_fn else context_fn
+    contexts = None if default_context else context_fn
     return _region.run(function, args, kwargs, spec, name=_region_name(function), context_fn=contexts)
 
 
@@ -174,3 +225,118 @@ def checkpoint_sequential(
             run_function(start, end), input, use_reentrant=use_reentrant, preserve_rng_state=preserve
         )
     return run_function(end + 1, len(functions) - 1)(input)
+
+
+class CheckpointFunction:
+    """torch's reentrant checkpoint ``Function``, as a remat ``use_reentrant=True`` region.
+
+    Older code calls ``CheckpointFunction.apply(run_function, preserve_rng_state,
+    *args)`` directly; this class takes the same call.
+
+    Example:
+        >>> import torch, remat
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> remat.CheckpointFunction.apply(layer, True, x).sum().backward()
+    """
+
+    @staticmethod
+    def apply(run_function: Callable, preserve_rng_state: bool, *args: Any) -> Any:
+        """Run ``run_function(*args)`` as a reentrant region; see :func:`checkpoint`."""
+        return checkpoint(run_function, *args, use_reentrant=True,
+                          preserve_rng_state=preserve_rng_state)
+
+
+def detach_variable(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Detach every tensor of a tuple, keeping its ``requires_grad``; other items pass through.
+
+    Same as ``torch.utils.checkpoint.detach_variable``.
+
+    Raises:
+        RuntimeError: ``inputs`` is not a tuple (torch's error).
+
+    Example:
+        >>> import torch, remat
+        >>> x = torch.ones(2, requires_grad=True) * 2
+        >>> d, n = remat.detach_variable((x, 3))
+        >>> d.requires_grad, d.grad_fn is None, n
+        (True, True, 3)
+    """
+    if not isinstance(inputs, tuple):
+        raise RuntimeError(  # noqa: TRY004 - torch's type, so existing handlers still match
+            f"remat.detach_variable: Only tuple of tensors is supported. Got Unsupported input "
+            f"type: {type(inputs).__name__}"
+        )
+    return tuple(
+        x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+        for x in inputs
+    )
+
+
+def check_backward_validity(inputs: Iterable[Any]) -> None:
+    """Warn when no tensor of ``inputs`` requires grad (gradients would be None).
+
+    Same as ``torch.utils.checkpoint.check_backward_validity``.
+
+    Example:
+        >>> import warnings, torch, remat
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     remat.check_backward_validity([torch.ones(2)])
+        >>> "None of the inputs have requires_grad=True" in str(caught[0].message)
+        True
+    """
+    if not any(x.requires_grad for x in inputs if isinstance(x, torch.Tensor)):
+        warnings.warn(
+            "None of the inputs have requires_grad=True. Gradients will be None", stacklevel=2
+        )
+
+
+def get_device_states(*args: Any) -> tuple[list[int], list[torch.Tensor]]:
+    """Return the accelerator indices of the tensors in ``args`` and their random states.
+
+    Same as ``torch.utils.checkpoint.get_device_states``; CPU and meta tensors
+    have no device state, so CPU-only arguments give two empty lists.
+
+    Example:
+        >>> import torch, remat
+        >>> remat.get_device_states(torch.ones(2), [torch.zeros(1)])
+        ([], [])
+    """
+    from torch.utils import _pytree as pytree
+
+    leaves = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    devices = [x.get_device() for x in leaves if x.device.type not in ("cpu", "meta")]
+    kinds = [x.device.type for x in leaves if x.device.type not in ("cpu", "meta")]
+    if not devices:
+        return [], []
+    module = torch.get_device_module("cuda" if "cuda" in kinds else kinds[0])
+    states = []
+    for index in devices:
+        with module.device(index):
+            states.append(module.get_rng_state())
+    return devices, states
+
+
+def set_device_states(devices: list[int], states: list[torch.Tensor], *,
+                      device_type: str | None = None) -> None:
+    """Set the random state of each accelerator in ``devices`` (from :func:`get_device_states`).
+
+    Same as ``torch.utils.checkpoint.set_device_states``.
+
+    Args:
+        devices: device indices.
+        states: their random states, in the same order.
+        device_type: the accelerator type; default :meth:`DefaultDeviceType.get_device_type`.
+
+    Example:
+        >>> import torch, remat
+        >>> remat.set_device_states(*remat.get_device_states(torch.ones(2)))
+    """
+    device_type = device_type or DefaultDeviceType.get_device_type()
+    if device_type == "meta" or not devices:
+        return
+    module = torch.get_device_module(device_type)
+    for index, state in zip(devices, states):
+        with module.device(index):
+            module.set_rng_state(state)

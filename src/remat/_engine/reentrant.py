@@ -46,9 +46,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from remat._engine import state as _state
+from remat._engine.errors import RecomputeError
 from remat._engine.modes import _UNANNOTATED, StateGuard, _allocates, _storage_key, _written_args
 from remat._engine.reach import quiet
-from remat._errors import RecomputeError
 
 
 def apply(frame: Any, output: Any, tensors: list) -> Any:
@@ -90,7 +90,11 @@ class Reentrant(torch.autograd.Function):
             raise RecomputeError(
                 f"remat: region '{frame.name}' uses use_reentrant=True and remat cannot see which "
                 f"parameters it uses, so it does not work with torch.autograd.grad or "
-                f"backward(inputs=...); pass a module, or use use_reentrant=False"
+                f"backward(inputs=...); pass a module, or use use_reentrant=False. "
+                f"Checkpointing is not compatible with .grad() or when an `inputs` parameter is "
+                f"passed to .backward() (torch 2.13: When use_reentrant=True, "
+                f"torch.utils.checkpoint is incompatible with .grad() or passing an `inputs` "
+                f"parameter to .backward().)"
             )
         try:
             tensors = ctx.saved_tensors
@@ -100,7 +104,8 @@ class Reentrant(torch.autograd.Function):
             raise RecomputeError(
                 f"remat: backward ran a second time through reentrant region '{frame.name}' after "
                 f"its saved inputs were freed; pass retain_graph=True to the first backward, or "
-                f"use use_reentrant=False"
+                f"use use_reentrant=False (torch: Trying to backward through the graph a second "
+                f"time, or directly access saved tensors after they have already been freed)"
             ) from err
         with quiet(frame.quiet_norms):  # its inner backward reads the saved statistics
             if frame.opaque:

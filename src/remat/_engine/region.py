@@ -16,7 +16,16 @@ NOTE [Graph tasks]
 Each backward call (``backward``, ``torch.autograd.grad``) is a graph task with
 its own id. A region re-runs once per graph task that needs it, so
 ``backward(retain_graph=True)`` twice rebuilds twice and both are exact. A
-rebuilt tensor is dropped as soon as it is unpacked.
+rebuilt tensor is dropped as soon as it is unpacked. Inside a
+``GraphExecGroup`` (remat's or torch's, NOTE [Global switches] in ``flags.py``)
+the group stands for the graph task: its backward calls share one re-run, and
+a saved tensor unpacked by two of them is an error.
+
+NOTE [Inputs come back as themselves]
+A saved tensor that does not require grad (a region input a custom
+``autograd.Function`` saves, say) is handed back as the very object the re-run
+saved, which for a region input is the input itself: ``ctx.saved_tensors[0] is
+x`` holds inside a region as it does outside one (and in torch's checkpoint).
 
 NOTE [Keep outputs]
 ``Cell.recompute`` keeps the result of the cell's output operator. When the
@@ -45,14 +54,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
 from remat._engine import reentrant as _reentrant
 from remat._engine import rng as _rng
 from remat._engine import state as _state
+from remat._engine.errors import RecomputeError
 from remat._engine.modes import OpTrace, StateGuard
 from remat._engine.reach import differentiable, norms_writing_only, quiet, reachable, state_tensors
 from remat._engine.selective import policy_context
-from remat._errors import RecomputeError
 from remat._policy import save_all
 from remat._spec import RegionSpec
 
@@ -63,7 +73,11 @@ def passes_through(module: Any) -> bool:
     return bool(fns) and fns[-1] is module
 
 
-def _graph_task() -> int:
+def _graph_task() -> object:
+    """The key of this backward call's re-runs (NOTE [Graph tasks])."""
+    group = _flags.current_group()
+    if group is not None:
+        return group
     gid = torch._C._current_graph_task_id()
     return gid if gid != -1 else uuid.uuid4().int
 
@@ -210,12 +224,26 @@ class _Frame:
         gid = _graph_task()
         if gid not in holder.rebuilt:
             if gid in self.stored:
-                raise RecomputeError(
-                    f"remat: region '{self.name}': saved tensor #{holder.index} was unpacked twice "
-                    f"in one backward; unpack each saved tensor once (ctx.saved_tensors once)"
-                )
+                raise RecomputeError(self._unpacked_twice(holder, gid))
             self.recompute(gid)
         return holder.rebuilt.pop(gid)
+
+    def _unpacked_twice(self, holder: _Holder, gid: object) -> str:
+        if gid is _flags.current_group():
+            return (
+                f"remat: region '{self.name}': saved tensor #{holder.index} is needed by two "
+                f"backward calls in one GraphExecGroup, which re-runs the region once for all of "
+                f"them. Unpack is being triggered for a tensor that was already unpacked once. "
+                f"Performing two backward calls that overlap (i.e. require the same saved "
+                f"activation in order to compute gradients) is not allowed while under the "
+                f"torch.utils.checkpoint.GraphExecGroup context. Run the overlapping call "
+                f"outside the group"
+            )
+        return (
+            f"remat: region '{self.name}': saved tensor #{holder.index} was unpacked twice in one "
+            f"backward. Unpack is being triggered for a tensor that was already unpacked once. "
+            f"If you are calling ctx.saved_tensors in backward, make sure to do so only once"
+        )
 
     def rebuild_output(self, index: int, ref: _outputs.OutputRef) -> torch.Tensor:
         """NOTE [Output pass]: rebuild an output for a consumer, keeping nothing else."""
@@ -294,15 +322,30 @@ class _Frame:
                 j, (size, stride, offset) = holder.out_of
                 holder.rebuilt[gid] = outputs[j].as_strided(size, stride, offset)
 
-    def _check(self, gid: int, stop_at: int | None, mismatches: list[str]) -> None:
-        count = self.counter[gid]
-        expected = len(self.holders) if stop_at is None else stop_at + 1
+    def _check(self, gid: object, stop_at: int | None, mismatches: list[str]) -> None:
+        """Compare what the re-run saved with what forward saved (torch's three cases)."""
         if self.spec.determinism_check == "none":
             return
-        if count != expected and not (stop_at is not None and count > stop_at):
-            mismatches.insert(0, f"forward saved {len(self.holders)} tensors, recomputation saved {count}")
+        count, saved = self.counter[gid], len(self.holders)
+        lines = []
+        if count < (saved if stop_at is None else stop_at + 1):
+            lines.append("A different number of tensors was saved during the original forward "
+                         "and recomputation.")
+            lines.append(f"number of tensors saved during the original forward and recomputation: "
+                         f"{saved} and {count}")
+        elif count > saved:  # only without early stop: an early stop ends the re-run at the last one
+            lines.append(
+                f"trying to save more tensors during recomputation than during the original "
+                f"forward pass: forward saved {saved}, recomputation saved {count}"
+            )
         if mismatches:
-            raise RecomputeError(self._mismatch_message(mismatches))
+            lines.append(
+                "Recomputed values for the following tensors have different metadata than "
+                "during the forward pass:"
+            )
+            lines += mismatches
+        if lines:
+            raise RecomputeError(self._mismatch_message(lines))
 
     def _mismatch_message(self, mismatches: list[str]) -> str:
         text = (
@@ -312,9 +355,15 @@ class _Frame:
         if self.trace is not None and self.recompute_trace is not None:
             return (
                 f"{text}\n\nOperators run in forward:\n{self.trace.render()}\n\n"
-                f"Operators run in recomputation:\n{self.recompute_trace.render()}"
+                f"Operators run in recomputation:\n{self.recompute_trace.render()}\n\n"
+                f"Detected non-determinism while running activation checkpointing. You are "
+                f"seeing this error because you passed `debug=True` to checkpoint (or turned "
+                f"debug on with set_checkpoint_debug_enabled(True)): compare the two lists above."
             )
-        return text + "\nPass debug=True to print the operators run in forward and in recomputation."
+        return text + (
+            "\nPass debug=True to print the operators run in forward and in recomputation, or "
+            "wrap the code in remat.set_checkpoint_debug_enabled(True)."
+        )
 
 
 class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -330,7 +379,7 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
         def pack(x: torch.Tensor) -> torch.Tensor:
             index = frame.counter[gid]
             frame.counter[gid] = index + 1
-            x = x.detach()
+            x = x.detach() if x.requires_grad else x  # NOTE [Inputs come back as themselves]
             if index >= len(frame.holders):
                 return x
             if frame.metas and frame.metas[index] != _meta(x):
@@ -384,6 +433,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
     stack = contextlib.ExitStack()
     if not torch.is_grad_enabled() or spec.policy == save_all:
         return _Handle(None, stack)
+    spec = _flags.resolve(spec)  # NOTE [Global switches]
     if spec.use_reentrant:
         _reentrant.check_args(name, args, kwargs)
     frame = _Frame(fn, args, kwargs, spec, name, _contexts(spec, context_fn))

@@ -17,6 +17,39 @@ import torch
 from torch.utils import _pytree as pytree
 
 
+class DefaultDeviceType:
+    """The accelerator type a region records autocast state for when no argument is on one.
+
+    Same as ``torch.utils.checkpoint.DefaultDeviceType``: a region whose tensor
+    arguments are all on the CPU still replays this device type's autocast
+    settings (its forward may run there). The default is the current
+    accelerator's type, or ``"cpu"`` without one.
+
+    Example:
+        >>> import remat
+        >>> previous = remat.DefaultDeviceType.get_device_type()
+        >>> remat.DefaultDeviceType.set_device_type("cpu")
+        >>> remat.DefaultDeviceType.get_device_type()
+        'cpu'
+        >>> remat.DefaultDeviceType.set_device_type(previous)
+    """
+
+    _default_device_type: str | None = None
+
+    @staticmethod
+    def set_device_type(device: str = "cuda") -> None:
+        """Set the default device type (``"cuda"``, ``"xpu"``, ...)."""
+        DefaultDeviceType._default_device_type = device
+
+    @staticmethod
+    def get_device_type() -> str:
+        """Return the default device type."""
+        if not DefaultDeviceType._default_device_type:
+            accelerator = torch.accelerator.current_accelerator(True)
+            DefaultDeviceType._default_device_type = accelerator.type if accelerator else "cpu"
+        return DefaultDeviceType._default_device_type
+
+
 def _devices_of(args: Any) -> tuple[str, list[int]]:
     """Return the accelerator type and device indices of the tensors in ``args``."""
     device_type, indices = "cpu", []
@@ -86,6 +119,8 @@ def capture(args: Any, preserve_rng_state: bool) -> Replay:
         A :class:`Replay` whose ``context()`` restores that state.
     """
     device_type, devices = _devices_of(args)
+    if not devices and DefaultDeviceType.get_device_type() not in ("cpu", "meta"):
+        device_type = DefaultDeviceType.get_device_type()  # autocast only: no device to seed
     initialized = False
     device_rng = None
     if device_type != "cpu":

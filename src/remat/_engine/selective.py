@@ -4,19 +4,26 @@ In forward, :class:`SaveMode` runs every operator and stores the outputs of
 those the policy saves. In recomputation, :class:`ReplayMode` hands the stored
 outputs back instead of running those operators again, and runs the others.
 The same pair works as the ``context_fn`` of :func:`remat.checkpoint`.
+
+A policy is either a :class:`remat.Policy` (by operator name) or a
+:class:`CallPolicy`, which asks a function about every operator call, as
+torch's ``create_selective_checkpoint_contexts`` does; the function is asked in
+forward only, and its answers are replayed by call index in recomputation.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat._errors import RecomputeError
+from remat._engine.errors import RecomputeError
 from remat._policy import Policy
 
 # Operators that never hold a value worth keeping: aliases and bookkeeping.
@@ -33,10 +40,40 @@ _PASS_THROUGH = {
 }
 
 
-def _keeps(policy: Policy, func: Any) -> bool:
+#: Operators a per-call policy is never asked about (torch's ``SAC_IGNORED_OPS`` and the above).
+IGNORED_OPS: set = set(_torch_checkpoint.SAC_IGNORED_OPS) | _PASS_THROUGH
+
+
+@dataclass(frozen=True)
+class CallPolicy:
+    """A per-call policy: ``decide(func, args, kwargs, out)`` returns True to keep ``out``.
+
+    Outputs of views and of in-place operators are rebuilt whatever ``decide``
+    says (a kept alias or a skipped write would be wrong in recomputation).
+    """
+
+    decide: Callable[[Any, tuple, dict, Any], bool]
+    name: str = "policy_fn"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _keeps(policy: Policy | CallPolicy, func: Any) -> bool:
+    """True when ``func``'s calls are counted (and its outputs may be kept)."""
+    if isinstance(policy, CallPolicy):
+        return func not in IGNORED_OPS
     if func in _PASS_THROUGH or func._schema.is_mutable or func.is_view:
         return False
     return policy.saves(func._schema.name)
+
+
+def _decides_to_keep(policy: Policy | CallPolicy, func: Any, args: tuple, kwargs: dict,
+                     out: Any) -> bool:
+    if not isinstance(policy, CallPolicy):
+        return True  # _keeps already said so
+    keep = policy.decide(func, args, kwargs, out)
+    return bool(keep) and not (func._schema.is_mutable or func.is_view)
 
 
 class _Store:
@@ -50,27 +87,29 @@ class _Store:
 class SaveMode(TorchDispatchMode):
     """Forward half: run each operator, keep the outputs ``policy`` saves."""
 
-    def __init__(self, policy: Policy, store: _Store) -> None:
+    def __init__(self, policy: Policy | CallPolicy, store: _Store) -> None:
         super().__init__()
         self.policy, self.store = policy, store
         self.calls: dict[Any, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if _keeps(self.policy, func):
             index = self.calls[func]
             self.calls[func] += 1
             self.store.count[func] = index + 1
-            self.store.kept[func][index] = pytree.tree_map_only(
-                torch.Tensor, lambda t: (_alias(t), t._version), out
-            )
+            if _decides_to_keep(self.policy, func, args, kwargs, out):
+                self.store.kept[func][index] = pytree.tree_map_only(
+                    torch.Tensor, lambda t: (_alias(t), t._version), out
+                )
         return out
 
 
 class ReplayMode(TorchDispatchMode):
     """Recompute half: return kept outputs, run every other operator."""
 
-    def __init__(self, policy: Policy, store: _Store) -> None:
+    def __init__(self, policy: Policy | CallPolicy, store: _Store) -> None:
         super().__init__()
         self.policy, self.store = policy, store
         self.calls: dict[Any, int] = defaultdict(int)
@@ -86,11 +125,13 @@ class ReplayMode(TorchDispatchMode):
         self.calls[func] += 1
         kept = self.store.kept.get(func, {})
         if index not in kept:
-            if index < self.store.count.get(func, 0):  # handed back to an earlier backward
+            if index < self.store.count.get(func, 0):  # not kept, or handed back already
                 return func(*args, **(kwargs or {}))
             raise RecomputeError(
                 f"remat selective recompute: {func} call #{index} ran in recomputation but "
-                f"not in forward (policy {self.policy!r}); the region is not deterministic"
+                f"not in forward (policy {self.policy!r}); the region is not deterministic. "
+                f"{func} invocation index {index} encountered during backward but not found "
+                f"in storage."
             )
         entry = kept.pop(index)  # handed back once; a later backward rebuilds it
         stored = [t for t in pytree.tree_leaves(entry, is_leaf=_is_pair) if _is_pair(t)]
@@ -113,6 +154,12 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 
 def _is_pair(x: Any) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], torch.Tensor)
+
+
+def modes(policy: Policy | CallPolicy) -> tuple[SaveMode, ReplayMode]:
+    """Return a fresh (forward, recomputation) pair of modes applying ``policy``."""
+    store = _Store()
+    return SaveMode(policy, store), ReplayMode(policy, store)
 
 
 def policy_context(policy: Policy) -> Callable[[], tuple[SaveMode, ReplayMode]]:
@@ -140,8 +187,7 @@ def policy_context(policy: Policy) -> Callable[[], tuple[SaveMode, ReplayMode]]:
         )
 
     def context_fn() -> tuple[SaveMode, ReplayMode]:
-        store = _Store()
-        return SaveMode(policy, store), ReplayMode(policy, store)
+        return modes(policy)
 
     context_fn.policy = policy  # type: ignore[attr-defined]
     return context_fn
