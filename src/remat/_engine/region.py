@@ -260,6 +260,7 @@ class _Frame:
         mismatches: list[str] = []
         with contextlib.ExitStack() as stack:
             stack.enter_context(_state.recomputing())
+            stack.enter_context(quiet(self.quiet_norms))  # outside every mode (NOTE [Quiet batch norms])
             stack.enter_context(self.replay.context())
             stack.enter_context(torch.enable_grad())
             stack.enter_context(_RecomputeHooks(self, gid, stop_at, mismatches, store))
@@ -267,7 +268,6 @@ class _Frame:
                 stack.enter_context(self.contexts[1])
             if self.guard:
                 stack.enter_context(StateGuard())
-            stack.enter_context(quiet(self.quiet_norms))
             if self.trace is not None:
                 self.recompute_trace = stack.enter_context(OpTrace())
             _state.recomputing_fns().append(self.fn)
