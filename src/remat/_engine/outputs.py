@@ -14,6 +14,12 @@ before the second's), and, for plain operators outside any region, a
 saved-tensor hook that remat pushes when the stack of saved-tensor hooks is
 empty and pops as soon as no registered output is alive. Under someone else's
 saved-tensor hooks (CPU offload, torch.utils.checkpoint) the outputs are kept.
+
+An output changed in place after its region closed (``nn.ReLU(inplace=True)``
+right after the region) no longer holds what a rebuild returns: its version
+counter has moved since registration, so whoever saves it from then on saves
+the tensor itself, as without remat. Saves made before the change still get a
+reference; the rebuild returns the value they saved.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ def register(frame: Any, outputs: list) -> None:
             continue
         key = _key(t)
         layout = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
-        _registry[key] = (weakref.ref(frame), index, layout, id(t))
+        _registry[key] = (weakref.ref(frame), index, layout, id(t), t._version)
         weakref.finalize(t, _forget, key, id(t))
     _push_hook()
 
@@ -75,9 +81,9 @@ def lookup(x: torch.Tensor) -> OutputRef | None:
     entry = _registry.get(_key(x))
     if entry is None:
         return None
-    frame_ref, index, (size, stride, offset, dtype), _ = entry
+    frame_ref, index, (size, stride, offset, dtype), _, version = entry
     frame = frame_ref()
-    if frame is None or x.dtype != dtype:
+    if frame is None or x.dtype != dtype or x._version != version:  # changed in place: keep it
         return None
     same = tuple(x.shape) == size and x.stride() == stride and x.storage_offset() == offset
     ref = OutputRef(frame, index, None if same else (tuple(x.shape), x.stride(), x.storage_offset()))
