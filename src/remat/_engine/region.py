@@ -23,6 +23,23 @@ NOTE [Keep outputs]
 region closes, a holder whose tensor shares storage with one of the region's
 outputs (alive anyway) keeps the tensor instead of waiting for a rebuild.
 
+NOTE [Regions that write their inputs]
+A region that changes one of its inputs in place (``nn.ReLU(inplace=True)``
+marked on its own, a block that starts with an in-place activation) cannot be
+re-run: the input it would start from is gone. The input versions recorded
+when the region opened tell, at each tensor the region saves and when it
+closes. From the first sign on, the region keeps what it saves, as if it were
+not marked, and takes back every earlier saved tensor still alive; it drops
+its saved inputs (stale, and a reference cycle through the autograd graph if
+kept). Its outputs are not registered for output recompute. An earlier saved
+tensor that is already gone cannot be kept or rebuilt: a ``RecomputeError``
+says so when the region closes.
+
+A kept tensor records its version. If it is changed in place after it was
+kept (an in-place operator on a kept output), a region that can re-run
+rebuilds it instead, as if it had not been kept; one that cannot raises
+autograd's own error.
+
 NOTE [Output recompute] (``outputs.py``) and NOTE [Output pass] (``_Frame.recompute``)
 say how a region's outputs are not kept either; NOTE [What a region reaches],
 [Guard only when needed] and [Quiet batch norms] (``reach.py``) how recomputation
@@ -90,15 +107,23 @@ class _Stop(Exception):
 
 
 class _Holder:
-    __slots__ = ("__weakref__", "index", "kept", "out_of", "probe", "rebuilt", "saved_by")
+    __slots__ = ("__weakref__", "index", "kept", "kept_version", "out_of", "probe", "rebuilt",
+                 "saved_by")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.kept: torch.Tensor | None = None
+        self.kept_version = 0
         self.rebuilt: dict[int, torch.Tensor] = {}
         self.probe: weakref.ref | None = None
         self.out_of: tuple | None = None  # (output index, layout) when it is an output
         self.saved_by: str | None = None
+
+    def keep(self, x: torch.Tensor) -> None:
+        self.kept, self.kept_version, self.probe = x.detach(), x._version, None
+
+    def kept_is_stale(self) -> bool:
+        return self.kept is not None and self.kept._version != self.kept_version
 
 
 class _SaveInputs(torch.autograd.Function):
@@ -147,12 +172,16 @@ class _Frame:
         self.recompute_trace: OpTrace | None = None
         self.saver: torch.Tensor | None = None
         self.pending: Any = None
+        self.input_versions: list | None = None  # until close: NOTE [Regions that write their inputs]
+        self.keep_all = False
+        self.lost: list[int] = []
         if spec.use_reentrant:
             self.pending_inputs = tensors  # handed to _Reentrant.apply, which saves them
             self.params = parameters(reached, tensors)
             self.opaque = reached is None
         else:
             self._save_inputs(tensors)
+            self.input_versions = [(t, t._version) for t in tensors]
 
     # -- inputs ----------------------------------------------------------------
     def _save_inputs(self, tensors: list) -> None:
@@ -174,15 +203,49 @@ class _Frame:
 
     # -- forward packing ---------------------------------------------------------
     def pack(self, x: torch.Tensor) -> _Holder:
+        if not self.keep_all and self.inputs_written():
+            self.start_keeping()
         holder = _Holder(len(self.holders))
         self.holders.append(weakref.ref(holder))
         if self.spec.determinism_check == "default":
             self.metas.append(_meta(x))
-        if self.spec.keep_outputs or self.spec.output_recompute:
+        if self.keep_all:
+            holder.keep(x)
+        else:
             holder.probe = weakref.ref(x)
         if self.trace is not None:
             holder.saved_by = self.trace.last_op
         return holder
+
+    def inputs_written(self) -> bool:
+        """True when an input changed in place since the region opened."""
+        return self.input_versions is not None and any(
+            t._version != v for t, v in self.input_versions
+        )
+
+    def start_keeping(self) -> None:
+        """NOTE [Regions that write their inputs]: keep every saved tensor from now on."""
+        self.keep_all = True
+        for ref in self.holders:
+            holder = ref()
+            if holder is None or holder.kept is not None:
+                continue  # freed by autograd already: not needed
+            x = holder.probe() if holder.probe is not None else None
+            if x is None:
+                self.lost.append(holder.index)
+            else:
+                holder.keep(x)
+
+    def finish_keeping(self) -> None:
+        """Close a region that keeps what it saved; it is never re-run."""
+        self.saver = None  # the saved inputs are stale
+        if self.lost:
+            raise RecomputeError(
+                f"remat: region '{self.name}' changed one of its inputs in place after it had "
+                f"saved {len(self.lost)} tensor(s) for backward that are gone, so they can be "
+                f"neither kept nor rebuilt (the input they come from was overwritten); make the "
+                f"in-place operation out-of-place (e.g. inplace=False) or move it out of the region"
+            )
 
     def settle_outputs(self, flat_outputs: list) -> None:
         """Match saved tensors with the outputs, once the region has returned.
@@ -204,7 +267,7 @@ class _Frame:
             if self.spec.output_recompute:
                 holder.out_of = (j, (tuple(x.shape), x.stride(), x.storage_offset()))
             else:
-                holder.kept = x.detach()
+                holder.keep(x)
 
     def add_output_ref(self, ref: _outputs.OutputRef) -> None:
         self.out_refs.append(weakref.ref(ref))
@@ -212,7 +275,15 @@ class _Frame:
     # -- backward ------------------------------------------------------------------
     def unpack(self, holder: _Holder) -> torch.Tensor:
         if holder.kept is not None:
-            return holder.kept
+            if not holder.kept_is_stale():
+                return holder.kept
+            if self.keep_all:  # NOTE [Regions that write their inputs]
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: [{holder.kept.type()} {list(holder.kept.shape)}] is at "
+                    f"version {holder.kept._version}; expected version {holder.kept_version} instead "
+                    f"(saved by remat region '{self.name}')"
+                )
         gid = _graph_task()
         if gid not in holder.rebuilt:
             if gid in self.stored:
@@ -255,6 +326,7 @@ class _Frame:
         rebuilt all at once: backward holds one region's tensors at a time and
         the chain's boundary outputs, as a chain of plain regions would.
         """
+        self._drop_stale_kept()
         need_outputs = not store or self._refs_pending(gid)
         stop_at = self._last_needed(gid) if self.spec.early_stop and not need_outputs else None
         self.counter[gid] = 0
@@ -290,6 +362,13 @@ class _Frame:
             flat = pytree.tree_leaves(out)
             self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
             self._fill_from_outputs(gid)
+
+    def _drop_stale_kept(self) -> None:
+        """Kept tensors changed in place since are rebuilt (NOTE [Regions that write their inputs])."""
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None and holder.kept_is_stale():
+                holder.kept = None
 
     def _fill_from_outputs(self, gid: int) -> None:
         """Saved tensors that are outputs come from the output pass, not from another run."""
@@ -433,6 +512,12 @@ def close_region(handle: _Handle, output: Any) -> Any:
         _reentrant.check_outputs(frame.name, output)
         frame.pending, tensors, frame.pending_inputs = output, frame.pending_inputs, []
         return _reentrant.Reentrant.apply(frame, len(tensors), *tensors, *frame.params)
+    if not frame.keep_all and frame.inputs_written():  # NOTE [Regions that write their inputs]
+        frame.start_keeping()
+    frame.input_versions = None
+    if frame.keep_all:
+        frame.finish_keeping()
+        return output
     flat = pytree.tree_leaves(output)
     if spec.output_recompute or spec.keep_outputs:
         frame.settle_outputs(flat)
