@@ -233,6 +233,48 @@ def test_region_changing_its_input_in_place():
     assert_exact(model, lambda m: remat.recompute_module(m[1]), _x(4, W), backwards=2)
 
 
+def test_region_that_writes_its_input_after_a_lost_save_raises():
+    fc = nn.Linear(W, W)
+
+    def block(x):
+        y = (x * 2).cos()  # cos saves x * 2, which nothing else holds
+        x.relu_()
+        return y + x
+
+    with pytest.raises(remat.RecomputeError, match="changed one of its inputs in place"):
+        remat.checkpoint(block, fc(_x(4, W)), use_reentrant=False)
+
+
+class KeptThenInPlace(nn.Module):
+    """A cell mark keeps tanh's result (its output); the caller then changes it in place."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace
+        torch.manual_seed(7)
+        self.block = nn.Sequential(nn.Linear(W, W), nn.Tanh())
+        self.fc = nn.Linear(W, W)
+
+    def forward(self, x):
+        h = self.block(x)
+        h = h.mul_(2) if self.inplace else h * 2
+        return self.fc(h)
+
+
+def test_kept_output_changed_in_place_is_rebuilt():
+    # plain torch refuses the in-place version (tanh saved its result); remat rebuilds the
+    # kept tensor, so the marked in-place model equals the plain out-of-place one
+    plain, marked = KeptThenInPlace(inplace=False), KeptThenInPlace(inplace=True)
+    marked.load_state_dict(plain.state_dict())
+    remat.recompute_module(marked.block)
+    grads = []
+    for model in (plain, marked):
+        model(_x(4, W)).square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 # --- 11. leaks -------------------------------------------------------------------------------
 
 
