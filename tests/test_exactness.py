@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import remat
@@ -285,12 +285,22 @@ def _output_recompute_model() -> nn.Sequential:
 
 
 def test_hook_popped_after_a_step():
-    model = _output_recompute_model()
-    model(_x(4, W)).sum().backward()
+    model = _seq(nn.Linear(W, W), nn.Tanh(), nn.Linear(W, W))
+    remat.apply(model, where=nn.Linear, output_recompute=True)
+    out = model(_x(4, W))  # the model's output, a marked region's, outlives the step
+    out.sum().backward()
     assert not _outputs.hook_active()
     # torch.func.grad refuses to run under a saved-tensor hook
     g = torch.func.grad(lambda t: (t * t).sum())(torch.ones(3))
     assert torch.equal(g, torch.full((3,), 2.0))
+    # the next step is exact again: the hook comes back with the next marked region
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    out = model(_x(4, W))
+    assert _outputs.hook_active()
+    out.sum().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert not _outputs.hook_active()
 
 
 def test_hook_popped_when_output_kept_past_backward():
@@ -304,8 +314,10 @@ def test_hook_popped_when_output_kept_past_backward():
     del h
 
 
-def test_outputs_freed_after_an_exception_in_backward():
-    model = _output_recompute_model()
+@pytest.mark.parametrize("inplace", [False, True])
+def test_outputs_freed_after_an_exception_in_backward(inplace):
+    model = _seq(nn.Linear(W, W), nn.ReLU(inplace=inplace), nn.Linear(W, W), nn.Tanh(), nn.Linear(W, W))
+    remat.apply(model, where=lambda name, m: name in ("1", "2"), output_recompute=True)
 
     class Boom(torch.autograd.Function):
         @staticmethod
@@ -316,16 +328,18 @@ def test_outputs_freed_after_an_exception_in_backward():
         def backward(ctx, g):
             raise RuntimeError("boom")
 
-    def step() -> weakref.ref:
-        h = model[0](_x(4, W))
-        out = model[2](model[1](h))
-        probe = weakref.ref(h)
+    def step() -> list:
+        probes = []
+        h = _x(4, W)
+        for layer in model:
+            h = layer(h)
+            probes.append(weakref.ref(h))
         with pytest.raises(RuntimeError, match="boom"):
-            Boom.apply(out).sum().backward()
-        return probe
+            Boom.apply(h).sum().backward()
+        return probes
 
-    probe = step()
+    probes = step()
     gc.collect()
-    assert probe() is None
-    assert not _outputs.hook_active()
+    assert [p() for p in probes] == [None] * len(probes)
     assert not _outputs._registry
+    assert not _outputs.hook_active()

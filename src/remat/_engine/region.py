@@ -327,6 +327,8 @@ class _Frame:
         the chain's boundary outputs, as a chain of plain regions would.
         """
         self._drop_stale_kept()
+        if self.spec.output_recompute:
+            _outputs.pop_after_backward()
         need_outputs = not store or self._refs_pending(gid)
         stop_at = self._last_needed(gid) if self.spec.early_stop and not need_outputs else None
         self.counter[gid] = 0
