@@ -216,11 +216,18 @@ def test_policy_mark_with_batch_norm():
 # --- 7. the primitive-mark recipe on an in-place activation ---------------------------------
 
 
-def test_primitive_mark_on_inplace_relu():
-    model = _seq(nn.Linear(W, W), nn.ReLU(inplace=True), nn.Linear(W, W), nn.ReLU(inplace=True),
+@pytest.mark.parametrize("act", [nn.ReLU, nn.Dropout])  # dropout_ saves its mask, then writes
+def test_primitive_mark_on_inplace_activation(act):
+    model = _seq(nn.Linear(W, W), act(inplace=True), nn.Linear(W, W), act(inplace=True),
                  nn.Linear(W, W))
-    assert_exact(model, lambda m: remat.apply(m, where=nn.ReLU, output_recompute=True), _x(4, W),
+    assert_exact(model, lambda m: remat.apply(m, where=act, output_recompute=True), _x(4, W),
                  backwards=2)
+
+
+def test_primitive_marks_on_linear_and_inplace_relu():
+    model = _seq(nn.Linear(W, W), nn.ReLU(inplace=True), nn.Linear(W, W), nn.Tanh(), nn.Linear(W, W))
+    mark = lambda m: remat.apply(m, where=(nn.Linear, nn.ReLU), output_recompute=True)
+    assert_exact(model, mark, _x(4, W), backwards=2)
 
 
 def test_cell_mark_on_inplace_relu():
@@ -233,16 +240,39 @@ def test_region_changing_its_input_in_place():
     assert_exact(model, lambda m: remat.recompute_module(m[1]), _x(4, W), backwards=2)
 
 
-def test_region_that_writes_its_input_after_a_lost_save_raises():
-    fc = nn.Linear(W, W)
+class WritesInputLate(nn.Module):
+    """A checkpointed block that saves temporaries, then changes its input in place."""
 
-    def block(x):
-        y = (x * 2).cos()  # cos saves x * 2, which nothing else holds
+    def __init__(self, depth: int, region: bool) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.fc, self.out = nn.Linear(W, W), nn.Linear(W, W)
+        self.depth, self.region = depth, region
+
+    def block(self, x):
+        y = x * 2
+        for _ in range(self.depth):
+            y = y.cos()  # saves its input, which nothing else holds
         x.relu_()
         return y + x
 
+    def forward(self, x):
+        h = self.fc(x)
+        y = remat.checkpoint(self.block, h, use_reentrant=False) if self.region else self.block(h)
+        return self.out(y)
+
+
+def test_region_that_writes_its_input_after_saving_a_temporary():
+    def mark(m):
+        m.region = True
+
+    assert_exact(WritesInputLate(depth=1, region=False), mark, _x(4, W), backwards=2)
+
+
+def test_region_that_writes_its_input_after_a_lost_save_raises():
+    model = WritesInputLate(depth=2, region=True)
     with pytest.raises(remat.RecomputeError, match="changed one of its inputs in place"):
-        remat.checkpoint(block, fc(_x(4, W)), use_reentrant=False)
+        model(_x(4, W))
 
 
 class KeptThenInPlace(nn.Module):

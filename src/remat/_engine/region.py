@@ -27,13 +27,16 @@ NOTE [Regions that write their inputs]
 A region that changes one of its inputs in place (``nn.ReLU(inplace=True)``
 marked on its own, a block that starts with an in-place activation) cannot be
 re-run: the input it would start from is gone. The input versions recorded
-when the region opened tell, at each tensor the region saves and when it
-closes. From the first sign on, the region keeps what it saves, as if it were
-not marked, and takes back every earlier saved tensor still alive; it drops
-its saved inputs (stale, and a reference cycle through the autograd graph if
-kept). Its outputs are not registered for output recompute. An earlier saved
-tensor that is already gone cannot be kept or rebuilt: a ``RecomputeError``
-says so when the region closes.
+when the region opened tell, at each new operator that saves a tensor and when
+the region closes. From the first sign on, the region keeps what it saves, as
+if it were not marked, and takes back every earlier saved tensor still alive;
+what the latest saving operator saved is held until the next one saves (an
+in-place operator such as dropout's ``mul_`` saves its other operands before
+it writes). It drops its saved inputs (stale, and a reference cycle through
+the autograd graph if kept). Its outputs are not registered for output
+recompute. An earlier saved tensor already gone (a temporary saved two saving
+operators before the write) can be neither kept nor rebuilt: a
+``RecomputeError`` says so when the region closes.
 
 A kept tensor records its version. If it is changed in place after it was
 kept (an in-place operator on a kept output), a region that can re-run
@@ -175,6 +178,8 @@ class _Frame:
         self.input_versions: list | None = None  # until close: NOTE [Regions that write their inputs]
         self.keep_all = False
         self.lost: list[int] = []
+        self.recent: list[torch.Tensor] = []  # what the latest saving operator saved
+        self.recent_op = -1
         if spec.use_reentrant:
             self.pending_inputs = tensors  # handed to _Reentrant.apply, which saves them
             self.params = parameters(reached, tensors)
@@ -203,8 +208,8 @@ class _Frame:
 
     # -- forward packing ---------------------------------------------------------
     def pack(self, x: torch.Tensor) -> _Holder:
-        if not self.keep_all and self.inputs_written():
-            self.start_keeping()
+        if self.input_versions and not self.keep_all:
+            self._watch_inputs(x)
         holder = _Holder(len(self.holders))
         self.holders.append(weakref.ref(holder))
         if self.spec.determinism_check == "default":
@@ -216,6 +221,23 @@ class _Frame:
         if self.trace is not None:
             holder.saved_by = self.trace.last_op
         return holder
+
+    def _watch_inputs(self, x: torch.Tensor) -> None:
+        """Look for an input write at each new saving operator (NOTE [Regions that write their inputs]).
+
+        An in-place operator saves its other operands before it writes, so what
+        the latest saving operator saved is held until the next one saves: a
+        write by it (or by operators that save nothing after it) is seen while
+        its tensors are still alive.
+        """
+        op = torch.autograd._get_sequence_nr()  # one autograd node per operator
+        if op != self.recent_op:
+            if self.inputs_written():
+                self.start_keeping()
+                return
+            self.recent.clear()
+            self.recent_op = op
+        self.recent.append(x)
 
     def inputs_written(self) -> bool:
         """True when an input changed in place since the region opened."""
@@ -235,6 +257,7 @@ class _Frame:
                 self.lost.append(holder.index)
             else:
                 holder.keep(x)
+        self.recent.clear()
 
     def finish_keeping(self) -> None:
         """Close a region that keeps what it saved; it is never re-run."""
@@ -516,7 +539,7 @@ def close_region(handle: _Handle, output: Any) -> Any:
         return _reentrant.Reentrant.apply(frame, len(tensors), *tensors, *frame.params)
     if not frame.keep_all and frame.inputs_written():  # NOTE [Regions that write their inputs]
         frame.start_keeping()
-    frame.input_versions = None
+    frame.input_versions, frame.recent = None, []
     if frame.keep_all:
         frame.finish_keeping()
         return output
