@@ -131,15 +131,25 @@ def test_cell_mark_inside_checkpoint_of_same_module(use_reentrant):
     assert_exact(model, lambda m: remat.recompute_module(m), _x(4, W), forward)
 
 
-@pytest.mark.parametrize("output_recompute", [False, True])
-def test_cell_mark_inside_checkpoint_of_same_module_options(output_recompute):
+@pytest.mark.parametrize("options", [{"output_recompute": True}, {"use_reentrant": True},
+                                     {"policy": remat.save_compute_intensive}])
+def test_cell_mark_inside_checkpoint_of_same_module_options(options):
     model = _seq(nn.Tanh(), nn.Linear(W, W), nn.ReLU(), nn.Linear(W, W), nn.Sigmoid())
 
     def forward(m, x):
         return remat.checkpoint(m, x, use_reentrant=False) * 2
 
-    assert_exact(model, lambda m: remat.recompute_module(m, output_recompute=output_recompute),
-                 _x(4, W), forward, backwards=2)
+    assert_exact(model, lambda m: remat.recompute_module(m, **options), _x(4, W), forward,
+                 backwards=2)
+
+
+def test_marked_module_inside_functional_recompute_of_itself():
+    model = _seq(nn.Sigmoid(), nn.Linear(W, W), nn.Tanh())
+
+    def forward(m, x):
+        return remat.recompute(m, x, output_recompute=True).exp()
+
+    assert_exact(model, lambda m: remat.recompute_module(m), _x(4, W), forward)
 
 
 # --- 5. a batch norm used outside a region and again inside one ---------------------------
