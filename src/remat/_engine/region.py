@@ -91,6 +91,9 @@ def passes_through(module: Any) -> bool:
     return bool(fns) and fns[-1] is module
 
 
+_sequence_nr = torch.autograd._get_sequence_nr
+
+
 def _graph_task() -> int:
     gid = torch._C._current_graph_task_id()
     return gid if gid != -1 else uuid.uuid4().int
@@ -208,8 +211,12 @@ class _Frame:
 
     # -- forward packing ---------------------------------------------------------
     def pack(self, x: torch.Tensor) -> _Holder:
-        if self.input_versions and not self.keep_all:
-            self._watch_inputs(x)
+        if self.input_versions and not self.keep_all:  # NOTE [Regions that write their inputs]
+            op = _sequence_nr()  # one autograd node per operator
+            if op != self.recent_op:
+                self._next_operator(op)
+            if not self.keep_all:
+                self.recent.append(x)
         holder = _Holder(len(self.holders))
         self.holders.append(weakref.ref(holder))
         if self.spec.determinism_check == "default":
@@ -222,28 +229,26 @@ class _Frame:
             holder.saved_by = self.trace.last_op
         return holder
 
-    def _watch_inputs(self, x: torch.Tensor) -> None:
-        """Look for an input write at each new saving operator (NOTE [Regions that write their inputs]).
+    def _next_operator(self, op: int) -> None:
+        """A new operator saves: did an earlier one write an input?
 
         An in-place operator saves its other operands before it writes, so what
         the latest saving operator saved is held until the next one saves: a
         write by it (or by operators that save nothing after it) is seen while
-        its tensors are still alive.
+        its tensors are still alive (NOTE [Regions that write their inputs]).
         """
-        op = torch.autograd._get_sequence_nr()  # one autograd node per operator
-        if op != self.recent_op:
-            if self.inputs_written():
-                self.start_keeping()
-                return
+        if self.inputs_written():
+            self.start_keeping()
+        else:
             self.recent.clear()
             self.recent_op = op
-        self.recent.append(x)
 
     def inputs_written(self) -> bool:
         """True when an input changed in place since the region opened."""
-        return self.input_versions is not None and any(
-            t._version != v for t, v in self.input_versions
-        )
+        for t, v in self.input_versions or ():
+            if t._version != v:
+                return True
+        return False
 
     def start_keeping(self) -> None:
         """NOTE [Regions that write their inputs]: keep every saved tensor from now on."""
@@ -390,6 +395,8 @@ class _Frame:
 
     def _drop_stale_kept(self) -> None:
         """Kept tensors changed in place since are rebuilt (NOTE [Regions that write their inputs])."""
+        if not self.spec.keep_outputs or self.spec.output_recompute:
+            return  # nothing kept
         for ref in self.holders:
             holder = ref()
             if holder is not None and holder.kept_is_stale():
