@@ -14,11 +14,13 @@ before the second's), and, for plain operators outside any region, a
 saved-tensor hook that remat pushes when the stack of saved-tensor hooks is
 empty and pops as soon as no registered output is alive, or at the end of a
 backward that rebuilt a marked region (an output still alive then, the model's
-output say, is saved as itself from then on; a later forward pushes the hook
-again). So no hook is left on the stack after a training step (``torch.func``
-refuses to run under one). The pop happens when the engine releases the
-backward's final callbacks (:class:`_PopWhenReleased`), not in a callback. Under someone else's saved-tensor hooks (CPU
-offload, torch.utils.checkpoint) the outputs are kept.
+output say, is saved as itself from then on, which changes memory, not
+numbers; the next region that registers outputs pushes the hook again). So no
+hook is left on the stack after a training step (``torch.func`` refuses to
+run under one). The pop happens when the engine releases the backward's final
+callbacks (:class:`_PopWhenReleased`), not in a callback. Under someone
+else's saved-tensor hooks (CPU offload, torch.utils.checkpoint) the outputs
+are kept.
 
 An output changed in place after its region closed (``nn.ReLU(inplace=True)``
 right after the region) no longer holds what a rebuild returns: its version
