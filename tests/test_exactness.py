@@ -240,6 +240,16 @@ def test_primitive_marks_on_linear_and_inplace_relu():
     assert_exact(model, mark, _x(4, W), backwards=2)
 
 
+def test_primitive_mark_on_inplace_relu_keeps_what_the_unmarked_model_keeps():
+    model = _seq(nn.Linear(W, W), nn.ReLU(inplace=True), nn.Linear(W, W), nn.Tanh())
+    marked = copy.deepcopy(model)
+    remat.apply(marked, where=nn.ReLU, output_recompute=True)
+    x = _x(4, W)
+    plain = remat.memory.saved_bytes(lambda: model(x).sum())
+    assert plain > 0
+    assert remat.memory.saved_bytes(lambda: marked(x).sum()) == plain
+
+
 def test_cell_mark_on_inplace_relu():
     model = _seq(nn.Linear(W, W), nn.ReLU(inplace=True), nn.Linear(W, W))
     assert_exact(model, lambda m: remat.apply(m, where=nn.ReLU), _x(4, W))
