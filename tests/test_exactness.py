@@ -295,6 +295,16 @@ def test_region_that_writes_its_input_after_a_lost_save_raises():
         model(_x(4, W))
 
 
+def test_input_changed_in_place_after_the_region_raises_a_typed_error():
+    fc, block = nn.Linear(W, W), nn.Linear(W, W)
+    h = fc(_x(4, W))
+    y = remat.checkpoint(lambda t: block(t * 3), h, use_reentrant=False)
+    h.mul_(2)
+    with pytest.raises(remat.RecomputeError, match="changed in place after the region ran") as info:
+        (y.sum() + h.sum()).backward()
+    assert "has been modified by an inplace operation" in str(info.value)  # torch's words too
+
+
 class KeptThenInPlace(nn.Module):
     """A cell mark keeps tanh's result (its output); the caller then changes it in place."""
 

@@ -199,7 +199,17 @@ class _Frame:
 
     def inputs(self) -> tuple[tuple, dict]:
         leaves = list(self.leaves)
-        saved = self.saver.grad_fn.saved_tensors if self.saver is not None else ()
+        try:
+            saved = self.saver.grad_fn.saved_tensors if self.saver is not None else ()
+        except RuntimeError as err:
+            if "modified by an inplace operation" not in str(err):
+                raise
+            raise RecomputeError(
+                f"remat: region '{self.name}' cannot be re-run: one of its inputs was changed in "
+                f"place after the region ran (one of the variables needed for gradient "
+                f"computation has been modified by an inplace operation). A region is rebuilt "
+                f"from its inputs in backward; change the input out of place, or clone it first"
+            ) from err
         for slot, x in zip(self.tensor_slots, saved):
             leaves[slot] = x
         return self.unflatten(leaves)
