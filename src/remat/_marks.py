@@ -234,7 +234,8 @@ def _enter_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         return
     stack = _stack()
     stack.append(None)  # the exit hook pops one entry even if opening fails
-    stack[-1] = _region.open_region(module, args, kwargs, spec, name=type(module).__name__)
+    stack[-1] = _region.open_region(module, args, kwargs, spec, name=type(module).__name__,
+                                    by_mark=True)
     return
 
 

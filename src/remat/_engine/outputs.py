@@ -12,8 +12,21 @@ Who packs: the input saver of the next region (so two adjacent marked regions
 merge: the first's output is never kept and its recomputation runs right
 before the second's), and, for plain operators outside any region, a
 saved-tensor hook that remat pushes when the stack of saved-tensor hooks is
-empty and pops as soon as no registered output is alive. Under someone else's
-saved-tensor hooks (CPU offload, torch.utils.checkpoint) the outputs are kept.
+empty and pops as soon as no registered output is alive, or at the end of a
+backward that rebuilt a marked region (an output still alive then, the model's
+output say, is saved as itself from then on, which changes memory, not
+numbers; the next region that registers outputs pushes the hook again). So no
+hook is left on the stack after a training step (``torch.func`` refuses to
+run under one). The pop happens when the engine releases the backward's final
+callbacks (:class:`_PopWhenReleased`), not in a callback. Under someone
+else's saved-tensor hooks (CPU offload, torch.utils.checkpoint) the outputs
+are kept.
+
+An output changed in place after its region closed (``nn.ReLU(inplace=True)``
+right after the region) no longer holds what a rebuild returns: its version
+counter has moved since registration, so whoever saves it from then on saves
+the tensor itself, as without remat. Saves made before the change still get a
+reference; the rebuild returns the value they saved.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ class OutputRef:
         self.done: set[int] = set()  # graph tasks that unpacked it
 
     def unpack(self) -> torch.Tensor:
+        pop_after_backward()
         out = self.frame.rebuild_output(self.index, self)
         if self.layout is not None:
             size, stride, offset = self.layout
@@ -55,7 +69,7 @@ def register(frame: Any, outputs: list) -> None:
             continue
         key = _key(t)
         layout = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
-        _registry[key] = (weakref.ref(frame), index, layout, id(t))
+        _registry[key] = (weakref.ref(frame), index, layout, id(t), t._version)
         weakref.finalize(t, _forget, key, id(t))
     _push_hook()
 
@@ -75,9 +89,9 @@ def lookup(x: torch.Tensor) -> OutputRef | None:
     entry = _registry.get(_key(x))
     if entry is None:
         return None
-    frame_ref, index, (size, stride, offset, dtype), _ = entry
+    frame_ref, index, (size, stride, offset, dtype), _, version = entry
     frame = frame_ref()
-    if frame is None or x.dtype != dtype:
+    if frame is None or x.dtype != dtype or x._version != version:  # changed in place: keep it
         return None
     same = tuple(x.shape) == size and x.stride() == stride and x.storage_offset() == offset
     ref = OutputRef(frame, index, None if same else (tuple(x.shape), x.stride(), x.storage_offset()))
@@ -122,6 +136,40 @@ def pop_hook() -> None:
     """Pop remat's hook if it is on top of the stack and no registered output is alive."""
     if not _registry and _ours_on_top():
         _ag._pop_saved_tensors_default_hooks()
+
+
+_queued: set[int] = set()  # graph tasks that will pop the hook when they end
+
+
+class _PopWhenReleased:
+    """Pops remat's hook when the backward that holds it is torn down.
+
+    The engine runs each node and each final callback under the thread-local
+    state it captured when backward began, and restores the caller's state
+    afterwards: a pop made there would be undone. The graph task releases its
+    final callbacks (this object with them) after that, on the calling thread,
+    in the caller's own state.
+    """
+
+    def __init__(self, gid: int) -> None:
+        self.gid = gid
+
+    def __call__(self) -> None:
+        pass
+
+    def __del__(self) -> None:
+        _queued.discard(self.gid)
+        if _ours_on_top():  # elsewhere (an accelerator's worker thread): leave it
+            _ag._pop_saved_tensors_default_hooks()
+
+
+def pop_after_backward() -> None:
+    """Pop remat's hook once the running backward is over (see NOTE [Output recompute])."""
+    gid = torch._C._current_graph_task_id()
+    if gid == -1 or gid in _queued:
+        return
+    _queued.add(gid)
+    torch.autograd.Variable._execution_engine.queue_callback(_PopWhenReleased(gid))
 
 
 def hook_active() -> bool:

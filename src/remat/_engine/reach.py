@@ -112,6 +112,14 @@ def norms_writing_only(modules: list, written: list) -> list:
     If they are the only state the forward wrote, the re-run writes them as
     usual and their values are put back afterwards (a copy of a few numbers
     per channel), instead of running every operator under the state guard.
+
+    The copy-back writes through ``.data``, which does not bump the buffers'
+    version counters: batch norm's own kernel updates its running statistics
+    without a bump, and an earlier call of the same batch norm outside the
+    region saved them for backward at that version (autograd would otherwise
+    refuse them). It runs outside every dispatch mode of the recomputation (a
+    ``context_fn``'s, the state guard): snapshot and copy-back are the engine's,
+    not the region's operators.
     """
     if not written:
         return []
@@ -133,10 +141,10 @@ def quiet(norms: list) -> Any:
     """Put the running statistics of ``norms`` back as they were. See NOTE [Quiet batch norms]."""
     stats = [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
              if b is not None]
-    before = [b.clone() for b in stats]
+    before = [b.detach().clone() for b in stats]
     try:
         yield
     finally:
         with torch.no_grad():
             for b, value in zip(stats, before):
-                b.copy_(value)
+                b.data.copy_(value)  # no version bump: see the docstring

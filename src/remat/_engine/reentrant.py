@@ -218,7 +218,7 @@ def _rerun(frame: Any, inputs: list) -> tuple:
     else:
         guard = StateGuard() if frame.guard else contextlib.nullcontext()
     with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard:
-        _state.recomputing_fns().append(frame.fn)
+        _state.recomputing_fns().append(frame.rerun_as)
         try:
             out = frame.fn(*args, **kwargs)
         finally:

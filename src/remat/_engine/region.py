@@ -32,6 +32,26 @@ NOTE [Keep outputs]
 region closes, a holder whose tensor shares storage with one of the region's
 outputs (alive anyway) keeps the tensor instead of waiting for a rebuild.
 
+NOTE [Regions that write their inputs]
+A region that changes one of its inputs in place (``nn.ReLU(inplace=True)``
+marked on its own, a block that starts with an in-place activation) cannot be
+re-run: the input it would start from is gone. The input versions recorded
+when the region opened tell, at each new operator that saves a tensor and when
+the region closes. From the first sign on, the region keeps what it saves, as
+if it were not marked, and takes back every earlier saved tensor still alive;
+what the latest saving operator saved is held until the next one saves (an
+in-place operator such as dropout's ``mul_`` saves its other operands before
+it writes). It drops its saved inputs (stale, and a reference cycle through
+the autograd graph if kept). Its outputs are not registered for output
+recompute. An earlier saved tensor already gone (a temporary saved two saving
+operators before the write) can be neither kept nor rebuilt: a
+``RecomputeError`` says so when the region closes.
+
+A kept tensor records its version. If it is changed in place after it was
+kept (an in-place operator on a kept output), a region that can re-run
+rebuilds it instead, as if it had not been kept; one that cannot raises
+autograd's own error.
+
 NOTE [Output recompute] (``outputs.py``) and NOTE [Output pass] (``_Frame.recompute``)
 say how a region's outputs are not kept either; NOTE [What a region reaches],
 [Guard only when needed] and [Quiet batch norms] (``reach.py``) how recomputation
@@ -68,9 +88,20 @@ from remat._spec import RegionSpec
 
 
 def passes_through(module: Any) -> bool:
-    """Return True when ``module`` is being re-run by its own region (its hooks stay quiet)."""
+    """Return True when ``module`` is being re-run by its own mark's region (its hooks stay quiet).
+
+    NOTE [Nested marks]: a marked module's region re-runs the module, whose
+    mark must then not open a second region. Any other region that re-runs
+    the module (``remat.checkpoint(module, x)`` around a marked module) runs
+    it as its forward did: the mark opens its own nested region again, so the
+    outer region rebuilds the same saved tensors (the inner region's inputs)
+    that its forward saved.
+    """
     fns = _state.recomputing_fns()
     return bool(fns) and fns[-1] is module
+
+
+_sequence_nr = torch.autograd._get_sequence_nr
 
 
 def _graph_task() -> object:
@@ -96,15 +127,23 @@ class _Stop(Exception):
 
 
 class _Holder:
-    __slots__ = ("__weakref__", "index", "kept", "out_of", "probe", "rebuilt", "saved_by")
+    __slots__ = ("__weakref__", "index", "kept", "kept_version", "out_of", "probe", "rebuilt",
+                 "saved_by")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.kept: torch.Tensor | None = None
+        self.kept_version = 0
         self.rebuilt: dict[int, torch.Tensor] = {}
         self.probe: weakref.ref | None = None
         self.out_of: tuple | None = None  # (output index, layout) when it is an output
         self.saved_by: str | None = None
+
+    def keep(self, x: torch.Tensor) -> None:
+        self.kept, self.kept_version, self.probe = x.detach(), x._version, None
+
+    def kept_is_stale(self) -> bool:
+        return self.kept is not None and self.kept._version != self.kept_version
 
 
 class _SaveInputs(torch.autograd.Function):
@@ -124,8 +163,9 @@ class _Frame:
     """One forward run of a region, and what it needs to re-run it."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, name: str,
-                 contexts: tuple | None) -> None:
+                 contexts: tuple | None, by_mark: bool = False) -> None:
         self.fn, self.spec, self.name = fn, spec, name
+        self.rerun_as = fn if by_mark else None  # what passes_through sees (NOTE [Nested marks])
         self.contexts = contexts
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             leaves, self.treespec = list(args), None  # the common case, without pytree
@@ -153,6 +193,11 @@ class _Frame:
         self.recompute_trace: OpTrace | None = None
         self.saver: torch.Tensor | None = None
         self.pending: Any = None
+        self.input_versions: list | None = None  # until close: NOTE [Regions that write their inputs]
+        self.keep_all = False
+        self.lost: list[int] = []
+        self.recent: list[torch.Tensor] = []  # what the latest saving operator saved
+        self.recent_op = -1
         if spec.use_reentrant:
             self.pending_inputs = tensors  # handed to Reentrant.apply, which saves them
             self.versions = [x._version for x in tensors]
@@ -161,6 +206,7 @@ class _Frame:
             self.opaque = reached is None
         else:
             self._save_inputs(tensors)
+            self.input_versions = [(t, t._version) for t in tensors]
 
     # -- inputs ----------------------------------------------------------------
     def _save_inputs(self, tensors: list) -> None:
@@ -170,7 +216,17 @@ class _Frame:
 
     def inputs(self) -> tuple[tuple, dict]:
         leaves = list(self.leaves)
-        saved = self.saver.grad_fn.saved_tensors if self.saver is not None else ()
+        try:
+            saved = self.saver.grad_fn.saved_tensors if self.saver is not None else ()
+        except RuntimeError as err:
+            if "modified by an inplace operation" not in str(err):
+                raise
+            raise RecomputeError(
+                f"remat: region '{self.name}' cannot be re-run: one of its inputs was changed in "
+                f"place after the region ran (one of the variables needed for gradient "
+                f"computation has been modified by an inplace operation). A region is rebuilt "
+                f"from its inputs in backward; change the input out of place, or clone it first"
+            ) from err
         for slot, x in zip(self.tensor_slots, saved):
             leaves[slot] = x
         return self.unflatten(leaves)
@@ -182,15 +238,69 @@ class _Frame:
 
     # -- forward packing ---------------------------------------------------------
     def pack(self, x: torch.Tensor) -> _Holder:
+        if self.input_versions and not self.keep_all:  # NOTE [Regions that write their inputs]
+            op = _sequence_nr()  # one autograd node per operator
+            if op != self.recent_op:
+                self._next_operator(op)
+            if not self.keep_all:
+                self.recent.append(x)
         holder = _Holder(len(self.holders))
         self.holders.append(weakref.ref(holder))
         if self.spec.determinism_check == "default":
             self.metas.append(_meta(x))
-        if self.spec.keep_outputs or self.spec.output_recompute:
+        if self.keep_all:
+            holder.keep(x)
+        else:
             holder.probe = weakref.ref(x)
         if self.trace is not None:
             holder.saved_by = self.trace.last_op
         return holder
+
+    def _next_operator(self, op: int) -> None:
+        """A new operator saves: did an earlier one write an input?
+
+        An in-place operator saves its other operands before it writes, so what
+        the latest saving operator saved is held until the next one saves: a
+        write by it (or by operators that save nothing after it) is seen while
+        its tensors are still alive (NOTE [Regions that write their inputs]).
+        """
+        if self.inputs_written():
+            self.start_keeping()
+        else:
+            self.recent.clear()
+            self.recent_op = op
+
+    def inputs_written(self) -> bool:
+        """True when an input changed in place since the region opened."""
+        for t, v in self.input_versions or ():
+            if t._version != v:
+                return True
+        return False
+
+    def start_keeping(self) -> None:
+        """NOTE [Regions that write their inputs]: keep every saved tensor from now on."""
+        self.keep_all = True
+        for ref in self.holders:
+            holder = ref()
+            if holder is None or holder.kept is not None:
+                continue  # freed by autograd already: not needed
+            x = holder.probe() if holder.probe is not None else None
+            if x is None:
+                self.lost.append(holder.index)
+            else:
+                holder.keep(x)
+        self.recent.clear()
+
+    def finish_keeping(self) -> None:
+        """Close a region that keeps what it saved; it is never re-run."""
+        self.saver = None  # the saved inputs are stale
+        if self.lost:
+            raise RecomputeError(
+                f"remat: region '{self.name}' changed one of its inputs in place after it had "
+                f"saved {len(self.lost)} tensor(s) for backward that are gone, so they can be "
+                f"neither kept nor rebuilt (the input they come from was overwritten); make the "
+                f"in-place operation out-of-place (e.g. inplace=False) or move it out of the region"
+            )
 
     def settle_outputs(self, flat_outputs: list) -> None:
         """Match saved tensors with the outputs, once the region has returned.
@@ -212,7 +322,7 @@ class _Frame:
             if self.spec.output_recompute:
                 holder.out_of = (j, (tuple(x.shape), x.stride(), x.storage_offset()))
             else:
-                holder.kept = x.detach()
+                holder.keep(x)
 
     def add_output_ref(self, ref: _outputs.OutputRef) -> None:
         self.out_refs.append(weakref.ref(ref))
@@ -220,7 +330,15 @@ class _Frame:
     # -- backward ------------------------------------------------------------------
     def unpack(self, holder: _Holder) -> torch.Tensor:
         if holder.kept is not None:
-            return holder.kept
+            if not holder.kept_is_stale():
+                return holder.kept
+            if self.keep_all:  # NOTE [Regions that write their inputs]
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: [{holder.kept.type()} {list(holder.kept.shape)}] is at "
+                    f"version {holder.kept._version}; expected version {holder.kept_version} instead "
+                    f"(saved by remat region '{self.name}')"
+                )
         gid = _graph_task()
         if gid not in holder.rebuilt:
             if gid in self.stored:
@@ -277,6 +395,9 @@ class _Frame:
         rebuilt all at once: backward holds one region's tensors at a time and
         the chain's boundary outputs, as a chain of plain regions would.
         """
+        self._drop_stale_kept()
+        if self.spec.output_recompute:
+            _outputs.pop_after_backward()
         need_outputs = not store or self._refs_pending(gid)
         stop_at = self._last_needed(gid) if self.spec.early_stop and not need_outputs else None
         self.counter[gid] = 0
@@ -291,6 +412,7 @@ class _Frame:
         mismatches: list[str] = []
         with contextlib.ExitStack() as stack:
             stack.enter_context(_state.recomputing())
+            stack.enter_context(quiet(self.quiet_norms))  # outside every mode (NOTE [Quiet batch norms])
             stack.enter_context(self.replay.context())
             stack.enter_context(torch.enable_grad())
             stack.enter_context(_RecomputeHooks(self, gid, stop_at, mismatches, store))
@@ -298,10 +420,9 @@ class _Frame:
                 stack.enter_context(self.contexts[1])
             if self.guard:
                 stack.enter_context(StateGuard())
-            stack.enter_context(quiet(self.quiet_norms))
             if self.trace is not None:
                 self.recompute_trace = stack.enter_context(OpTrace())
-            _state.recomputing_fns().append(self.fn)
+            _state.recomputing_fns().append(self.rerun_as)
             stack.callback(_state.recomputing_fns().pop)
             try:
                 out = self.fn(*args, **kwargs)
@@ -312,6 +433,15 @@ class _Frame:
             flat = pytree.tree_leaves(out)
             self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
             self._fill_from_outputs(gid)
+
+    def _drop_stale_kept(self) -> None:
+        """Kept tensors changed in place since are rebuilt (NOTE [Regions that write their inputs])."""
+        if not self.spec.keep_outputs or self.spec.output_recompute:
+            return  # nothing kept
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None and holder.kept_is_stale():
+                holder.kept = None
 
     def _fill_from_outputs(self, gid: int) -> None:
         """Saved tensors that are outputs come from the output pass, not from another run."""
@@ -416,7 +546,7 @@ def _contexts(spec: RegionSpec, context_fn: Callable | None) -> tuple | None:
 
 
 def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
-                context_fn: Callable | None = None) -> _Handle:
+                context_fn: Callable | None = None, by_mark: bool = False) -> _Handle:
     """Start a region around the forward of ``fn(*args, **kwargs)``; finish it with :func:`close_region`.
 
     Args:
@@ -425,6 +555,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         spec: the region's options.
         name: how errors name the region.
         context_fn: returns the (forward, recomputation) context pair, as in torch.
+        by_mark: the region is ``fn``'s own mark (NOTE [Nested marks]).
 
     Returns:
         A handle for :func:`close_region`.
@@ -436,7 +567,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
     spec = _flags.resolve(spec)  # NOTE [Global switches]
     if spec.use_reentrant:
         _reentrant.check_args(name, args, kwargs)
-    frame = _Frame(fn, args, kwargs, spec, name, _contexts(spec, context_fn))
+    frame = _Frame(fn, args, kwargs, spec, name, _contexts(spec, context_fn), by_mark)
     try:
         if spec.use_reentrant:
             stack.enter_context(torch.no_grad())
@@ -477,6 +608,12 @@ def close_region(handle: _Handle, output: Any) -> Any:
         tensors, frame.pending_inputs = frame.pending_inputs, []
         frame.written = {i for i, (x, v) in enumerate(zip(tensors, frame.versions)) if x._version != v}
         return _reentrant.apply(frame, output, tensors)
+    if not frame.keep_all and frame.inputs_written():  # NOTE [Regions that write their inputs]
+        frame.start_keeping()
+    frame.input_versions, frame.recent = None, []
+    if frame.keep_all:
+        frame.finish_keeping()
+        return output
     flat = pytree.tree_leaves(output)
     if spec.output_recompute or spec.keep_outputs:
         frame.settle_outputs(flat)

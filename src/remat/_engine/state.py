@@ -16,7 +16,10 @@ _local = threading.local()
 
 
 def recomputing_fns() -> list:
-    """The functions being re-run in this thread, innermost last (used by the engine)."""
+    """The marked modules being re-run by their own marks in this thread, innermost last.
+
+    Other re-runs push None (NOTE [Nested marks] in ``region.py``); used by the engine.
+    """
     if not hasattr(_local, "fns"):
         _local.fns = []
     return _local.fns
