@@ -10,12 +10,16 @@ reads ``_remat_spec`` instead.
 
 from __future__ import annotations
 
+import fnmatch
+import functools
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from remat import _compile_check, _hf
+from remat._blocks import find_blocks
 from remat._engine import region as _region
 from remat._errors import check_bool, check_keywords
 from remat._policy import Policy
@@ -77,8 +81,9 @@ def set_mark(module: torch.nn.Module, spec: RegionSpec, *, api: str) -> None:
         )
     if old is None:
         module.__dict__[_SPEC_ATTR] = spec
+        # NOTE [Hooks of a marked module]: the region is innermost, around forward only.
         module.register_forward_pre_hook(_enter_hook, with_kwargs=True)
-        module.register_forward_hook(_exit_hook, with_kwargs=True, always_call=True)
+        module.register_forward_hook(_exit_hook, with_kwargs=True, always_call=True, prepend=True)
 
 
 def unmark_module(module: torch.nn.Module) -> bool:
@@ -140,19 +145,65 @@ def recompute_module(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     return module
 
 
-Where = Callable[[str, torch.nn.Module], bool] | type | Iterable[type]
+Where = str | Callable[[str, torch.nn.Module], bool] | type | Iterable[type] | Iterable[str]
 
 
-def apply(model: torch.nn.Module, where: Where, **kwargs: Any) -> list[str]:
+def _selector(api: str, where: Where) -> Callable[[str, torch.nn.Module], bool] | None:
+    """The predicate ``where`` stands for; None for ``"blocks"`` (NOTE [Finding blocks])."""
+    if isinstance(where, str):
+        where = [where]
+    if isinstance(where, type):
+        where = [where]
+    if isinstance(where, (list, tuple, set, frozenset)) and where:
+        items = list(where)
+        if all(isinstance(t, type) for t in items):
+            types = tuple(items)
+            return lambda name, module: isinstance(module, types)
+        if all(isinstance(t, str) for t in items):
+            if "blocks" in items:
+                if len(items) > 1:
+                    raise ValueError(f"{api}: where='blocks' cannot be combined with other names, "
+                                     f"got {items}; call remat.apply once for each")
+                return None
+            return lambda name, module: any(_matches(p, name, module) for p in items)
+    elif callable(where):
+        return where
+    raise TypeError(
+        f"{api}: 'where' must be 'blocks', a class name or glob (e.g. 'GPT2Block', '*.mlp'), "
+        f"a module type, a list of those, or a predicate (name, module) -> bool, "
+        f"got {type(where).__name__} {where!r}"
+    )
+
+
+def _matches(pattern: str, name: str, module: torch.nn.Module) -> bool:
+    """A class name (or a glob over class names) or a glob over qualified module names."""
+    return fnmatch.fnmatchcase(type(module).__name__, pattern) or (
+        bool(name) and fnmatch.fnmatchcase(name, pattern)
+    )
+
+
+def apply(model: torch.nn.Module, where: Where = "blocks", *, every: int = 1,
+          **kwargs: Any) -> list[str]:
     """Mark every submodule of ``model`` that ``where`` selects; return their names.
 
     Args:
         model: the model to walk (``model`` itself may be selected, under the name ``""``).
-        where: a module type, a list of types, or a predicate ``(name, module) -> bool``.
+        where: ``"blocks"`` (default: the model's repeated block, found as NOTE
+            [Finding blocks] says: Hugging Face decoder/encoder layers, timm and
+            torchvision blocks, a ``ModuleList`` of identical modules), a class name or
+            glob over class or module names (``"GPT2Block"``, ``"*Block"``, ``"h.*"``),
+            a module type, a list of types or names, or a predicate ``(name, module) -> bool``.
+        every: mark only every ``every``-th selected module (the 1st, the ``every+1``-th,
+            ...), as Hugging Face's ``every_n_layers``; 1 marks all.
         **kwargs: the options of :func:`recompute_module`.
 
     Returns:
         The qualified names of the modules marked, in ``named_modules`` order.
+
+    Raises:
+        TypeError: ``where`` of an unknown kind, ``every`` not an int, a bad option.
+        ValueError: nothing matches ``where``, ``every < 1``, or a module is marked
+            with other options already (nothing is marked then).
 
     Example:
         >>> import torch, remat
@@ -161,24 +212,38 @@ def apply(model: torch.nn.Module, where: Where, **kwargs: Any) -> list[str]:
         ['0', '2']
         >>> remat.unmark(model)
         ['0', '2']
+        >>> remat.apply(model, where="ReLU")
+        ['1']
+        >>> _ = remat.unmark(model)
+        >>> stack = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+        >>> remat.apply(stack, every=2)
+        ['0', '2']
     """
     api = "remat.apply"
-    if isinstance(where, type) or (
-        isinstance(where, (list, tuple, set, frozenset)) and all(isinstance(t, type) for t in where)
-    ):
-        types = (where,) if isinstance(where, type) else tuple(where)
-
-        def select(name: str, module: torch.nn.Module) -> bool:
-            return isinstance(module, types)
-    elif callable(where):
-        select = where
-    else:
-        raise TypeError(
-            f"{api}: 'where' must be a module type, a list of types or a predicate "
-            f"(name, module) -> bool, got {type(where).__name__}"
-        )
+    select = _selector(api, where)
+    if isinstance(every, bool) or not isinstance(every, int):
+        raise TypeError(f"{api}: 'every' must be an int, got {type(every).__name__}")
+    if every < 1:
+        raise ValueError(f"{api}: 'every' must be at least 1 (1 marks every module), got {every}")
     spec = mark_from_keywords(api, kwargs, keep_outputs=True)
-    chosen = [(n, m) for n, m in model.named_modules() if select(n, m)]
+    if select is None:
+        chosen = find_blocks(model)
+        if not chosen:
+            raise ValueError(
+                f"{api}: where='blocks' found no repeated block in {type(model).__name__} (no "
+                f"Hugging Face layer, no ModuleList or Sequential of identical modules); pass "
+                f"the block's class name, e.g. where='MyBlock', or a predicate"
+            )
+    else:
+        chosen = [(n, m) for n, m in model.named_modules() if select(n, m)]
+        if not chosen and (isinstance(where, str) or (
+                isinstance(where, (list, tuple)) and all(isinstance(w, str) for w in where))):
+            raise ValueError(
+                f"{api}: where={where!r} matches no module class or name in "
+                f"{type(model).__name__}; class names look like "
+                f"{sorted({type(m).__name__ for m in model.modules()})[:8]}"
+            )
+    chosen = chosen[::every]
     for name, module in chosen:  # check all before changing any
         old = mark_of(module)
         if old is not None and old != spec:
@@ -217,6 +282,19 @@ def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
 
 
 # --- the hooks -----------------------------------------------------------------
+#
+# NOTE [Hooks of a marked module]
+# A mark's pre-hook opens the region and its forward hook closes it; the region
+# covers what runs between them. The pre-hook is registered last and the forward
+# hook first, so hooks registered before the mark (a pre-hook rewriting the input,
+# torch.nn.utils.prune, weight_norm) and forward hooks registered after it run
+# outside the region: once, in forward only. Recomputation does not call the
+# module again (that would run every hook a second time, and a pre-hook on an
+# input it already rewrote): it replays the span, that is the pre-hooks
+# registered after the mark, ``module.forward`` and the global forward hooks and
+# forward hooks registered first, on the arguments the mark's pre-hook saw. So
+# forward runs exactly as the first run saw it. Hooks that run inside the span can
+# tell the replay by ``remat.is_recomputing()``.
 
 
 def _stack() -> list:
@@ -225,17 +303,60 @@ def _stack() -> list:
     return _local.open
 
 
-def _enter_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+def _span(module: torch.nn.Module) -> tuple[list, list]:
+    """The pre-hooks after the mark's and the forward hooks before the mark's, as torch calls them."""
+    pre, after = [], False
+    for key, hook in module._forward_pre_hooks.items():
+        if after:
+            pre.append((hook, key in module._forward_pre_hooks_with_kwargs))
+        after = after or hook is _enter_hook
+    post = []
+    global_with_kwargs = torch.nn.modules.module._global_forward_hooks_with_kwargs
+    for key, hook in torch.nn.modules.module._global_forward_hooks.items():
+        post.append((hook, key in global_with_kwargs))
+    for key, hook in module._forward_hooks.items():
+        if hook is _exit_hook:
+            break
+        post.append((hook, key in module._forward_hooks_with_kwargs))
+    return pre, post
+
+
+def _replay(module: torch.nn.Module, pre: list, post: list, *args: Any, **kwargs: Any) -> Any:
+    """Run the span of a marked module's call (NOTE [Hooks of a marked module])."""
+    args, kwargs = _hf.fresh_caches(args, kwargs)
+    for hook, with_kwargs in pre:
+        if with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    output = module.forward(*args, **kwargs)
+    for hook, with_kwargs in post:
+        result = hook(module, args, kwargs, output) if with_kwargs else hook(module, args, output)
+        if result is not None:
+            output = result
+    return output
+
+
+def _enter_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     if torch.compiler.is_compiling():  # the graph pass reads the mark instead
-        return
+        _compile_check.note_traced()
+        return None
     spec = mark_of(module)
-    if spec is None or _region.passes_through(module):
-        _stack().append(None)
-        return
     stack = _stack()
+    if spec is None or _region.passes_through(module):
+        stack.append(None)
+        return None
+    recorded = _hf.guard_cache(module, args, kwargs)  # NOTE [Cache of a marked layer]
+    if recorded is not None:
+        args, kwargs = recorded
     stack.append(None)  # the exit hook pops one entry even if opening fails
-    stack[-1] = _region.open_region(module, args, kwargs, spec, name=type(module).__name__)
-    return
+    fn = functools.partial(_replay, module, *_span(module))
+    stack[-1] = _region.open_region(fn, args, kwargs, spec, name=type(module).__name__)
+    return None if recorded is None else _hf.fresh_caches(args, kwargs)
 
 
 def _exit_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
