@@ -1,18 +1,17 @@
 """Marks on modules: ``recompute_module``, ``apply``, ``unmark`` (front end).
 
 A mark is a :class:`~remat._spec.RegionSpec` stored on the module as
-``module._remat_spec`` plus one forward pre-hook and one forward hook, both
-module-level functions. So a mark changes no parameter name, is invisible to
-``state_dict``, and survives ``copy.deepcopy``, ``model.to(...)`` and pickling.
-While ``torch.compile`` traces the model the hooks step aside; the graph pass
-reads ``_remat_spec`` instead.
+``module._remat_spec`` plus a :class:`MarkedForward` set as the module's
+``forward`` attribute (NOTE [Hooks of a marked module]). So a mark changes no
+parameter name, is invisible to ``state_dict``, and survives ``copy.deepcopy``,
+``model.to(...)`` and pickling. While ``torch.compile`` traces the model the
+wrapper steps aside; the graph pass reads ``_remat_spec`` instead.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,7 +35,6 @@ MARK_KEYWORDS = (
 )
 
 _SPEC_ATTR = "_remat_spec"
-_local = threading.local()
 
 
 def mark_from_keywords(api: str, kwargs: dict, *, keep_outputs: bool) -> RegionSpec:
@@ -81,26 +79,19 @@ def set_mark(module: torch.nn.Module, spec: RegionSpec, *, api: str) -> None:
         )
     if old is None:
         module.__dict__[_SPEC_ATTR] = spec
-        # NOTE [Hooks of a marked module]: the region is innermost, around forward only.
-        module.register_forward_pre_hook(_enter_hook, with_kwargs=True)
-        module.register_forward_hook(_exit_hook, with_kwargs=True, always_call=True, prepend=True)
+        module.__dict__["forward"] = MarkedForward(module, module.__dict__.get("forward"))
 
 
 def unmark_module(module: torch.nn.Module) -> bool:
     """Remove the mark of ``module`` only (not of its children); return whether it had one."""
     if module.__dict__.pop(_SPEC_ATTR, None) is None:
         return False
-    for hooks, extra in (
-        (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
-        (
-            module._forward_hooks,
-            (module._forward_hooks_with_kwargs, module._forward_hooks_always_called),
-        ),
-    ):
-        for key in [k for k, fn in hooks.items() if fn in (_enter_hook, _exit_hook)]:
-            del hooks[key]
-            for table in extra:
-                table.pop(key, None)
+    wrapper = module.__dict__.get("forward")
+    if isinstance(wrapper, MarkedForward):
+        if wrapper.inner is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = wrapper.inner
     return True
 
 
@@ -281,91 +272,60 @@ def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
     return {n: s for n, m in model.named_modules() if (s := mark_of(m)) is not None}
 
 
-# --- the hooks -----------------------------------------------------------------
+# --- the region around forward ---------------------------------------------------
 #
 # NOTE [Hooks of a marked module]
-# A mark's pre-hook opens the region and its forward hook closes it; the region
-# covers what runs between them. The pre-hook is registered last and the forward
-# hook first, so hooks registered before the mark (a pre-hook rewriting the input,
-# torch.nn.utils.prune, weight_norm) and forward hooks registered after it run
-# outside the region: once, in forward only. Recomputation does not call the
-# module again (that would run every hook a second time, and a pre-hook on an
-# input it already rewrote): it replays the span, that is the pre-hooks
-# registered after the mark, ``module.forward`` and the global forward hooks and
-# forward hooks registered first, on the arguments the mark's pre-hook saw. So
-# forward runs exactly as the first run saw it. Hooks that run inside the span can
-# tell the replay by ``remat.is_recomputing()``.
+# The region of a marked module covers its ``forward`` only: the mark sets a
+# :class:`MarkedForward` as the module's ``forward`` attribute, which torch calls
+# after every forward pre-hook and before every forward hook. So hooks (a pre-hook
+# rewriting the input, ``torch.nn.utils.prune``'s mask, the old ``weight_norm``, a
+# forward hook counting calls) run once, outside the region, whenever they were
+# registered. Recomputation does not call the module again (that would run every
+# hook a second time, and a pre-hook on an input it already rewrote): it calls
+# ``forward`` on the arguments forward got, so forward runs exactly as the first
+# run saw it. Code inside ``forward`` that wants to know can ask
+# ``remat.is_recomputing()``.
 
 
-def _stack() -> list:
-    if not hasattr(_local, "open"):
-        _local.open = []
-    return _local.open
+class MarkedForward:
+    """The ``forward`` of a marked module: runs the class's forward as a region.
+
+    Args:
+        module: the marked module.
+        inner: an instance-level ``forward`` that was set before the mark, or None.
+    """
+
+    __slots__ = ("inner", "module")
+
+    def __init__(self, module: torch.nn.Module, inner: Callable | None) -> None:
+        self.module, self.inner = module, inner
+
+    def plain(self) -> Callable:
+        """The forward the mark wraps."""
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if torch.compiler.is_compiling():  # the graph pass reads the mark instead
+            _compile_check.note_traced()
+            return self.plain()(*args, **kwargs)
+        spec = mark_of(module)
+        if spec is None:
+            return self.plain()(*args, **kwargs)
+        recorded = _hf.guard_cache(module, args, kwargs)  # NOTE [Cache of a marked layer]
+        if recorded is not None:
+            args, kwargs = recorded
+        fn = functools.partial(_replay, module)  # a partial: the engine sees the module
+        return _region.run(fn, args, kwargs, spec, name=type(module).__name__)
+
+    def __reduce__(self) -> tuple:
+        return (MarkedForward, (self.module, self.inner))
 
 
-def _span(module: torch.nn.Module) -> tuple[list, list]:
-    """The pre-hooks after the mark's and the forward hooks before the mark's, as torch calls them."""
-    pre, after = [], False
-    for key, hook in module._forward_pre_hooks.items():
-        if after:
-            pre.append((hook, key in module._forward_pre_hooks_with_kwargs))
-        after = after or hook is _enter_hook
-    post = []
-    global_with_kwargs = torch.nn.modules.module._global_forward_hooks_with_kwargs
-    for key, hook in torch.nn.modules.module._global_forward_hooks.items():
-        post.append((hook, key in global_with_kwargs))
-    for key, hook in module._forward_hooks.items():
-        if hook is _exit_hook:
-            break
-        post.append((hook, key in module._forward_hooks_with_kwargs))
-    return pre, post
-
-
-def _replay(module: torch.nn.Module, pre: list, post: list, *args: Any, **kwargs: Any) -> Any:
-    """Run the span of a marked module's call (NOTE [Hooks of a marked module])."""
+def _replay(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What a marked module's region runs, in forward and in recomputation: its plain forward."""
     args, kwargs = _hf.fresh_caches(args, kwargs)
-    for hook, with_kwargs in pre:
-        if with_kwargs:
-            result = hook(module, args, kwargs)
-            if result is not None:
-                args, kwargs = result
-        else:
-            result = hook(module, args)
-            if result is not None:
-                args = result if isinstance(result, tuple) else (result,)
-    output = module.forward(*args, **kwargs)
-    for hook, with_kwargs in post:
-        result = hook(module, args, kwargs, output) if with_kwargs else hook(module, args, output)
-        if result is not None:
-            output = result
-    return output
-
-
-def _enter_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    if torch.compiler.is_compiling():  # the graph pass reads the mark instead
-        _compile_check.note_traced()
-        return None
-    spec = mark_of(module)
-    stack = _stack()
-    if spec is None or _region.passes_through(module):
-        stack.append(None)
-        return None
-    recorded = _hf.guard_cache(module, args, kwargs)  # NOTE [Cache of a marked layer]
-    if recorded is not None:
-        args, kwargs = recorded
-    stack.append(None)  # the exit hook pops one entry even if opening fails
-    fn = functools.partial(_replay, module, *_span(module))
-    stack[-1] = _region.open_region(fn, args, kwargs, spec, name=type(module).__name__)
-    return None if recorded is None else _hf.fresh_caches(args, kwargs)
-
-
-def _exit_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    if torch.compiler.is_compiling():
-        return None
-    stack = _stack()
-    if not stack:
-        return None
-    handle = stack.pop()
-    if handle is None:
-        return None
-    return _region.close_region(handle, output)
+    marked = module.__dict__.get("forward")
+    if isinstance(marked, MarkedForward):
+        return marked.plain()(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
