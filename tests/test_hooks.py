@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.utils.parametrizations as P
-import torch.nn.utils.prune as prune
+from torch.nn.utils import prune
 
 import remat
 from remat.models import ResidualBlock, resnet

@@ -17,6 +17,7 @@ from remat._engine.state import is_recomputing
 from remat._errors import CheckpointError, RecomputeError
 from remat._functional import recompute
 from remat._graph import compile
+from remat._hf import gradient_checkpointing_enable
 from remat._marks import apply, mark_of, marked_modules, recompute_module, unmark
 from remat._policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
 from remat._spec import RegionSpec
@@ -35,6 +36,7 @@ __all__ = [
     "checkpoint_sequential",
     "compile",
     "estimate",
+    "gradient_checkpointing_enable",
     "is_recomputing",
     "mark_of",
     "marked_modules",

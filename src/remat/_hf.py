@@ -167,3 +167,81 @@ def _warn_once(name: str, copied: bool) -> None:
         UserWarning,
         stacklevel=4,
     )
+
+
+class LayerCheckpoint:
+    """A ``gradient_checkpointing_func`` for Hugging Face layers that recomputes with remat.
+
+    Called by a Hugging Face layer as ``func(partial(forward, layer, **kwargs), *args)``,
+    the way it calls ``torch.utils.checkpoint.checkpoint``.
+
+    Args:
+        spec: the region options (see :func:`remat.recompute_module`).
+    """
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        from remat._engine import region
+
+        layer = getattr(function, "args", (None,))[0] if isinstance(function, functools.partial) else None
+        name = type(layer).__name__ if isinstance(layer, torch.nn.Module) else "layer"
+        return region.run(function, args, kwargs, self.spec, name=name)
+
+    def __repr__(self) -> str:
+        return f"remat.LayerCheckpoint({self.spec})"
+
+
+def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **options: Any) -> list[str]:
+    """Hugging Face's ``model.gradient_checkpointing_enable()``, recomputing with remat.
+
+    Hugging Face's own switch (its layers, its cache handling, ``every_n_layers``),
+    with remat's engine instead of ``torch.utils.checkpoint``: by default the same
+    gradients and the same saved bytes as torch's; ``output_recompute=True`` keeps
+    no layer output either (adjacent layers merge, NOTE [Output recompute]).
+
+    Args:
+        model: a transformers ``PreTrainedModel`` that supports gradient checkpointing.
+        every: checkpoint every ``every``-th layer (Hugging Face's ``every_n_layers``).
+        **options: ``use_reentrant`` (default False), ``output_recompute``, ``policy``,
+            ``early_stop``, ``preserve_rng_state`` as for :func:`remat.recompute_module`.
+
+    Returns:
+        The qualified names of the layers that recompute.
+
+    Raises:
+        TypeError: ``model`` has no ``gradient_checkpointing_enable``; a bad option.
+
+    Example:
+        >>> import torch, remat
+        >>> try:  # with a transformers model: remat.gradient_checkpointing_enable(model)
+        ...     remat.gradient_checkpointing_enable(torch.nn.Linear(2, 2))
+        ... except TypeError as err:
+        ...     print(str(err).split(" (")[0])
+        remat.gradient_checkpointing_enable: expected a Hugging Face PreTrainedModel
+    """
+    from remat._marks import mark_from_keywords
+
+    api = "remat.gradient_checkpointing_enable"
+    if not callable(getattr(model, "_set_gradient_checkpointing", None)):
+        raise TypeError(
+            f"{api}: expected a Hugging Face PreTrainedModel (with gradient_checkpointing_enable), "
+            f"got {type(model).__name__}; for any other model use remat.apply(model, where='blocks')"
+        )
+    spec = mark_from_keywords(api, options, keep_outputs=False)
+    extra = {"every_n_layers": every} if every != 1 else {}
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": spec.use_reentrant}, **extra
+    )
+    model._set_gradient_checkpointing(
+        enable=True, gradient_checkpointing_func=LayerCheckpoint(spec), **extra
+    )
+    return [n for n, m in model.named_modules()
+            if getattr(m, "gradient_checkpointing", False) and _is_layer(m)]
+
+
+def _is_layer(module: torch.nn.Module) -> bool:
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)

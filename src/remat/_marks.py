@@ -295,17 +295,23 @@ class MarkedForward:
         inner: an instance-level ``forward`` that was set before the mark, or None.
     """
 
-    __slots__ = ("inner", "module")
+    __slots__ = ("_remat_module", "inner")  # a name Dynamo's module paths can drop (_graph)
 
     def __init__(self, module: torch.nn.Module, inner: Callable | None) -> None:
-        self.module, self.inner = module, inner
+        self._remat_module, self.inner = module, inner
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The marked module."""
+        return self._remat_module
 
     def plain(self) -> Callable:
         """The forward the mark wraps."""
-        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        module = self._remat_module
+        return self.inner if self.inner is not None else type(module).forward.__get__(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
+        module = self._remat_module
         if torch.compiler.is_compiling():  # the graph pass reads the mark instead
             _compile_check.note_traced()
             return self.plain()(*args, **kwargs)
