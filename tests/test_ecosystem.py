@@ -74,6 +74,27 @@ def test_blocks_skip_experts_inside_layers_and_descend_into_stages():
         "1.0.blocks.0", "1.0.blocks.1", "1.1.blocks.0", "1.1.blocks.1", "1.1.blocks.2"]
 
 
+class _Inverted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU6(), torch.nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x)
+
+
+def test_blocks_of_mobilenet_and_densenet_shapes():
+    stem = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())  # Conv2dNormActivation-like
+    mobilenet = torch.nn.Sequential(stem, *(_Inverted() for _ in range(3)), torch.nn.Linear(8, 8))
+    assert remat.apply(mobilenet, where="blocks") == ["1", "2", "3"]
+    dense = torch.nn.ModuleDict({f"denselayer{i}": _Inverted() for i in range(2)})
+    densenet = torch.nn.Sequential(torch.nn.Linear(8, 8), dense, torch.nn.Linear(8, 8))
+    assert remat.apply(densenet, where="blocks") == ["1.denselayer0", "1.denselayer1"]
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="found no repeated block"):  # torch layers are no blocks
+        remat.apply(mlp, where="blocks")
+
+
 def test_blocks_marked_train_exactly():
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ModuleList(_MoELayer() for _ in range(3)))

@@ -4,9 +4,12 @@ NOTE [Finding blocks]
 1. Hugging Face transformers: the layers that Hugging Face's own gradient
    checkpointing wraps (subclasses of ``GradientCheckpointingLayer``: GPT-2's
    ``GPT2Block``, Llama's ``LlamaDecoderLayer``, BERT's ``BertLayer``, T5's ``T5Block``).
-2. Otherwise, the children of every ``nn.ModuleList`` or ``nn.Sequential`` whose
-   children (two or more) are all of one class: a model's ``blocks``/``layers``
-   list, a torchvision ResNet's stage of ``BasicBlock``s, a timm ViT's ``blocks``.
+2. Otherwise, the children of every ``nn.ModuleList``, ``nn.Sequential`` or
+   ``nn.ModuleDict`` whose children (two or more) are all of one class: a model's
+   ``blocks``/``layers`` list, a torchvision ResNet's stage of ``BasicBlock``s, a
+   timm ViT's ``blocks``, a DenseNet's dense block; and the children of the class
+   that makes more than half of a container, if it is not a torch layer (a
+   MobileNet's ``InvertedResidual``s between its first and last convolutions).
 3. Only the outermost are kept (blocks inside blocks, such as a mixture of experts'
    expert list inside a decoder layer, are not marked twice); when the outermost
    are stages (containers, or classes named ``*Stage*``: timm's ConvNeXt), the
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
+CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 
 def _is_hf_layer(module: torch.nn.Module) -> bool:
@@ -46,8 +49,17 @@ def _repeated(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         if not isinstance(module, CONTAINERS):
             continue
         children = list(module.named_children())
-        if len(children) >= 2 and len({type(c) for _, c in children}) == 1:
-            found += [(f"{name}.{n}" if name else n, c) for n, c in children]
+        kinds = [type(c) for _, c in children]
+        if len(children) < 2:
+            continue
+        if len(set(kinds)) == 1:
+            chosen = kinds[0]
+        else:
+            chosen = max(set(kinds), key=kinds.count)
+            if not (kinds.count(chosen) >= 2 and 2 * kinds.count(chosen) > len(kinds)) or (
+                    chosen.__module__.startswith("torch.nn.")):
+                continue
+        found += [(f"{name}.{n}" if name else n, c) for n, c in children if type(c) is chosen]
     return found
 
 
