@@ -104,7 +104,7 @@ def row(name: str, model: torch.nn.Module, forward, torch_switch) -> dict:
     remat.apply(output, where="blocks", output_recompute=True)
     torch_switch(with_torch, blocks)
     plain, want = measure(model, forward)
-    torch_bytes, torch_grads = measure(with_torch, forward)
+    torch_bytes, _ = measure(with_torch, forward)
     keep_bytes, keep_grads = measure(keep, forward)
     out_bytes, out_grads = measure(output, forward)
     exact = all(torch.equal(a, b) for g in (keep_grads, out_grads) for a, b in zip(g, want))
@@ -141,9 +141,11 @@ def mib(n: int) -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| model | blocks found by `where=\"blocks\"` | unmarked MiB | torch.utils.checkpoint "
-        "MiB | remat MiB | remat output_recompute MiB | output_recompute / torch | "
-        "gradients = unmarked |",
+        (
+            "| model | blocks found by `where=\"blocks\"` | unmarked MiB | torch.utils.checkpoint "
+            "MiB | remat MiB | remat output_recompute MiB | output_recompute / torch | "
+            "gradients = unmarked |"
+        ),
         "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
