@@ -232,7 +232,8 @@ def test_hugging_face_blocks_train_exactly_with_output_recompute(kind):
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "t5"])
 def test_the_cache_is_not_written_twice(kind, options):
     if kind == "t5" and options.get("use_reentrant"):
-        pytest.skip("T5 with use_reentrant=True: a separate bug (see the report)")
+        pytest.skip("T5's forward under no_grad differs from its forward with grad in the last "
+                    "bits, so any reentrant checkpoint (torch's too) changes its gradients")
     base = _hf_model(kind)
     marked = copy.deepcopy(base)
     remat.apply(marked, where="blocks", **options)
