@@ -43,7 +43,12 @@ _warned: set[str] = set()
 
 def is_transformers_module(module: torch.nn.Module) -> bool:
     """True when ``module``'s class, or one of its bases, comes from the transformers package."""
-    return any(c.__module__.startswith("transformers.") for c in type(module).__mro__)
+    return _from_transformers(type(module))
+
+
+@functools.lru_cache(maxsize=1024)
+def _from_transformers(cls: type) -> bool:
+    return any(c.__module__.startswith("transformers.") for c in cls.__mro__)
 
 
 @functools.lru_cache(maxsize=256)
