@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import warnings
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 import remat
 from remat import _compile_check, _hf
+from remat.cli import main
 from remat.models import resnet
 from remat.models.gpt import gpt
 from remat.models.llama import llama
@@ -338,3 +340,16 @@ def test_profile_and_estimate_take_a_batch_dict_and_the_same_optimizer():
     assert sum(r.marked for r in estimated.rows) == 3
     unmarked = remat.estimate(factory, batch=batch)
     assert estimated.total_kept < unmarked.total_kept
+
+
+def moe_stack() -> torch.nn.Module:
+    """A model without ``mark_blocks()``, for ``remat profile --marks blocks``."""
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(*(_MoELayer() for _ in range(2))))
+
+
+def test_cli_marks_blocks_without_mark_blocks(tmp_path):
+    out_json = tmp_path / "b.json"
+    main(["profile", "tests.test_ecosystem:moe_stack", "--input-shape", "4,8", "--repeat", "0",
+          "--optimizer", "none", "--marks", "blocks", "--json", str(out_json)])
+    after = json.loads(out_json.read_text())["after"]
+    assert [r["name"] for r in after["rows"] if r["marked"]] == ["1.0", "1.1"]
