@@ -302,9 +302,13 @@ def test_hugging_face_switch_with_remat_matches_torch(kind):
     assert strong_bytes < remat_bytes
 
 
-def test_hugging_face_switch_every_n_layers():
+def test_every_n_layers_as_hugging_face_counts_them():
     model = _hf_model("llama")
+    marked = copy.deepcopy(model)
     assert remat.gradient_checkpointing_enable(model, every=2) == ["model.layers.0", "model.layers.2"]
+    assert remat.apply(marked, every=2) == ["model.layers.0", "model.layers.2"]
+    t5 = _hf_model("t5")  # encoder and decoder blocks, numbered through as Hugging Face does
+    assert remat.apply(copy.deepcopy(t5), every=3) == remat.gradient_checkpointing_enable(t5, every=3)
 
 
 def test_trainer_runs_a_few_steps_with_marks(tmp_path):
