@@ -152,3 +152,16 @@ def test_prune_on_the_marked_module_itself(options):
     want, _ = _train(base)
     got, _ = _train(marked)
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_around_a_marked_module(use_reentrant):
+    torch.manual_seed(5)
+    base = _mlp()
+    marked = _mlp()
+    marked.load_state_dict(base.state_dict())
+    remat.recompute_module(marked)  # the outer region re-runs it: its mark opens again, as in forward
+    x = torch.randn(4, 8, requires_grad=True)
+    base(x).sum().backward()
+    remat.checkpoint(marked, x, use_reentrant=use_reentrant).sum().backward()
+    assert_same([p.grad for p in marked.parameters()], [p.grad for p in base.parameters()])
