@@ -69,5 +69,5 @@ def test_errors_name_the_api():
         build_model(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="remat.estimate: each example input"):
         remat.estimate(functools.partial(torch.nn.Linear, 2, 2), "2,2")
-    with pytest.raises(ValueError, match="marks='blocks' needs a model"):
+    with pytest.raises(ValueError, match="remat.estimate: marks='blocks' found no repeated block"):
         remat.estimate(functools.partial(torch.nn.Linear, 2, 2), (1, 2), marks="blocks")

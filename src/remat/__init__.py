@@ -31,6 +31,7 @@ from remat._engine.state import is_recomputing
 from remat._errors import CheckpointError, RecomputeError
 from remat._functional import recompute
 from remat._graph import compile
+from remat._hf import gradient_checkpointing_enable
 from remat._marks import apply, mark_of, marked_modules, recompute_module, unmark
 from remat._policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
 from remat._selective import (
@@ -65,6 +66,7 @@ __all__ = [
     "detach_variable",
     "estimate",
     "get_device_states",
+    "gradient_checkpointing_enable",
     "is_recomputing",
     "mark_of",
     "marked_modules",

@@ -1,21 +1,24 @@
 """Marks on modules: ``recompute_module``, ``apply``, ``unmark`` (front end).
 
 A mark is a :class:`~remat._spec.RegionSpec` stored on the module as
-``module._remat_spec`` plus one forward pre-hook and one forward hook, both
-module-level functions. So a mark changes no parameter name, is invisible to
-``state_dict``, and survives ``copy.deepcopy``, ``model.to(...)`` and pickling.
-While ``torch.compile`` traces the model the hooks step aside; the graph pass
-reads ``_remat_spec`` instead.
+``module._remat_spec`` plus a :class:`MarkedForward` set as the module's
+``forward`` attribute (NOTE [Hooks of a marked module]). So a mark changes no
+parameter name, is invisible to ``state_dict``, and survives ``copy.deepcopy``,
+``model.to(...)`` and pickling. While ``torch.compile`` traces the model the
+wrapper steps aside; the graph pass reads ``_remat_spec`` instead.
 """
 
 from __future__ import annotations
 
-import threading
+import fnmatch
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from remat import _compile_check, _hf
+from remat._blocks import find_blocks
 from remat._engine import region as _region
 from remat._errors import check_bool, check_keywords
 from remat._policy import Policy
@@ -32,7 +35,6 @@ MARK_KEYWORDS = (
 )
 
 _SPEC_ATTR = "_remat_spec"
-_local = threading.local()
 
 
 def mark_from_keywords(api: str, kwargs: dict, *, keep_outputs: bool) -> RegionSpec:
@@ -77,25 +79,19 @@ def set_mark(module: torch.nn.Module, spec: RegionSpec, *, api: str) -> None:
         )
     if old is None:
         module.__dict__[_SPEC_ATTR] = spec
-        module.register_forward_pre_hook(_enter_hook, with_kwargs=True)
-        module.register_forward_hook(_exit_hook, with_kwargs=True, always_call=True)
+        module.__dict__["forward"] = MarkedForward(module, module.__dict__.get("forward"))
 
 
 def unmark_module(module: torch.nn.Module) -> bool:
     """Remove the mark of ``module`` only (not of its children); return whether it had one."""
     if module.__dict__.pop(_SPEC_ATTR, None) is None:
         return False
-    for hooks, extra in (
-        (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
-        (
-            module._forward_hooks,
-            (module._forward_hooks_with_kwargs, module._forward_hooks_always_called),
-        ),
-    ):
-        for key in [k for k, fn in hooks.items() if fn in (_enter_hook, _exit_hook)]:
-            del hooks[key]
-            for table in extra:
-                table.pop(key, None)
+    wrapper = module.__dict__.get("forward")
+    if isinstance(wrapper, MarkedForward):
+        if wrapper.inner is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = wrapper.inner
     return True
 
 
@@ -140,19 +136,65 @@ def recompute_module(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     return module
 
 
-Where = Callable[[str, torch.nn.Module], bool] | type | Iterable[type]
+Where = str | Callable[[str, torch.nn.Module], bool] | type | Iterable[type] | Iterable[str]
 
 
-def apply(model: torch.nn.Module, where: Where, **kwargs: Any) -> list[str]:
+def _selector(api: str, where: Where) -> Callable[[str, torch.nn.Module], bool] | None:
+    """The predicate ``where`` stands for; None for ``"blocks"`` (NOTE [Finding blocks])."""
+    if isinstance(where, str):
+        where = [where]
+    if isinstance(where, type):
+        where = [where]
+    if isinstance(where, (list, tuple, set, frozenset)) and where:
+        items = list(where)
+        if all(isinstance(t, type) for t in items):
+            types = tuple(items)
+            return lambda name, module: isinstance(module, types)
+        if all(isinstance(t, str) for t in items):
+            if "blocks" in items:
+                if len(items) > 1:
+                    raise ValueError(f"{api}: where='blocks' cannot be combined with other names, "
+                                     f"got {items}; call remat.apply once for each")
+                return None
+            return lambda name, module: any(_matches(p, name, module) for p in items)
+    elif callable(where):
+        return where
+    raise TypeError(
+        f"{api}: 'where' must be 'blocks', a class name or glob (e.g. 'GPT2Block', '*.mlp'), "
+        f"a module type, a list of those, or a predicate (name, module) -> bool, "
+        f"got {type(where).__name__} {where!r}"
+    )
+
+
+def _matches(pattern: str, name: str, module: torch.nn.Module) -> bool:
+    """A class name (or a glob over class names) or a glob over qualified module names."""
+    return fnmatch.fnmatchcase(type(module).__name__, pattern) or (
+        bool(name) and fnmatch.fnmatchcase(name, pattern)
+    )
+
+
+def apply(model: torch.nn.Module, where: Where = "blocks", *, every: int = 1,
+          **kwargs: Any) -> list[str]:
     """Mark every submodule of ``model`` that ``where`` selects; return their names.
 
     Args:
         model: the model to walk (``model`` itself may be selected, under the name ``""``).
-        where: a module type, a list of types, or a predicate ``(name, module) -> bool``.
+        where: ``"blocks"`` (default: the model's repeated block, found as NOTE
+            [Finding blocks] says: Hugging Face decoder/encoder layers, timm and
+            torchvision blocks, a ``ModuleList`` of identical modules), a class name or
+            glob over class or module names (``"GPT2Block"``, ``"*Block"``, ``"h.*"``),
+            a module type, a list of types or names, or a predicate ``(name, module) -> bool``.
+        every: mark only every ``every``-th selected module (the 1st, the ``every+1``-th,
+            ...), as Hugging Face's ``every_n_layers``; 1 marks all.
         **kwargs: the options of :func:`recompute_module`.
 
     Returns:
         The qualified names of the modules marked, in ``named_modules`` order.
+
+    Raises:
+        TypeError: ``where`` of an unknown kind, ``every`` not an int, a bad option.
+        ValueError: nothing matches ``where``, ``every < 1``, or a module is marked
+            with other options already (nothing is marked then).
 
     Example:
         >>> import torch, remat
@@ -161,24 +203,38 @@ def apply(model: torch.nn.Module, where: Where, **kwargs: Any) -> list[str]:
         ['0', '2']
         >>> remat.unmark(model)
         ['0', '2']
+        >>> remat.apply(model, where="ReLU")
+        ['1']
+        >>> _ = remat.unmark(model)
+        >>> stack = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+        >>> remat.apply(stack, every=2)
+        ['0', '2']
     """
     api = "remat.apply"
-    if isinstance(where, type) or (
-        isinstance(where, (list, tuple, set, frozenset)) and all(isinstance(t, type) for t in where)
-    ):
-        types = (where,) if isinstance(where, type) else tuple(where)
-
-        def select(name: str, module: torch.nn.Module) -> bool:
-            return isinstance(module, types)
-    elif callable(where):
-        select = where
-    else:
-        raise TypeError(
-            f"{api}: 'where' must be a module type, a list of types or a predicate "
-            f"(name, module) -> bool, got {type(where).__name__}"
-        )
+    select = _selector(api, where)
+    if isinstance(every, bool) or not isinstance(every, int):
+        raise TypeError(f"{api}: 'every' must be an int, got {type(every).__name__}")
+    if every < 1:
+        raise ValueError(f"{api}: 'every' must be at least 1 (1 marks every module), got {every}")
     spec = mark_from_keywords(api, kwargs, keep_outputs=True)
-    chosen = [(n, m) for n, m in model.named_modules() if select(n, m)]
+    if select is None:
+        chosen = find_blocks(model)
+        if not chosen:
+            raise ValueError(
+                f"{api}: where='blocks' found no repeated block in {type(model).__name__} (no "
+                f"Hugging Face layer, no ModuleList or Sequential of identical modules); pass "
+                f"the block's class name, e.g. where='MyBlock', or a predicate"
+            )
+    else:
+        chosen = [(n, m) for n, m in model.named_modules() if select(n, m)]
+        if not chosen and (isinstance(where, str) or (
+                isinstance(where, (list, tuple)) and all(isinstance(w, str) for w in where))):
+            raise ValueError(
+                f"{api}: where={where!r} matches no module class or name in "
+                f"{type(model).__name__}; class names look like "
+                f"{sorted({type(m).__name__ for m in model.modules()})[:8]}"
+            )
+    chosen = chosen[::every]
     for name, module in chosen:  # check all before changing any
         old = mark_of(module)
         if old is not None and old != spec:
@@ -216,36 +272,66 @@ def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
     return {n: s for n, m in model.named_modules() if (s := mark_of(m)) is not None}
 
 
-# --- the hooks -----------------------------------------------------------------
+# --- the region around forward ---------------------------------------------------
+#
+# NOTE [Hooks of a marked module]
+# The region of a marked module covers its ``forward`` only: the mark sets a
+# :class:`MarkedForward` as the module's ``forward`` attribute, which torch calls
+# after every forward pre-hook and before every forward hook. So hooks (a pre-hook
+# rewriting the input, ``torch.nn.utils.prune``'s mask, the old ``weight_norm``, a
+# forward hook counting calls) run once, outside the region, whenever they were
+# registered. Recomputation does not call the module again (that would run every
+# hook a second time, and a pre-hook on an input it already rewrote): it calls
+# ``forward`` on the arguments forward got, so forward runs exactly as the first
+# run saw it. Code inside ``forward`` that wants to know can ask
+# ``remat.is_recomputing()``.
 
 
-def _stack() -> list:
-    if not hasattr(_local, "open"):
-        _local.open = []
-    return _local.open
+class MarkedForward:
+    """The ``forward`` of a marked module: runs the class's forward as a region.
+
+    Args:
+        module: the marked module.
+        inner: an instance-level ``forward`` that was set before the mark, or None.
+    """
+
+    __slots__ = ("_remat_module", "inner")  # a name Dynamo's module paths can drop (_graph)
+
+    def __init__(self, module: torch.nn.Module, inner: Callable | None) -> None:
+        self._remat_module, self.inner = module, inner
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The marked module."""
+        return self._remat_module
+
+    def plain(self) -> Callable:
+        """The forward the mark wraps."""
+        module = self._remat_module
+        return self.inner if self.inner is not None else type(module).forward.__get__(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._remat_module
+        if torch.compiler.is_compiling():  # the graph pass reads the mark instead
+            _compile_check.note_traced()
+            return self.plain()(*args, **kwargs)
+        spec = mark_of(module)
+        if spec is None:
+            return self.plain()(*args, **kwargs)
+        recorded = _hf.guard_cache(module, args, kwargs)  # NOTE [Cache of a marked layer]
+        if recorded is not None:
+            args, kwargs = recorded
+        fn = functools.partial(_replay, module)  # a partial: the engine sees the module
+        return _region.run(fn, args, kwargs, spec, name=type(module).__name__)
+
+    def __reduce__(self) -> tuple:
+        return (MarkedForward, (self.module, self.inner))
 
 
-def _enter_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    if torch.compiler.is_compiling():  # the graph pass reads the mark instead
-        return
-    spec = mark_of(module)
-    if spec is None or _region.passes_through(module):
-        _stack().append(None)
-        return
-    stack = _stack()
-    stack.append(None)  # the exit hook pops one entry even if opening fails
-    stack[-1] = _region.open_region(module, args, kwargs, spec, name=type(module).__name__,
-                                    by_mark=True)
-    return
-
-
-def _exit_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    if torch.compiler.is_compiling():
-        return None
-    stack = _stack()
-    if not stack:
-        return None
-    handle = stack.pop()
-    if handle is None:
-        return None
-    return _region.close_region(handle, output)
+def _replay(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What a marked module's region runs, in forward and in recomputation: its plain forward."""
+    args, kwargs = _hf.fresh_caches(args, kwargs)
+    marked = module.__dict__.get("forward")
+    if isinstance(marked, MarkedForward):
+        return marked.plain()(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)

@@ -218,11 +218,7 @@ def _rerun(frame: Any, inputs: list) -> tuple:
     else:
         guard = StateGuard() if frame.guard else contextlib.nullcontext()
     with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard:
-        _state.recomputing_fns().append(frame.rerun_as)
-        try:
-            out = frame.fn(*args, **kwargs)
-        finally:
-            _state.recomputing_fns().pop()
+        out = frame.fn(*args, **kwargs)
     return out if isinstance(out, tuple) else (out,)
 
 

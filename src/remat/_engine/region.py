@@ -86,21 +86,6 @@ from remat._engine.selective import policy_context
 from remat._policy import save_all
 from remat._spec import RegionSpec
 
-
-def passes_through(module: Any) -> bool:
-    """Return True when ``module`` is being re-run by its own mark's region (its hooks stay quiet).
-
-    NOTE [Nested marks]: a marked module's region re-runs the module, whose
-    mark must then not open a second region. Any other region that re-runs
-    the module (``remat.checkpoint(module, x)`` around a marked module) runs
-    it as its forward did: the mark opens its own nested region again, so the
-    outer region rebuilds the same saved tensors (the inner region's inputs)
-    that its forward saved.
-    """
-    fns = _state.recomputing_fns()
-    return bool(fns) and fns[-1] is module
-
-
 _sequence_nr = torch.autograd._get_sequence_nr
 
 
@@ -163,9 +148,8 @@ class _Frame:
     """One forward run of a region, and what it needs to re-run it."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, name: str,
-                 contexts: tuple | None, by_mark: bool = False) -> None:
+                 contexts: tuple | None) -> None:
         self.fn, self.spec, self.name = fn, spec, name
-        self.rerun_as = fn if by_mark else None  # what passes_through sees (NOTE [Nested marks])
         self.contexts = contexts
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             leaves, self.treespec = list(args), None  # the common case, without pytree
@@ -422,8 +406,6 @@ class _Frame:
                 stack.enter_context(StateGuard())
             if self.trace is not None:
                 self.recompute_trace = stack.enter_context(OpTrace())
-            _state.recomputing_fns().append(self.rerun_as)
-            stack.callback(_state.recomputing_fns().pop)
             try:
                 out = self.fn(*args, **kwargs)
             except _Stop:
@@ -546,7 +528,7 @@ def _contexts(spec: RegionSpec, context_fn: Callable | None) -> tuple | None:
 
 
 def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
-                context_fn: Callable | None = None, by_mark: bool = False) -> _Handle:
+                context_fn: Callable | None = None) -> _Handle:
     """Start a region around the forward of ``fn(*args, **kwargs)``; finish it with :func:`close_region`.
 
     Args:
@@ -555,7 +537,6 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         spec: the region's options.
         name: how errors name the region.
         context_fn: returns the (forward, recomputation) context pair, as in torch.
-        by_mark: the region is ``fn``'s own mark (NOTE [Nested marks]).
 
     Returns:
         A handle for :func:`close_region`.
@@ -567,7 +548,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
     spec = _flags.resolve(spec)  # NOTE [Global switches]
     if spec.use_reentrant:
         _reentrant.check_args(name, args, kwargs)
-    frame = _Frame(fn, args, kwargs, spec, name, _contexts(spec, context_fn), by_mark)
+    frame = _Frame(fn, args, kwargs, spec, name, _contexts(spec, context_fn))
     try:
         if spec.use_reentrant:
             stack.enter_context(torch.no_grad())

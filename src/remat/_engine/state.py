@@ -15,16 +15,6 @@ from collections.abc import Iterator
 _local = threading.local()
 
 
-def recomputing_fns() -> list:
-    """The marked modules being re-run by their own marks in this thread, innermost last.
-
-    Other re-runs push None (NOTE [Nested marks] in ``region.py``); used by the engine.
-    """
-    if not hasattr(_local, "fns"):
-        _local.fns = []
-    return _local.fns
-
-
 def is_recomputing() -> bool:
     """Return True while remat is re-running a region to rebuild saved tensors.
 

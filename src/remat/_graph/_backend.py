@@ -44,6 +44,9 @@ class RematBackend:
         ['aten::relu']
     """
 
+    #: Read by the marks' compile check (``remat._compile_check``): this backend applies them.
+    honours_remat_marks = True
+
     def __init__(
         self, backend: str = "aot_eager", *, save_graphs: str | None = None, roots: Iterable = ()
     ) -> None:

@@ -35,7 +35,8 @@ def add_parser(subparsers: Any) -> None:
                         help="shape of one positional input, repeatable (default: none)")
     parser.add_argument("--input-dtype", default="float32", help="dtype of the inputs (int64: token ids)")
     parser.add_argument("--marks", action="append", default=[], metavar="WHICH",
-                        help="modules to recompute: 'blocks' (the model's mark_blocks()), a class "
+                        help="modules to recompute: 'blocks' (the model's mark_blocks(), else the "
+                             "repeated block remat.apply(where='blocks') finds), a class "
                              "name, or a glob over module names; profiles before and after")
     parser.add_argument("--output-recompute", action="store_true", help="mark with output_recompute=True")
     parser.add_argument("--loss", choices=("sum", "next-token"), default="sum",
@@ -97,15 +98,18 @@ def make_inputs(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> tuple:
 
 def mark(model: torch.nn.Module, which: list[str], output_recompute: bool) -> list[str]:
     """Mark the modules ``which`` selects; return their names (raise SystemExit if none)."""
-    from remat._marks import recompute_module
+    from remat._marks import apply, recompute_module
 
     options = {"output_recompute": True} if output_recompute else {}
     chosen: list[str] = []
     for pattern in which:
         if pattern == "blocks":
-            if not hasattr(model, "mark_blocks"):
-                raise SystemExit(f"{API}: --marks blocks needs a model with mark_blocks(); "
-                                 f"{type(model).__name__} has none; give a class name or a name glob")
+            if not hasattr(model, "mark_blocks"):  # remat.apply's where="blocks"
+                try:
+                    chosen += apply(model, where="blocks", **options)
+                except ValueError as err:
+                    raise SystemExit(f"{API}: --marks blocks: {err}") from None
+                continue
             blocks = {id(b) for b in model.mark_blocks(**options)}
             chosen += [n for n, m in model.named_modules() if id(m) in blocks]
             continue

@@ -53,22 +53,24 @@ def build_model(model: Any) -> torch.nn.Module:
 
 
 def apply_marks(model: torch.nn.Module, marks: Marks, api: str = API) -> None:
-    """Mark ``model`` as ``marks`` says: ``"blocks"`` (the model's ``mark_blocks()``),
-    module types for :func:`remat.apply`, or a function ``marks(model)``."""
+    """Mark ``model`` as ``marks`` says: ``"blocks"`` (the model's ``mark_blocks()`` if it
+    has one, else :func:`remat.apply`'s ``where="blocks"``), class names, globs or module
+    types for :func:`remat.apply`, or a function ``marks(model)``."""
     if marks is None:
         return
-    if marks == "blocks":
-        mark_blocks = getattr(model, "mark_blocks", None)
-        if mark_blocks is None:
-            raise ValueError(f"{api}: marks='blocks' needs a model with a mark_blocks() method, "
-                             f"{type(model).__name__} has none; pass module types instead")
-        mark_blocks()
-    elif isinstance(marks, type) or (isinstance(marks, (list, tuple)) and all(isinstance(t, type) for t in marks)):
-        apply(model, where=marks)
+    if marks == "blocks" and callable(getattr(model, "mark_blocks", None)):
+        model.mark_blocks()
+    elif isinstance(marks, (str, type)) or (
+        isinstance(marks, (list, tuple)) and all(isinstance(t, (str, type)) for t in marks)
+    ):
+        try:
+            apply(model, where=marks)
+        except (TypeError, ValueError) as err:
+            raise type(err)(str(err).replace("remat.apply", api).replace("where=", "marks=")) from None
     elif callable(marks):
         marks(model)
     else:
-        raise TypeError(f"{api}: marks must be None, 'blocks', module types or a function, "
+        raise TypeError(f"{api}: marks must be None, 'blocks', class names, module types or a function, "
                         f"got {type(marks).__name__}")
 
 
@@ -100,7 +102,8 @@ def _fake_inputs(mode: FakeTensorMode, inputs: tuple, dtype: torch.dtype | None)
     return tuple(out)
 
 
-def estimate(model: Any, *example_inputs: Any, loss_fn: Callable | None = None,
+def estimate(model: Any, *example_inputs: Any, batch: dict | None = None,
+             loss_fn: Callable | None = None,
              optimizer: OptimizerLike = "adam", marks: Marks = None,
              dtype: torch.dtype | None = None, output_recompute: bool = False,
              label: str = "") -> ProfileReport:
@@ -111,10 +114,13 @@ def estimate(model: Any, *example_inputs: Any, loss_fn: Callable | None = None,
             or a :class:`~remat.models.llama.LlamaConfig` / GPT config.
         *example_inputs: tensors (copied as fake tensors), shapes (random inputs in ``dtype``),
             or one function returning the inputs (called under the fake mode).
+        batch: keyword inputs, ``model(*inputs, **batch)``: tensors or shapes, as above
+            (a Hugging Face batch: ``{"input_ids": ..., "labels": ...}``).
         loss_fn: ``loss_fn(output) -> scalar``; default: sum of floating outputs.
         optimizer: ``"adam"`` (default), ``"adamw"``, ``"sgd"``, ``callable(params)``
             or None; its state (Adam: twice the parameters) exists before the step.
-        marks: recompute marks to apply: ``"blocks"``, module types, or ``marks(model)``.
+        marks: recompute marks to apply: ``"blocks"``, class names or globs (``"GPT2Block"``),
+            module types, or ``marks(model)``.
         dtype: cast the model's floating parameters to this dtype (e.g. ``torch.bfloat16``).
         output_recompute: passed to the ``if_recomputed`` column of unmarked modules.
         label: the report's name.
@@ -137,9 +143,13 @@ def estimate(model: Any, *example_inputs: Any, loss_fn: Callable | None = None,
         net = _build_in(model, dtype)
         apply_marks(net, marks)
         inputs = _fake_inputs(mode, example_inputs, dtype)
+        if batch is not None and not isinstance(batch, dict):
+            raise TypeError(f"{API}: batch must be a dict of keyword inputs, got {type(batch).__name__}")
+        keywords = dict(zip(batch, _fake_inputs(mode, tuple(batch.values()), dtype))) if batch else {}
         net.train()
-        device = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
-        return measure(net, inputs, loss_fn=loss_fn, optimizer=optimizer,
+        first = next(iter((*inputs, *keywords.values())), None)
+        device = first.device.type if isinstance(first, torch.Tensor) else "cpu"
+        return measure(net, inputs, batch=keywords, loss_fn=loss_fn, optimizer=optimizer,
                        output_recompute=output_recompute, repeat=0, estimated=True,
                        label=label or type(net).__name__, device=f"{device} kernels (FakeTensorMode)",
                        api=API)

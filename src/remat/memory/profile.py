@@ -28,7 +28,11 @@ OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    """The loss used when none is given: the sum of every floating output, as float32."""
+    """The loss used when none is given: the output's ``loss`` (Hugging Face models given
+    labels), else the sum of every floating output, as float32."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
     leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not leaves:
         raise TypeError("remat.profile: the model returned no floating tensor; pass loss_fn=...")
@@ -108,14 +112,15 @@ class _Calls:
         entry[2] += self._bytes(output)
 
 
-def _time_step(model: torch.nn.Module, inputs: tuple, loss_fn: Callable, repeat: int) -> tuple:
-    loss_fn(model(*inputs)).backward()  # warm-up: first-call costs are not recompute costs
+def _time_step(model: torch.nn.Module, inputs: tuple, batch: dict, loss_fn: Callable,
+               repeat: int) -> tuple:
+    loss_fn(model(*inputs, **batch)).backward()  # warm-up: first-call costs are not recompute costs
     model.zero_grad(set_to_none=True)
     best_step, best = float("inf"), {}
     for _ in range(repeat):
         with _Calls(model, set()) as calls:
             start = time.perf_counter()
-            loss_fn(model(*inputs)).backward()
+            loss_fn(model(*inputs, **batch)).backward()
             step = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
         best_step = min(best_step, step)
@@ -123,7 +128,8 @@ def _time_step(model: torch.nn.Module, inputs: tuple, loss_fn: Callable, repeat:
     return best_step * 1e3, {k: v * 1e3 for k, v in best.items()}
 
 
-def measure(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | None = None,
+def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
+            loss_fn: Callable | None = None,
             optimizer: OptimizerLike = None, output_recompute: bool = False, repeat: int = 0,
             label: str = "", device: str = "", estimated: bool = False,
             api: str = "remat.profile") -> ProfileReport:
@@ -133,15 +139,16 @@ def measure(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | None =
     :func:`remat.estimate` (fake tensors, no timing).
     """
     start = time.perf_counter()
+    batch = batch or {}
     loss_fn = loss_fn or default_loss
     opt = make_optimizer(optimizer, model, api)
     if opt is not None:
         prime_optimizer(opt)
-    step_ms, times = _time_step(model, inputs, loss_fn, repeat) if repeat else (None, {})
+    step_ms, times = _time_step(model, inputs, batch, loss_fn, repeat) if repeat else (None, {})
     params = {p.untyped_storage()._cdata: p.untyped_storage().nbytes()
               for p in [*model.parameters(), *model.buffers()]}
-    with track(model, baseline=[inputs, opt]) as tracker, _Calls(model, set(params)) as calls:
-        loss = loss_fn(model(*inputs))
+    with track(model, baseline=[inputs, batch, opt]) as tracker, _Calls(model, set(params)) as calls:
+        loss = loss_fn(model(*inputs, **batch))
         kept = tracker.live_by_module(exclude=[loss])
         loss.backward()
         del loss
@@ -214,19 +221,23 @@ def _add_subtrees(rows: list) -> None:
             by_name[root].kept += row.kept_self
 
 
-def profile(model: torch.nn.Module, *example_inputs: Any, loss_fn: Callable | None = None,
-            optimizer: OptimizerLike = None, output_recompute: bool = False, repeat: int = 3,
-            label: str = "") -> ProfileReport:
+def profile(model: torch.nn.Module, *example_inputs: Any, batch: dict | None = None,
+            loss_fn: Callable | None = None, optimizer: OptimizerLike = "adam",
+            output_recompute: bool = False, repeat: int = 3, label: str = "") -> ProfileReport:
     """Profile one training step of ``model``: memory kept per module and forward times.
 
     Args:
         model: the model, with or without recompute marks.
         *example_inputs: the model's positional inputs.
-        loss_fn: ``loss_fn(output) -> scalar``; default: sum of the floating outputs.
-        optimizer: None (no optimizer step), ``"adam"``, ``"adamw"``, ``"sgd"``, an
-            optimizer over ``model``'s parameters, or ``callable(params) -> optimizer``.
-            Its state is created first (one step on zero gradients) so the measured
-            step is a steady one, and the step is tracked as phase ``optimizer``.
+        batch: the model's keyword inputs, ``model(*example_inputs, **batch)`` (a Hugging
+            Face batch: ``{"input_ids": ..., "attention_mask": ..., "labels": ...}``).
+        loss_fn: ``loss_fn(output) -> scalar``; default: the output's ``loss`` if it has
+            one, else the sum of the floating outputs.
+        optimizer: ``"adam"`` (default, as :func:`remat.estimate`), ``"adamw"``, ``"sgd"``,
+            None (no optimizer step), an optimizer over ``model``'s parameters, or
+            ``callable(params) -> optimizer``. Its state is created first (one step on
+            zero gradients) so the measured step is a steady one, and the step is tracked
+            as phase ``optimizer``. An optimizer made here leaves the parameters as they were.
         output_recompute: for unmarked modules, whether ``if_recomputed`` leaves the
             output out (marked modules use their own option).
         repeat: timed runs after one warm-up run; each module's fastest forward is
@@ -248,10 +259,20 @@ def profile(model: torch.nn.Module, *example_inputs: Any, loss_fn: Callable | No
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"remat.profile: model must be a torch.nn.Module, got {type(model).__name__}")
+    if batch is not None and not isinstance(batch, dict):
+        raise TypeError(f"remat.profile: batch must be a dict of keyword inputs, got "
+                        f"{type(batch).__name__}; pass positional inputs after the model")
     was_training = model.training
+    restore = None
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        with torch.no_grad():  # the step is measured, not kept
+            restore = [(p, p.detach().clone()) for p in model.parameters() if p.requires_grad]
     model.train()
     try:
-        return measure(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+        return measure(model, example_inputs, batch=batch, loss_fn=loss_fn, optimizer=optimizer,
                        output_recompute=output_recompute, repeat=repeat, label=label)
     finally:
         model.train(was_training)
+        with torch.no_grad():
+            for p, value in restore or ():
+                p.copy_(value)

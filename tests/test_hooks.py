@@ -1,0 +1,167 @@
+"""Hooks on marked modules: recomputation replays forward as the first run saw it.
+
+NOTE [Hooks of a marked module] (``remat/_marks.py``): hooks outside the region run
+once; the re-run calls ``forward`` on the arguments forward got, not the module.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.utils.parametrizations as P
+from torch.nn.utils import prune
+
+import remat
+from remat.models import ResidualBlock, resnet
+from tests.helpers import assert_same
+
+MODES = [
+    pytest.param({}, id="keep-output"),
+    pytest.param({"output_recompute": True}, id="output-recompute"),
+    pytest.param({"use_reentrant": True}, id="reentrant"),
+]
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8), torch.nn.Tanh()
+    )
+
+
+def _net(block: torch.nn.Module) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), block, torch.nn.Linear(8, 8))
+
+
+def _train(net: torch.nn.Module, steps: int = 2) -> tuple[list, list]:
+    """Two SGD steps; return the last step's gradients and the parameters and buffers after."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    grads = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        x = torch.randn(4, 8, requires_grad=True)
+        opt.zero_grad(set_to_none=True)
+        net(x).pow(2).sum().backward()
+        grads = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
+        opt.step()
+    state = [t.detach().clone() for t in (*net.parameters(), *net.buffers())]
+    return grads, state
+
+
+def _double(module: torch.nn.Module, args: tuple) -> tuple:
+    return (args[0] * 2 + 1,)
+
+
+@pytest.mark.parametrize("options", MODES)
+@pytest.mark.parametrize("order", ["hook-then-mark", "mark-then-hook"])
+def test_pre_hook_that_rewrites_the_input_runs_once(options, order):
+    base = _net(_mlp())
+    calls = []
+
+    def counted(module, args):
+        calls.append(remat.is_recomputing())
+        return _double(module, args)
+
+    base[1].register_forward_pre_hook(_double)
+    marked = _net(_mlp())
+    marked.load_state_dict(base.state_dict())
+    if order == "mark-then-hook":
+        remat.recompute_module(marked[1], **options)
+    marked[1].register_forward_pre_hook(counted)
+    if order == "hook-then-mark":
+        remat.recompute_module(marked[1], **options)
+    want, _ = _train(base)
+    got, _ = _train(marked)
+    assert_same(got, want)
+    assert calls == [False, False]  # once per step, never in recomputation
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_forward_hooks_of_marked_blocks_fire_once_per_forward(options):
+    net = resnet((2, 2, 2, 2), width=4, class_num=3)
+    names = remat.apply(net, where=ResidualBlock, **options)
+    assert len(names) == 8  # a ResNet-18-shaped net: two blocks per stage
+    counts = {"pre": 0, "post": 0, "during": 0}
+
+    def pre(module, args):
+        counts["pre"] += 1
+
+    def post(module, args, output):
+        counts["post"] += 1
+        counts["during"] += remat.is_recomputing()
+
+    for name in names:
+        block = net.get_submodule(name)
+        block.register_forward_pre_hook(pre)
+        block.register_forward_hook(post)
+    before = remat._engine.state.recompute_count()
+    net(torch.randn(2, 3, 16, 16)).sum().backward()
+    assert remat._engine.state.recompute_count() > before  # the blocks were recomputed
+    assert counts == {"pre": 8, "post": 8, "during": 0}
+
+
+def test_forward_hook_registered_before_the_mark_that_changes_the_output_runs_once():
+    def scale(module, args, output):
+        return output * 3
+
+    base = _net(_mlp())
+    base[1].register_forward_hook(scale)
+    marked = copy.deepcopy(base)
+    remat.recompute_module(marked[1], output_recompute=True)
+    want, _ = _train(base)
+    got, _ = _train(marked)
+    assert_same(got, want)
+
+
+def _parametrized(kind: str) -> torch.nn.Module:
+    block = _mlp()
+    if kind == "weight_norm":
+        P.weight_norm(block[0])
+    elif kind == "spectral_norm":
+        P.spectral_norm(block[2])
+    elif kind == "old_weight_norm":  # a forward pre-hook of the Linear, inside the block
+        torch.nn.utils.weight_norm(block[0])
+    elif kind == "prune":  # a mask applied by a forward pre-hook of the Linear
+        prune.l1_unstructured(block[0], name="weight", amount=0.5)
+    return _net(block)
+
+
+@pytest.mark.parametrize("options", MODES)
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "old_weight_norm", "prune"])
+def test_parametrized_and_pruned_layers_inside_marked_blocks(kind, options):
+    torch.manual_seed(3)
+    base = _parametrized(kind)
+    torch.manual_seed(3)  # the same model again (deepcopy refuses old weight_norm and prune)
+    marked = _parametrized(kind)
+    remat.recompute_module(marked[1], **options)
+    want_grads, want_state = _train(base)
+    got_grads, got_state = _train(marked)
+    assert_same(got_grads, want_grads)
+    assert_same(got_state, want_state)  # spectral_norm's u and v updated once per step
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_prune_on_the_marked_module_itself(options):
+    torch.manual_seed(4)
+    base = _net(torch.nn.Linear(8, 8))
+    marked = copy.deepcopy(base)
+    prune.random_unstructured(base[1], name="weight", amount=0.5)  # the same mask on both
+    prune.custom_from_mask(marked[1], name="weight", mask=base[1].weight_mask.clone())
+    remat.recompute_module(marked[1], **options)
+    want, _ = _train(base)
+    got, _ = _train(marked)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_around_a_marked_module(use_reentrant):
+    torch.manual_seed(5)
+    base = _mlp()
+    marked = _mlp()
+    marked.load_state_dict(base.state_dict())
+    remat.recompute_module(marked)  # the outer region re-runs it: its mark opens again, as in forward
+    x = torch.randn(4, 8, requires_grad=True)
+    base(x).sum().backward()
+    remat.checkpoint(marked, x, use_reentrant=use_reentrant).sum().backward()
+    assert_same([p.grad for p in marked.parameters()], [p.grad for p in base.parameters()])
