@@ -10,7 +10,7 @@ Example:
     >>> y.sum().backward()
 """
 
-from remat import memory, nn, ops
+from remat import memory, nn, ops, parallel
 from remat._checkpoint import checkpoint, checkpoint_sequential
 from remat._engine.selective import policy_context
 from remat._engine.state import is_recomputing
@@ -41,6 +41,7 @@ __all__ = [
     "memory",
     "nn",
     "ops",
+    "parallel",
     "policy_context",
     "profile",
     "recompute",

@@ -20,6 +20,7 @@ from remat._engine import region as _region
 from remat._errors import check_bool, check_keywords
 from remat._policy import Policy
 from remat._spec import RegionSpec
+from remat.parallel._fsdp import apply_to_units
 
 MARK_KEYWORDS = (
     "use_reentrant",
@@ -232,6 +233,7 @@ def _enter_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     if spec is None or _region.passes_through(module):
         _stack().append(None)
         return
+    apply_to_units(module, spec)  # NOTE [Sharded parameters under a mark]
     stack = _stack()
     stack.append(None)  # the exit hook pops one entry even if opening fails
     stack[-1] = _region.open_region(module, args, kwargs, spec, name=type(module).__name__)

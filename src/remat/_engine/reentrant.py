@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from remat._engine import collectives as _collectives
 from remat._engine import state as _state
 from remat._engine.modes import StateGuard
 from remat._engine.reach import quiet
@@ -83,7 +84,8 @@ def _rerun(frame: Any, inputs: list) -> tuple:
     args, kwargs = frame.unflatten(leaves)
     frame.runs += 1
     guard = StateGuard() if frame.guard else contextlib.nullcontext()
-    with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard:
+    replay = _collectives.replaying(frame)  # NOTE [Kept collectives]
+    with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard, replay:
         _state.recomputing_fns().append(frame.fn)
         try:
             out = frame.fn(*args, **kwargs)
