@@ -120,7 +120,11 @@ def _blocks(n: int, d: int = 16, hidden: int = 64) -> nn.Sequential:
 
 def _tensor_parallel(model: nn.Module) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (WORLD,))
     for block in model:
@@ -257,7 +261,7 @@ def _ddp(rank: int) -> dict:
             name = f"reentrant={reentrant} {next(iter(options))}"
             try:
                 out[name] = _step(ddp, x)
-            except Exception as err:  # reported, asserted in the parent
+            except Exception as err:  # noqa: BLE001 - reported, asserted in the parent
                 out[name] = f"{type(err).__name__}: {err}"
     return out
 
@@ -278,7 +282,7 @@ def _memory(rank: int) -> dict:
         remat.apply(model, MLPBlock, **marks)
         model = parallelize(model)
 
-        def step() -> None:
+        def step(model: nn.Module = model) -> None:
             model.zero_grad(set_to_none=True)
             model(x).square().sum().backward()
             model.zero_grad(set_to_none=True)
@@ -458,7 +462,7 @@ def test_ddp_non_reentrant_marks_give_single_process_gradients(results):
         ddp = results[rank]["ddp"]
         for name in ("reentrant=False find_unused_parameters", "reentrant=False static_graph"):
             assert not isinstance(ddp[name], str), ddp[name]
-            counts, grads = ddp[name]
+            _, grads = ddp[name]
             assert all(torch.equal(a, b) for a, b in zip(grads, ddp["reference"])), name
 
 
