@@ -17,6 +17,7 @@ whether its gradients equal those of the same model in one process.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
@@ -139,8 +140,13 @@ def run(name: str, parallelize, marks, mesh, x: torch.Tensor, reference: list, o
     model.zero_grad(set_to_none=True)
     runs = []
     for _ in range(3):  # the first also counts allocating .grad; the least of the others
-        with remat.memory.track(model, baseline=[x]) as tracker:
-            peak = allocator_peak(step) if on_cpu else None
+        gc.collect()  # no collection of older garbage in the middle of the step
+        gc.disable()
+        try:
+            with remat.memory.track(model, baseline=[x]) as tracker:
+                peak = allocator_peak(step) if on_cpu else None
+        finally:
+            gc.enable()
         runs.append((tracker.peak_increase, peak))
     runs = runs[1:]
     equal = all(torch.equal(g, r) for g, r in zip(grads, reference))

@@ -10,6 +10,7 @@ the parent joins with a timeout, kills what is left and fails.
 from __future__ import annotations
 
 import datetime
+import gc
 import io
 import os
 import queue as queue_module
@@ -290,8 +291,13 @@ def _memory(rank: int) -> dict:
         step()
         runs = []
         for _ in range(3):  # the tracker and the allocator watch the same steps
-            with remat.memory.track(model, baseline=[x]) as tracker:
-                peak = _allocator_peak(step)
+            gc.collect()  # no collection of older garbage in the middle of a step
+            gc.disable()
+            try:
+                with remat.memory.track(model, baseline=[x]) as tracker:
+                    peak = _allocator_peak(step)
+            finally:
+                gc.enable()
             runs.append((tracker.peak_increase, peak))
         out[name] = runs
     return out
@@ -337,8 +343,45 @@ def _graph_counts(rank: int) -> dict:
     return out
 
 
+def _profile_per_rank(rank: int) -> dict:
+    model = _blocks(2)
+    remat.apply(model, MLPBlock)
+    single = sum(p.numel() * p.element_size() for p in model.parameters())
+    _tensor_parallel(model)
+    local = sum(_full_or_local(p).numel() * p.element_size() for p in model.parameters())
+    report = remat.profile(model, _input(), repeat=0)
+    return {"single": single, "local": local, "reported": report.param_bytes,
+            "block": report.row("0").param_bytes}
+
+
+def _full_or_local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _diverging_recomputation(rank: int) -> dict:
+    """A region whose recomputation issues another collective than its forward did."""
+    import torch.distributed._functional_collectives as funcol
+
+    class Diverges(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if remat.is_recomputing():
+                y = funcol.all_gather_tensor(x, 0, dist.group.WORLD)[: x.shape[0]]
+            else:
+                y = funcol.all_reduce(x, "sum", dist.group.WORLD)
+            return (y.sin() * x).sum(-1)
+
+    block = remat.recompute_module(Diverges(), mp_comm_recompute=False)
+    try:
+        block(_input()).sum().backward()
+    except remat.RecomputeError as err:
+        return {"error": None, "message": str(err)}
+    return {"error": None, "message": ""}
+
+
 def main_group(rank: int) -> dict:
     return {
+        "profile": _profile_per_rank(rank),
+        "diverging": _diverging_recomputation(rank),
         "tp": _tp_counts(rank),
         "fsdp": _fsdp_counts(rank),
         "partial": _fsdp_partial_mark(rank),
@@ -480,7 +523,7 @@ def test_tracked_peak_per_rank_agrees_with_the_allocator(results):
         memory = results[rank]["memory"]
         for name, runs in memory.items():
             tracked = {t for t, _ in runs}
-            assert len(tracked) == 1  # the tracker sees the same step the same way
+            assert len(tracked) == 1, (rank, name, runs)  # the tracker sees each step alike
             # the back end sometimes allocates outside the dispatcher on this thread (tens of
             # KiB, not every step): the allocator's least peak is the step's own
             allocated = min(a for _, a in runs)
@@ -497,6 +540,33 @@ def test_graph_pass_keeps_collectives_out_of_backward(results):
         assert _backward(graph[False][0], "all_reduce") == plain
         assert _backward(graph[True][0], "all_reduce") == [p + 2 for p in plain]
         assert all(torch.equal(a, b) for a, b in zip(graph[False][1], graph[None][1]))
+
+
+def test_profile_reports_parameters_per_rank(results):
+    for rank in range(WORLD):
+        figures = results[rank]["profile"]
+        assert figures["reported"] == figures["local"] < figures["single"]
+        assert figures["block"] < figures["reported"]
+
+
+def test_a_recomputation_issuing_other_collectives_fails_alike_on_every_rank(results):
+    for rank in range(WORLD):
+        message = results[rank]["diverging"]["message"]
+        assert "mp_comm_recompute=False" in message and "all_gather_into_tensor" in message
+
+
+def test_parallel_optimizer_comm_recompute_is_a_bool_or_not_passed():
+    assert remat.RegionSpec().parallel_optimizer_comm_recompute is None
+    with pytest.raises(TypeError, match="parallel_optimizer_comm_recompute"):
+        remat.RegionSpec(parallel_optimizer_comm_recompute=1)
+    with pytest.raises(TypeError, match="parallel_optimizer_comm_recompute"):
+        remat.recompute_module(nn.Linear(2, 2), parallel_optimizer_comm_recompute=None)
+
+
+def test_count_collectives_sees_none_in_a_plain_step():
+    with remat.parallel.count_collectives() as counts:
+        remat.checkpoint(torch.sin, torch.ones(3, requires_grad=True), use_reentrant=False).sum().backward()
+    assert sum(counts.forward.values()) == sum(counts.backward.values()) == 0
 
 
 def test_a_rank_failing_in_recomputation_fails_every_rank_within_the_timeout():

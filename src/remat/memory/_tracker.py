@@ -359,6 +359,19 @@ def _storages(leaves: Iterable[Any], fake_ok: bool = True) -> Iterator[torch.Unt
                 continue
 
 
+def local_storages(leaves: Iterable[Any]) -> list[torch.UntypedStorage]:
+    """The storages of the tensors among ``leaves`` on this rank (a DTensor: its local shard's)."""
+    return list(_storages(leaves))
+
+
+def local_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` on this rank: a DTensor counts by its local shard (NOTE [Memory per rank])."""
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        return sum(local_nbytes(getattr(t, name)) for name in inner)
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
 def _tensors_of(obj: Any) -> list[torch.Tensor]:
     if obj is None:
         return []
