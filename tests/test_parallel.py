@@ -270,7 +270,7 @@ def _ddp(rank: int) -> dict:
 def _memory(rank: int) -> dict:
     """Tracker peak against the CPU allocator's peak (profiler allocation events), per rank."""
     out = {}
-    d, hidden, rows = 64, 256, 2048
+    d, hidden, rows = 64, 256, 8192
     x = _input(d, rows)
     for name, parallelize, marks in (
         ("TP mp=False", _tensor_parallel, {"mp_comm_recompute": False}),
@@ -378,8 +378,33 @@ def _diverging_recomputation(rank: int) -> dict:
     return {"error": None, "message": ""}
 
 
+def _written_in_place(rank: int) -> dict:
+    """A kept collective result written in place in forward is issued again, on every rank."""
+    import torch.distributed._functional_collectives as funcol
+
+    class Scales(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = funcol.all_reduce(x.detach() + 1, "sum", dist.group.WORLD).wait()
+            h.mul_(0.5)  # the kept result changes after its collective
+            return self.fc(self.fc(x) * h)
+
+    out = {}
+    for marks in (None, {"mp_comm_recompute": False}):
+        torch.manual_seed(0)
+        model = Scales()
+        if marks is not None:
+            remat.recompute_module(model, **marks)
+        out[marks is None] = _step(model, _input(), steps=1)
+    return out
+
+
 def main_group(rank: int) -> dict:
     return {
+        "in_place": _written_in_place(rank),
         "profile": _profile_per_rank(rank),
         "diverging": _diverging_recomputation(rank),
         "tp": _tp_counts(rank),
@@ -539,6 +564,14 @@ def test_graph_pass_keeps_collectives_out_of_backward(results):
         assert _backward(graph[False][0], "all_reduce") == plain
         assert _backward(graph[True][0], "all_reduce") == [p + 2 for p in plain]
         assert all(torch.equal(a, b) for a, b in zip(graph[False][1], graph[None][1]))
+
+
+def test_a_kept_result_written_in_place_is_issued_again(results):
+    for rank in range(WORLD):
+        plain, marked = results[rank]["in_place"][True], results[rank]["in_place"][False]
+        assert _backward(plain[0], "all_reduce") == [0]
+        assert _backward(marked[0], "all_reduce") == [1]
+        assert all(torch.equal(a, b) for a, b in zip(marked[1], plain[1]))
 
 
 def test_profile_reports_parameters_per_rank(results):
