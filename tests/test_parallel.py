@@ -200,6 +200,18 @@ def _tp_counts(rank: int) -> dict:
         if marks is not None:
             remat.apply(model, MLPBlock, **marks)
         out[name] = _step(_tensor_parallel(model), x)
+    # two backward passes through one graph: the kept results serve both
+    for name, marks in (("retain unmarked", None), ("retain mp=False", {"mp_comm_recompute": False})):
+        model = _blocks(2)
+        if marks is not None:
+            remat.apply(model, MLPBlock, **marks)
+        _tensor_parallel(model)
+        with remat.parallel.count_collectives() as counter:
+            loss = model(x).sin().sum()
+            loss.backward(retain_graph=True)
+            first = dict(counter.backward)
+            loss.backward()
+        out[name] = (first, dict(counter.backward), [_full(p.grad).clone() for p in model.parameters()])
     # operator marks: a marked cell followed by a marked primitive (one output_recompute chain)
     for mp_comm in (True, False):
         model = _blocks(2)
@@ -479,6 +491,15 @@ def test_kept_collectives_are_handed_out_once_per_backward_in_a_chain_with_an_op
         tp = results[rank]["tp"]
         assert _backward(tp["chain with operator mark mp=False"][0], "all_reduce") == [2, 2]
         assert _backward(tp["chain with operator mark mp=True"][0], "all_reduce") == [6, 6]
+
+
+def test_kept_collectives_serve_every_backward_pass_of_a_retained_graph(results):
+    for rank in range(WORLD):
+        tp = results[rank]["tp"]
+        plain, kept = tp["retain unmarked"], tp["retain mp=False"]
+        assert plain[0] == kept[0] == {"all_reduce": 2}
+        assert plain[1] == kept[1] == {"all_reduce": 4}
+        assert all(torch.equal(a, b) for a, b in zip(kept[2], plain[2]))
 
 
 def test_tensor_parallel_gradients_equal_unmarked_and_single_process(results):
