@@ -11,7 +11,7 @@ Example:
     >>> y.sum().backward()
 """
 
-from remat import memory, nn, ops
+from remat import memory, nn, ops, parallel
 from remat._checkpoint import (
     CheckpointFunction,
     DefaultDeviceType,
@@ -74,6 +74,7 @@ __all__ = [
     "nn",
     "noop_context_fn",
     "ops",
+    "parallel",
     "policy_context",
     "profile",
     "recompute",

@@ -23,6 +23,7 @@ from remat._engine import region as _region
 from remat._errors import check_bool, check_keywords
 from remat._policy import Policy
 from remat._spec import RegionSpec
+from remat.parallel._fsdp import apply_to_units, gathered_for_rerun
 
 MARK_KEYWORDS = (
     "use_reentrant",
@@ -321,6 +322,7 @@ class MarkedForward:
         recorded = _hf.guard_cache(module, args, kwargs)  # NOTE [Cache of a marked layer]
         if recorded is not None:
             args, kwargs = recorded
+        apply_to_units(module, spec)  # NOTE [Sharded parameters under a mark]
         fn = functools.partial(_replay, module)  # a partial: the engine sees the module
         return _region.run(fn, args, kwargs, spec, name=type(module).__name__)
 
@@ -332,6 +334,6 @@ def _replay(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """What a marked module's region runs, in forward and in recomputation: its plain forward."""
     args, kwargs = _hf.fresh_caches(args, kwargs)
     marked = module.__dict__.get("forward")
-    if isinstance(marked, MarkedForward):
-        return marked.plain()(*args, **kwargs)
-    return type(module).forward(module, *args, **kwargs)
+    forward = marked.plain() if isinstance(marked, MarkedForward) else type(module).forward.__get__(module)
+    with gathered_for_rerun(module):  # NOTE [Output pass over FSDP units]
+        return forward(*args, **kwargs)

@@ -36,7 +36,9 @@ class RegionSpec:
             both traces when the check fails.
         mp_comm_recompute: recompute model-parallel communication inside the region.
         parallel_optimizer_comm_recompute: recompute the all-gather of sharded
-            parameters inside the region.
+            parameters inside the region (True) or keep them gathered from
+            forward (False); None (not passed) leaves the sharding's own
+            choice alone (FSDP2's ``reshard_after_forward``).
 
     Example:
         >>> from remat._spec import RegionSpec
@@ -53,13 +55,15 @@ class RegionSpec:
     determinism_check: str = "default"
     debug: bool = False
     mp_comm_recompute: bool = True
-    parallel_optimizer_comm_recompute: bool = False
+    parallel_optimizer_comm_recompute: bool | None = None
 
     def __post_init__(self) -> None:
         api = "remat.RegionSpec"
         for f in fields(self):
             if f.type in ("bool", bool):
                 check_bool(api, f.name, getattr(self, f.name))
+        if self.parallel_optimizer_comm_recompute is not None:
+            check_bool(api, "parallel_optimizer_comm_recompute", self.parallel_optimizer_comm_recompute)
         if self.determinism_check not in DETERMINISM_CHECKS:
             raise ValueError(
                 f"{api}: determinism_check must be one of {DETERMINISM_CHECKS}, "

@@ -72,8 +72,10 @@ class Cell(torch.nn.Module):
                 (default False), ``early_stop`` (default True),
                 ``mp_comm_recompute`` (default True: model-parallel
                 communication inside the cell is recomputed too),
-                ``parallel_optimizer_comm_recompute`` (default False: the
-                all-gather of sharded parameters is not redone), ``policy``,
+                ``parallel_optimizer_comm_recompute`` (True: FSDP2 units under
+                the cell all-gather their parameters again for recomputation;
+                False: they stay gathered from forward to backward; not passed:
+                FSDP2's own ``reshard_after_forward`` decides), ``policy``,
                 ``preserve_rng_state``.
 
         Raises:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from remat._engine import collectives as _collectives
 from remat._engine import state as _state
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import _UNANNOTATED, StateGuard, _allocates, _storage_key, _written_args
@@ -217,7 +218,8 @@ def _rerun(frame: Any, inputs: list) -> tuple:
         guard: Any = _WrittenArguments(frame, inputs)
     else:
         guard = StateGuard() if frame.guard else contextlib.nullcontext()
-    with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard:
+    replay = _collectives.replaying(frame)  # NOTE [Kept collectives]
+    with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard, replay:
         out = frame.fn(*args, **kwargs)
     return out if isinstance(out, tuple) else (out,)
 

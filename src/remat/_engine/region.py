@@ -74,6 +74,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from remat._engine import collectives as _collectives
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
 from remat._engine import reentrant as _reentrant
@@ -400,6 +401,7 @@ class _Frame:
             stack.enter_context(self.replay.context())
             stack.enter_context(torch.enable_grad())
             stack.enter_context(_RecomputeHooks(self, gid, stop_at, mismatches, store))
+            stack.enter_context(_collectives.replaying(self))  # NOTE [Kept collectives]
             if self.contexts is not None:
                 stack.enter_context(self.contexts[1])
             if self.guard:
@@ -550,6 +552,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         _reentrant.check_args(name, args, kwargs)
     frame = _Frame(fn, args, kwargs, spec, name, _contexts(spec, context_fn))
     try:
+        stack.enter_context(_collectives.recording(frame))  # NOTE [Kept collectives]
         if spec.use_reentrant:
             stack.enter_context(torch.no_grad())
         else:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from remat._engine.collectives import NAMESPACES as COLLECTIVE_NAMESPACES
 from remat._engine.trace_marks import region_of_meta
 from remat._marks import mark_of
 from remat._spec import RegionSpec
@@ -112,6 +113,17 @@ def op_name(node: fx.Node) -> str:
     return target.name() if isinstance(target, torch._ops.OpOverload) else str(target)
 
 
+def is_communication(node: fx.Node) -> bool:
+    """Whether ``node`` is a functional collective or the ``wait_tensor`` of one.
+
+    The decision depends on the graph only, so every rank keeps the same nodes.
+    """
+    if node.target is operator.getitem:
+        return is_communication(node.args[0])
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in COLLECTIVE_NAMESPACES
+
+
 def is_replayable(node: fx.Node) -> bool:
     """Whether running ``node`` again gives the same value: a pure, non-random aten op."""
     if node.op != "call_function":
@@ -175,6 +187,8 @@ def _is_multi_output(node: fx.Node) -> bool:
 def _region_recomputes(region: Region, node: fx.Node, kept: dict[fx.Node, set[str]]) -> bool:
     if region.key in kept.get(node, ()) and not region.spec.output_recompute:
         return False
+    if not region.spec.mp_comm_recompute and is_communication(node):
+        return False  # NOTE [Kept collectives]: backward reads the forward's result
     policy = region.spec.policy
     return policy is None or not policy.saves(op_name(node))
 

@@ -26,6 +26,8 @@ class _NewStorages(TorchDispatchMode):
         return ref is not None and ref() is not None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(getattr(t, "__tensor_flatten__", None) is not None for t in types):
+            return NotImplemented  # a DTensor runs local operators: count its local shard
         for t in pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()

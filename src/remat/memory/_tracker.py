@@ -16,6 +16,16 @@ forward created the autograd node being run) and to a phase: ``forward``,
 It works alike on CPU, CUDA and fake tensors (``FakeTensorMode``: enter
 ``track()`` *inside* the fake mode). Allocations that bypass the dispatcher
 (e.g. a oneDNN convolution workspace) are not seen.
+
+NOTE [Memory per rank]
+Under ``torch.distributed`` the tracker counts what this rank holds. An
+operator on a tensor subclass (DTensor, ``AsyncCollectiveTensor``) is handed
+to the subclass first, so the tracker sees the local operators it runs and
+counts a DTensor by its local shard, not by its global size; the fake tensors
+DTensor's sharding propagation makes are not memory. FSDP2 allocates and
+frees a unit's gathered parameters by resizing their storages, outside the
+dispatcher: while tracking, its ``alloc_storage``/``free_storage`` report
+each resize, so gathered parameters count while they exist.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
@@ -92,6 +102,8 @@ class MemoryTracker(TorchDispatchMode):
         self.timeline: list[tuple[int, str]] = [(0, "forward")]
         self.cuda_peak_bytes: int | None = None
         self._cuda = False
+        self._fake_ok = False
+        self._patches: list[tuple[Any, str, Any]] = []
         for obj in (model, *baseline):
             self.add_baseline(obj)
 
@@ -169,6 +181,8 @@ class MemoryTracker(TorchDispatchMode):
             nn_module.register_module_forward_pre_hook(self._enter_module),
             nn_module.register_module_forward_hook(self._exit_module, always_call=True),
         ]
+        self._fake_ok = torch._guards.detect_fake_mode() is not None
+        self._patch_fsdp()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self._cuda = True
             torch.cuda.synchronize()
@@ -178,6 +192,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        for module, name, original in self._patches:
+            setattr(module, name, original)
+        self._patches = []
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -189,12 +206,41 @@ class MemoryTracker(TorchDispatchMode):
         self._finalizers.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        for storage in _storages(tree_leaves((args, kwargs))):
+        if any(getattr(t, "__tensor_flatten__", None) is not None for t in types):
+            return NotImplemented  # NOTE [Memory per rank]: see the subclass's local operators
+        for storage in _storages(tree_leaves((args, kwargs)), self._fake_ok):
             self._see_input(storage)
         out = func(*args, **(kwargs or {}))
-        for storage in _storages(tree_leaves(out)):
+        for storage in _storages(tree_leaves(out), self._fake_ok):
             self._see_output(storage)
         return out
+
+    def _patch_fsdp(self) -> None:
+        """NOTE [Memory per rank]: see FSDP2's storage resizes while tracking."""
+        import sys
+
+        param = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param")
+        if param is None:
+            return
+        group = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param_group")
+        for name in ("alloc_storage", "free_storage"):
+            original = getattr(param, name)
+
+            def resized(tensor: torch.Tensor, _original: Any = original) -> None:
+                _original(tensor)
+                self._see_resize(tensor.untyped_storage())
+
+            for module in (param, group):
+                if module is not None and getattr(module, name, None) is original:
+                    self._patches.append((module, name, original))
+                    setattr(module, name, resized)
+
+    def _see_resize(self, storage: torch.UntypedStorage) -> None:
+        rec = self._records.get(_key(storage))
+        if rec is None:
+            self._see_output(storage)
+        elif rec.nbytes != storage.nbytes():
+            self._resize(rec, storage.nbytes())
 
     # --- bookkeeping ---------------------------------------------------------------
 
@@ -298,13 +344,32 @@ def _key(storage: torch.UntypedStorage) -> int:
     return storage._cdata
 
 
-def _storages(leaves: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
+def _storages(leaves: Iterable[Any], fake_ok: bool = True) -> Iterator[torch.UntypedStorage]:
     for leaf in leaves:
+        if is_traceable_wrapper_subclass(leaf):  # a DTensor counts by its local shard
+            inner, _ = leaf.__tensor_flatten__()
+            yield from _storages([getattr(leaf, name) for name in inner], fake_ok)
+            continue
+        if not fake_ok and isinstance(leaf, torch._subclasses.fake_tensor.FakeTensor):
+            continue
         if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
             try:
                 yield leaf.untyped_storage()
             except (RuntimeError, NotImplementedError):  # tensors without storage
                 continue
+
+
+def local_storages(leaves: Iterable[Any]) -> list[torch.UntypedStorage]:
+    """The storages of the tensors among ``leaves`` on this rank (a DTensor: its local shard's)."""
+    return list(_storages(leaves))
+
+
+def local_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` on this rank: a DTensor counts by its local shard (NOTE [Memory per rank])."""
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        return sum(local_nbytes(getattr(t, name)) for name in inner)
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def _tensors_of(obj: Any) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from typing_extensions import Self
 from remat._engine.state import is_recomputing
 from remat._marks import mark_of
 from remat.memory._report import ModuleRow, ProfileReport, downsample
-from remat.memory._tracker import track
+from remat.memory._tracker import local_nbytes, local_storages, track
 
 OptimizerLike = None | str | torch.optim.Optimizer | Callable[..., torch.optim.Optimizer]
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -90,11 +90,9 @@ class _Calls:
 
     def _bytes(self, obj: Any) -> int:
         seen: dict[int, int] = {}
-        for t in tree_leaves(obj):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                storage = t.untyped_storage()
-                if storage._cdata not in self.exclude:
-                    seen[storage._cdata] = storage.nbytes()
+        for storage in local_storages(tree_leaves(obj)):  # a DTensor by its local shard
+            if storage._cdata not in self.exclude:
+                seen[storage._cdata] = storage.nbytes()
         return sum(seen.values())
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -145,8 +143,7 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
     if opt is not None:
         prime_optimizer(opt)
     step_ms, times = _time_step(model, inputs, batch, loss_fn, repeat) if repeat else (None, {})
-    params = {p.untyped_storage()._cdata: p.untyped_storage().nbytes()
-              for p in [*model.parameters(), *model.buffers()]}
+    params = {s._cdata: s.nbytes() for s in local_storages([*model.parameters(), *model.buffers()])}
     with track(model, baseline=[inputs, batch, opt]) as tracker, _Calls(model, set(params)) as calls:
         loss = loss_fn(model(*inputs, **batch))
         kept = tracker.live_by_module(exclude=[loss])
@@ -160,7 +157,7 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
             model.zero_grad(set_to_none=True)
     rows = _rows(model, kept, calls, times, output_recompute)
     peak = tracker.peak()
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    param_bytes = sum(local_nbytes(p) for p in model.parameters())
     optimizer_bytes = sum(t.untyped_storage().nbytes() for t in _state_tensors(opt))
     return ProfileReport(
         label=label or type(model).__name__, device=device or _device_of(model), estimated=estimated,
@@ -168,7 +165,7 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
         outside_kept=sum(kept.values()) - sum(r.kept_self for r in rows),
         peak_bytes=peak.total_bytes, peak_increase=peak.increase_bytes, peak_phase=peak.phase,
         baseline_bytes=peak.baseline_bytes, param_bytes=param_bytes,
-        grad_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        grad_bytes=sum(local_nbytes(p) for p in model.parameters() if p.requires_grad),
         optimizer_bytes=optimizer_bytes, peak_by_phase=peak.by_phase,
         peak_by_module=dict(list(peak.by_module.items())[:20]), step_ms=step_ms,
         seconds=time.perf_counter() - start, timeline=downsample(tracker.timeline),
@@ -198,7 +195,7 @@ def _rows(model: torch.nn.Module, kept: dict, calls: _Calls, times: dict, output
             depth=0 if not qualified else qualified.count(".") + 1,
             calls=count, kept_self=kept.get(name, 0), input_bytes=ins, output_bytes=outs,
             if_recomputed=ins + (0 if drop_output else outs), forward_ms=times.get(name),
-            param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
+            param_bytes=sum(local_nbytes(p) for p in module.parameters()),
             marked=spec is not None,
         ))
     _add_subtrees(rows)
