@@ -803,15 +803,21 @@ def _compare(phase: str, base: list, marked: list, tolerant: bool) -> int:
     return tolerated
 
 
-def _snapshot(side: _Side) -> tuple:
-    return ([t.detach().clone() for _, t in side.state()], torch.get_rng_state())
+def _snapshot(side: _Side) -> list:
+    return [t.detach().clone() for _, t in side.state()]
 
 
-def _unchanged(side: _Side, snap: tuple) -> str:
-    tensors, rng = snap
-    changed = [n for (n, t), s in zip(side.state(), tensors) if not torch.equal(t, s)]
+def _unchanged(side: _Side, snap: list) -> str:
+    """'' when a phase that raised left the parameters as they were and grad mode on.
+
+    Buffers are not compared: layers that ran before the failing region (a BatchNorm
+    in training) update theirs, as they would before any error in plain PyTorch.
+    """
+    changed = [n for (n, t), s in zip(side.state(), snap) if n.startswith("param") and not torch.equal(t, s)]
     if changed:
-        return f"state changed before the error: {changed[:3]}"
+        return f"parameters changed before the error: {changed[:3]}"
+    if not torch.is_grad_enabled():
+        return "grad mode left off"
     return ""
 
 
@@ -835,18 +841,21 @@ def _resync(base: _Side, marked: _Side) -> None:
 def run_case(case: Case) -> Result:
     """Run ``case``: baseline and marked model in lockstep; compare everything."""
     _reset_engine()
+    if case.compiled:
+        torch._dynamo.reset()  # compiled code is cached per code object, shared by all cases
     tolerated = 0
     try:
         torch.manual_seed(0)
         base = _Side(case, build(case.desc), case.compiled)
         model = build(case.desc)
-        snap = _snapshot_model(model)
-        try:
-            apply_plan(model, case.plan)
-        except (TypeError, ValueError) as err:
-            if _snapshot_model(model) != snap:
-                return Result(case.seed, "crash", f"marking failed after changing the model: {err!r}")
-            return Result(case.seed, "documented", f"marking: {type(err).__name__}: {err}")
+        for mark in case.plan:
+            snap = _snapshot_model(model)
+            try:
+                apply_plan(model, [mark])
+            except (TypeError, ValueError) as err:  # documented: each marking API names them
+                if not _same_snapshot(_snapshot_model(model), snap):
+                    return Result(case.seed, "crash", f"marking failed after changing the model: {err!r}")
+                return Result(case.seed, "documented", f"marking: {type(err).__name__}: {err}")
         marked = _Side(case, model, case.compiled)
         for phase, step in _phases(case):
             try:
@@ -882,8 +891,16 @@ def run_case(case: Case) -> Result:
 
 
 def _snapshot_model(model: nn.Module) -> tuple:
-    return (sorted(model.state_dict()), [(n, len(m._forward_hooks), len(m._forward_pre_hooks))
-                                         for n, m in model.named_modules()])
+    """What marking may not change when it fails: state, hooks, marks, RNG."""
+    return ([(k, v.clone()) for k, v in model.state_dict().items()],
+            [(n, len(m._forward_hooks), len(m._forward_pre_hooks), remat.mark_of(m))
+             for n, m in model.named_modules()], torch.get_rng_state())
+
+
+def _same_snapshot(a: tuple, b: tuple) -> bool:
+    (sa, ha, ra), (sb, hb, rb) = a, b
+    return (ha == hb and torch.equal(ra, rb) and [k for k, _ in sa] == [k for k, _ in sb]
+            and all(torch.equal(x, y) for (_, x), (_, y) in zip(sa, sb)))
 
 
 # --- the known-broken list (issue 10's classes) ---------------------------------------
