@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import math
 import random
 import re
 import sys
@@ -33,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import remat
@@ -312,6 +310,10 @@ WIRES: dict[str, tuple[Callable, float, bool]] = {
 }
 
 
+# How a stage merges a "tuple_out" block's two outputs.
+COMBINE: dict[str, Callable] = {"add": lambda a, c: a + c, "mul": lambda a, c: a * c, "first": lambda a, c: a}
+
+
 # --- the model ------------------------------------------------------------------
 
 
@@ -355,8 +357,7 @@ class Stage(remat.nn.Cell):
                 block.memo = torch.sigmoid(h)
             out = call(block, self.calls.get(i), args, kwargs)
             if block.tuple_out:
-                a, c = out
-                out = {"add": lambda: a + c, "mul": lambda: a * c, "first": lambda: a}[b["p"]["combine"]]()
+                out = COMBINE[b["p"]["combine"]](*out)
             h = WIRES[b["wire"]][0](out)
             outs.append(h)
         return h
@@ -546,9 +547,9 @@ class Case:
         return any(m["opts"].get("use_reentrant") for m in self.plan if "opts" in m)
 
     def show(self) -> str:
-        lines = [f"case {self.seed}: x{list(self.x_shape)} requires_grad={self.x_requires_grad} "
-                 f"opt={self.optimizer} retain_twice={self.retain_twice} grad={self.grad_check} "
-                 f"penalty={self.penalty} compiled={self.compiled}"]
+        lines = [(f"case {self.seed}: x{list(self.x_shape)} requires_grad={self.x_requires_grad} "
+                  f"opt={self.optimizer} retain_twice={self.retain_twice} grad={self.grad_check} "
+                  f"penalty={self.penalty} compiled={self.compiled}")]
         for i, stage in enumerate(self.desc["stages"]):
             for j, b in enumerate(stage):
                 lines.append(f"  stages.{i}.blocks.{j}: {b['kind']} {b['p']} wire={b['wire']}")
@@ -794,10 +795,10 @@ def _compare(phase: str, base: list, marked: list, tolerant: bool) -> int:
                             f"{'None' if b is None else 'tensor'}")
         if a is None or torch.equal(a, b):
             continue
-        if tolerant and a.shape == b.shape and "grad" in name:
-            if torch.allclose(a, b, rtol=REENTRANT_RTOL, atol=REENTRANT_ATOL):
-                tolerated += 1
-                continue
+        if (tolerant and a.shape == b.shape and "grad" in name
+                and torch.allclose(a, b, rtol=REENTRANT_RTOL, atol=REENTRANT_ATOL)):
+            tolerated += 1
+            continue
         diff = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else f"shapes {a.shape} {b.shape}"
         raise _Mismatch(f"{phase}: {name} differs (max abs diff {diff})")
     return tolerated
@@ -860,12 +861,12 @@ def run_case(case: Case) -> Result:
         for phase, step in _phases(case):
             try:
                 expected = step(base)
-            except Exception as err:  # the unmarked model fails: not a remat case
+            except Exception as err:  # noqa: BLE001 - the unmarked model fails: not a remat case
                 return Result(case.seed, "invalid", f"{phase}: baseline raised {type(err).__name__}: {err}")
             snap = _snapshot(marked)
             try:
                 got = step(marked)
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - every error is judged below
                 where = _documented(err)
                 first = str(err).splitlines()[0] if str(err) else ""
                 if where is None:

@@ -45,8 +45,8 @@ def _summary(results: list[fm.Result]) -> str:
     known = collections.Counter((r.known, r.verdict) for r in results if r.known is not None)
     tolerated = [r for r in results if r.tolerated]
     lines = [f"{len(results)} cases: " + ", ".join(f"{v} {n}" for v, n in sorted(verdicts.items())),
-             f"reentrant tolerance needed in {len(tolerated)} cases "
-             f"({sum(r.tolerated for r in tolerated)} comparisons)"]
+             (f"reentrant tolerance needed in {len(tolerated)} cases "
+              f"({sum(r.tolerated for r in tolerated)} comparisons)")]
     lines += [f"  known broken, class {c}: {n} {v}" for (c, v), n in sorted(known.items())]
     return "\n".join(lines)
 
