@@ -716,6 +716,19 @@ class _Side:
         self.opt = opt(params, lr=0.1) if params else None
         g = torch.Generator().manual_seed(case.seed)
         self.x = torch.randn(case.x_shape, generator=g).requires_grad_(case.x_requires_grad)
+        self.hook_calls = {n: 0 for n, p in model.named_parameters() if p.requires_grad}
+        for n, p in model.named_parameters():
+            if p.requires_grad:  # DDP's reducer relies on one call per backward, with a gradient
+                p.register_hook(lambda grad, n=n: self._count(n, grad))
+
+    def _count(self, name: str, grad: torch.Tensor | None) -> None:
+        self.hook_calls[name] += 1 if grad is not None else 1000  # a None counts loudly
+
+    def hooks(self) -> list:
+        """How often each parameter's gradient hook ran since the last call (then reset)."""
+        calls = torch.tensor(list(self.hook_calls.values()))
+        self.hook_calls = dict.fromkeys(self.hook_calls, 0)
+        return [("gradient hook calls per parameter", calls)]
 
     def forward(self, phase: int):
         torch.manual_seed(self.case.seed * 7 + phase)
@@ -746,7 +759,7 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
                 if retain:
                     found += [(n + " (first backward)", g) for n, g in side.grads()]
                     loss.backward()
-            return found + side.grads()
+            return found + side.grads() + side.hooks()
         return step
 
     def update(side: _Side):
@@ -759,8 +772,9 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
         wrt = [p for p in side.model.parameters() if p.requires_grad] + ([side.x] if side.x.requires_grad else [])
         if not loss.requires_grad or not wrt:
             return [("loss", loss)]
+        side.hooks()
         found = torch.autograd.grad(loss, wrt, allow_unused=True)
-        return [("loss", loss)] + [(f"autograd.grad #{i}", g) for i, g in enumerate(found)]
+        return [("loss", loss)] + [(f"autograd.grad #{i}", g) for i, g in enumerate(found)] + side.hooks()
 
     def penalty(side: _Side):
         if not side.x.requires_grad:
@@ -773,7 +787,7 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
         found = [("penalty grad x", gx)]
         if gx.requires_grad:
             gx.square().sum().backward()
-        return found + [(n, g) for n, g in side.grads() if n != "grad x"]
+        return found + [(n, g) for n, g in side.grads() if n != "grad x"] + side.hooks()
 
     phases = [("step 1", train(1, case.retain_twice)), ("step 1 update", update),
               ("step 2", train(2, False)), ("step 2 update", update)]
@@ -784,8 +798,12 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
     return phases
 
 
-def _compare(phase: str, base: list, marked: list, tolerant: bool) -> int:
-    """Raise _Mismatch at the first difference; return how many needed the tolerance."""
+def _compare(phase: str, base: list, marked: list, tolerant: bool, hooks: list) -> int:
+    """Raise _Mismatch at the first difference; return how many needed the tolerance.
+
+    A difference in gradient-hook calls is appended to ``hooks`` instead, so the case goes
+    on comparing numbers (the caller reports it at the end).
+    """
     if [n for n, _ in base] != [n for n, _ in marked]:
         raise _Mismatch(f"{phase}: different results {[n for n, _ in base]} vs {[n for n, _ in marked]}")
     tolerated = 0
@@ -794,6 +812,9 @@ def _compare(phase: str, base: list, marked: list, tolerant: bool) -> int:
             raise _Mismatch(f"{phase}: {name}: {'None' if a is None else 'tensor'} vs "
                             f"{'None' if b is None else 'tensor'}")
         if a is None or torch.equal(a, b):
+            continue
+        if name.startswith("gradient hook calls"):
+            hooks.append(f"{phase}: {name}: {a.tolist()} vs {b.tolist()} (1000: called with None)")
             continue
         if (tolerant and a.shape == b.shape and "grad" in name
                 and torch.allclose(a, b, rtol=REENTRANT_RTOL, atol=REENTRANT_ATOL)):
@@ -844,7 +865,7 @@ def run_case(case: Case) -> Result:
     _reset_engine()
     if case.compiled:
         torch._dynamo.reset()  # compiled code is cached per code object, shared by all cases
-    tolerated = 0
+    tolerated, hooks = 0, []
     try:
         torch.manual_seed(0)
         base = _Side(case, build(case.desc), case.compiled)
@@ -876,7 +897,7 @@ def run_case(case: Case) -> Result:
                     return Result(case.seed, "crash", f"{phase}: documented error ({where}) but {changed}")
                 return Result(case.seed, "documented", f"{phase}: {where}")
             try:
-                n = _compare(phase, expected, got, case.reentrant)
+                n = _compare(phase, expected, got, case.reentrant, hooks)
             except _Mismatch as err:
                 return Result(case.seed, "mismatch", str(err))
             if n:
@@ -886,6 +907,8 @@ def run_case(case: Case) -> Result:
         left = _engine_clean()
         if left:
             return Result(case.seed, "leak", left, tolerated)
+        if hooks:
+            return Result(case.seed, "mismatch", hooks[0], tolerated)
         return Result(case.seed, "ok", "", tolerated)
     finally:
         _reset_engine()
@@ -1000,55 +1023,59 @@ def _inside(path: str, region: str) -> bool:
     return region == "" or path == region or path.startswith(region + ".")
 
 
-def _class1(case, facts, regs):  # output_recompute output changed in place afterwards
+def _class1(case, facts, regs, result):  # output_recompute output changed in place afterwards
     return any(r.output_recompute and r.path in facts.output_changed_after for r in regs)
 
 
-def _class2(case, facts, regs):  # a marked module also called through checkpoint/recompute
+def _class2(case, facts, regs, result):  # a marked module also called through checkpoint/recompute
     calls = {r.path for r in regs if r.api in ("recompute", "checkpoint")}
     return any(r.path in calls for r in regs if r.api not in ("recompute", "checkpoint"))
 
 
-def _class3(case, facts, regs):  # use_reentrant=True and create_graph=True
+def _class3(case, facts, regs, result):  # use_reentrant=True and create_graph=True
     return case.penalty and any(r.reentrant for r in regs)
 
 
-def _class4(case, facts, regs):  # use_reentrant=True and a non-leaf read through a closure
+def _class4(case, facts, regs, result):  # use_reentrant=True and a non-leaf read through a closure
     closures = [n for n, k in facts.kinds.items() if k == "closure"]
     return any(r.reentrant and any(_inside(c, r.path) for c in closures) for r in regs)
 
 
-def _class5(case, facts, regs):  # a BatchNorm called outside a region and again inside one
+def _class5(case, facts, regs, result):  # a BatchNorm called outside a region and again inside one
     return any(facts.calls.get(bn, 0) > 1 and any(_inside(bn, r.path) for r in regs)
                for bn in facts.batch_norms)
 
 
-def _class6(case, facts, regs):  # a policy / context_fn region around a BatchNorm
+def _class6(case, facts, regs, result):  # a policy / context_fn region around a BatchNorm
     return any(r.selective and any(_inside(bn, r.path) for bn in facts.batch_norms) for r in regs)
 
 
-def _class7(case, facts, regs):  # ReLU(inplace=True) marked output_recompute
+def _class7(case, facts, regs, result):  # ReLU(inplace=True) marked output_recompute
     return any(r.output_recompute and r.path in facts.inplace_relu for r in regs)
 
 
-def _class8(case, facts, regs):  # in place on a reentrant region's output that is a view
+def _class8(case, facts, regs, result):  # in place on a reentrant region's output that is a view
     return any(r.reentrant and r.path in facts.output_is_view and r.path in facts.output_changed_after
                for r in regs)
 
 
-def _class9(case, facts, regs):  # a reentrant region writes its input in place; retain_graph twice
+def _class9(case, facts, regs, result):  # a reentrant region writes its input in place; retain_graph twice
     return case.retain_twice and any(r.reentrant and r.path in facts.input_changed_inside for r in regs)
 
 
-def _new_a(case, facts, regs):  # NEW-A: a region writes its own input in place
+def _new_a(case, facts, regs, result):  # NEW-A: a region writes its own input in place
     return any(r.path in facts.input_changed_inside for r in regs)
 
 
-def _new_b(case, facts, regs):  # NEW-B: torch's own selective-checkpoint contexts as context_fn
+def _new_b(case, facts, regs, result):  # NEW-B: torch's own selective-checkpoint contexts as context_fn
     return any(m["kind"] == "call" and m["opts"].get("context") == "torch_selective" for m in case.plan)
 
 
-def _class11(case, facts, regs):  # engine state left behind after output_recompute regions
+def _class10(case, facts, regs, result):  # reentrant: parameter gradient hooks fire twice (DDP)
+    return "gradient hook calls" in result.detail and any(r.reentrant for r in regs)
+
+
+def _class11(case, facts, regs, result):  # engine state left behind after output_recompute regions
     return any(r.output_recompute for r in regs)
 
 
@@ -1065,6 +1092,7 @@ KNOWN_BROKEN: list[tuple[str, tuple[str, ...], Callable]] = [
     ("7", ("crash", "mismatch"), _class7),
     ("8", ("crash",), _class8),
     ("9", ("crash",), _class9),
+    ("10", ("mismatch",), _class10),
     ("11", ("leak",), _class11),
     ("NEW-A", ("crash", "mismatch"), _new_a),
     ("NEW-B", ("crash",), _new_b),
@@ -1072,13 +1100,16 @@ KNOWN_BROKEN: list[tuple[str, tuple[str, ...], Callable]] = [
 
 
 def known_broken(case: Case, result: Result) -> str | None:
-    """Return the issue-10 class that explains ``result`` (a failure of ``case``), else None."""
+    """Return the classes that explain ``result`` (a failure of ``case``), "+"-joined, else None.
+
+    Several classes may match one case (say a reentrant region that is also nested); all
+    are named, so a case stays excused until the fixes of all of them have landed.
+    """
     facts = probe(case)
     regs = regions(case, build(case.desc))
-    for number, verdicts, predicate in KNOWN_BROKEN:
-        if result.verdict in verdicts and predicate(case, facts, regs):
-            return number
-    return None
+    found = [number for number, verdicts, predicate in KNOWN_BROKEN
+             if result.verdict in verdicts and predicate(case, facts, regs, result)]
+    return "+".join(found) or None
 
 
 def shrink(case: Case, result: Result) -> tuple[Case, Result]:

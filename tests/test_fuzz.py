@@ -9,7 +9,7 @@ equal (``torch.equal``). A case may instead end in a typed error the README docu
 left behind. Failures that ``fuzz_models.KNOWN_BROKEN`` explains (issue 10's classes,
 while their fixes are pending) are counted and reported, not failed.
 
-``REMAT_FUZZ_CASES=5000`` runs more eager cases (default 700), ``REMAT_FUZZ_COMPILED=20``
+``REMAT_FUZZ_CASES=5000`` runs more eager cases (default 1200), ``REMAT_FUZZ_COMPILED=20``
 more ``remat.compile`` cases (default 3). Reproduce one case with
 ``PYTHONPATH=src python -m tests.fuzz_models SEED --show [--shrink] [--compile]``.
 """
@@ -25,7 +25,7 @@ import torch
 import remat
 from tests import fuzz_models as fm
 
-EAGER_CASES = int(os.environ.get("REMAT_FUZZ_CASES", "700"))
+EAGER_CASES = int(os.environ.get("REMAT_FUZZ_CASES", "1200"))
 COMPILED_CASES = int(os.environ.get("REMAT_FUZZ_COMPILED", "3"))
 FAILURES = ("mismatch", "crash", "leak")
 
