@@ -1063,11 +1063,26 @@ def _class9(case, facts, regs, result):  # a reentrant region writes its input i
     return case.retain_twice and any(r.reentrant and r.path in facts.input_changed_inside for r in regs)
 
 
-def _new_a(case, facts, regs, result):  # NEW-A: a region writes its own input in place
+def _new_a(case, facts, regs, result):
+    """NEW-A: a region writes its own input in place (legal without marks).
+
+    Saved-tensor hooks: the input saver's copy is stale, backward fails ("modified by an
+    inplace operation"). use_reentrant=True: the re-run starts from the written input, and
+    drops the write (NOTE [No double state updates]): silently wrong when the region read
+    the input before writing it; "a leaf Variable that requires grad is being used in an
+    in-place operation" when the input requires grad. Nested in another region: silently
+    wrong (the outer re-run hands back the unwritten input; the inner re-run drops the
+    write). Reproducers: tests/test_fuzz_regressions.py.
+    """
     return any(r.path in facts.input_changed_inside for r in regs)
 
 
-def _new_b(case, facts, regs, result):  # NEW-B: torch's own selective-checkpoint contexts as context_fn
+def _new_b(case, facts, regs, result):
+    """NEW-B: torch's ``create_selective_checkpoint_contexts`` as ``context_fn`` keeps torch's
+    own limits: an in-place write to a cached output ("Tensor cached during selective
+    activation checkpoint has been mutated") and a second backward ("Trying to backward an
+    extra time"). torch.utils.checkpoint raises the same; ``remat.policy_context`` with the
+    same operators runs both."""
     return any(m["kind"] == "call" and m["opts"].get("context") == "torch_selective" for m in case.plan)
 
 
