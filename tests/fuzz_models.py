@@ -1050,8 +1050,10 @@ def _class6(case, facts, regs, result):  # a policy / context_fn region around a
     return any(r.selective and any(_inside(bn, r.path) for bn in facts.batch_norms) for r in regs)
 
 
-def _class7(case, facts, regs, result):  # ReLU(inplace=True) marked output_recompute
-    return any(r.output_recompute and r.path in facts.inplace_relu for r in regs)
+def _class7(case, facts, regs, result):  # a marked ReLU(inplace=True)
+    # output_recompute: "modified by an inplace operation"; use_reentrant=True: "a leaf
+    # Variable that requires grad is being used in an in-place operation"
+    return any(r.path in facts.inplace_relu and (r.output_recompute or r.reentrant) for r in regs)
 
 
 def _class8(case, facts, regs, result):  # in place on a reentrant region's output that is a view
@@ -1072,9 +1074,10 @@ def _new_a(case, facts, regs, result):
     the input before writing it; "a leaf Variable that requires grad is being used in an
     in-place operation" when the input requires grad. Nested in another region: silently
     wrong (the outer re-run hands back the unwritten input; the inner re-run drops the
-    write). Reproducers: tests/test_fuzz_regressions.py.
+    write). Reproducers: tests/test_fuzz_regressions.py. A marked ``ReLU(inplace=True)``
+    (input and output one tensor) is class 7's.
     """
-    return any(r.path in facts.input_changed_inside for r in regs)
+    return any(r.path in facts.input_changed_inside and r.path not in facts.inplace_relu for r in regs)
 
 
 def _new_b(case, facts, regs, result):
