@@ -511,12 +511,30 @@ def _draw_call(r, modules):
     return {"kind": "call", "api": api, "path": path, "opts": opts}
 
 
+def _draw_chain(r, modules):
+    """Adjacent blocks of one stage, all output_recompute (MindSpore's merged regions)."""
+    stages = sorted({n.rsplit(".blocks.", 1)[0] for n, m in modules.items() if isinstance(m, Block)})
+    stage = r.choice(stages)
+    blocks = sorted(n for n, m in modules.items() if isinstance(m, Block) and n.startswith(stage + ".blocks."))
+    use = r.choice(("cell", "recompute"))
+    return {"kind": "chain", "paths": blocks, "use": use}
+
+
+def _apply_chain(model, mark):
+    for path in mark["paths"]:
+        if mark["use"] == "cell":
+            model.get_submodule(path).recompute(output_recompute=True)
+        else:
+            _apply_call(model, {"path": path, "api": "recompute", "opts": {"output_recompute": True}})
+
+
 MARKS: dict[str, MarkKind] = {
     "cell": MarkKind(3.0, _draw_cell, _apply_cell),
     "module": MarkKind(1.5, _draw_module, _apply_module),
     "type": MarkKind(1.0, _draw_type, _apply_type),
     "primitive": MarkKind(1.0, _draw_primitive, _apply_primitive),
     "call": MarkKind(2.5, _draw_call, _apply_call),
+    "chain": MarkKind(0.7, _draw_chain, _apply_chain),
 }
 
 
@@ -613,11 +631,12 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
     modules = dict(build(desc).named_modules())
     marked: set[int] = set()  # ids: a tied module has two paths
     typed: set[str] = set()
+    called: set[str] = set()
     kinds = sorted((_pick(r, MARKS, lambda k: k.weight) for _ in range(r.choice((1, 1, 2, 2, 3, 4)))),
                    key=lambda k: k != "type")  # a type mark first, so other marks avoid its modules
     for kind in kinds:
         mark = MARKS[kind].draw(r, modules)
-        if mark is None or (mark.get("path") is not None and id(modules[mark["path"]]) in marked):
+        if mark is None or any(id(modules[p]) in marked for p in mark.get("paths", [mark.get("path")]) if p):
             continue
         if kind == "type" and any(m["kind"] == "type" for m in case.plan):
             continue
@@ -627,8 +646,14 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
             typed.add(mark["type"])
         if compiled and kind == "call" and mark["opts"].get("context"):
             continue
-        if "path" in mark and kind != "call":
-            marked.add(id(modules[mark["path"]]))
+        at_call_sites = kind == "call" or (kind == "chain" and mark["use"] == "recompute")
+        sites = mark.get("paths", [mark.get("path")])
+        if at_call_sites and any(p in called for p in sites):
+            continue  # one functional mark per call site
+        if at_call_sites:
+            called.update(sites)
+        if kind not in ("call", "chain") or mark.get("use") == "cell":
+            marked.update(id(modules[p]) for p in mark.get("paths", [mark.get("path")]) if p)
         case.plan.append(mark)
     return case
 
@@ -956,6 +981,9 @@ def regions(case: Case, model: nn.Module) -> list[Region]:
             found.append(Region(mark["path"], "primitive", False, True, False))
         elif mark["kind"] == "call":
             found.append(Region(mark["path"], mark["api"], reentrant, out, selective))
+        elif mark["kind"] == "chain":
+            api = "cell" if mark["use"] == "cell" else "recompute"
+            found += [Region(p, api, False, True, False) for p in mark["paths"]]
         else:
             found.append(Region(mark["path"], mark["kind"], reentrant, out, selective))
     return found

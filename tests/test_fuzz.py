@@ -10,7 +10,8 @@ left behind. Failures that ``fuzz_models.KNOWN_BROKEN`` explains (issue 10's cla
 while their fixes are pending) are counted and reported, not failed.
 
 ``REMAT_FUZZ_CASES=5000`` runs more eager cases (default 1200), ``REMAT_FUZZ_COMPILED=20``
-more ``remat.compile`` cases (default 3). Reproduce one case with
+more ``remat.compile`` cases (default 3); ``REMAT_FUZZ_REPORT=fuzz.jsonl`` writes every
+eager case's verdict and class. Reproduce one case with
 ``PYTHONPATH=src python -m tests.fuzz_models SEED --show [--shrink] [--compile]``.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
+import json
 import os
 
 import torch
@@ -57,8 +60,17 @@ def _unexplained(results: list[fm.Result], flag: str = "") -> list[str]:
             for r in results if r.verdict in FAILURES and r.known is None]
 
 
+def _write_report(results: list[fm.Result]) -> None:
+    """With ``REMAT_FUZZ_REPORT=path``, write one JSON line per case (seed, verdict, class, detail)."""
+    path = os.environ.get("REMAT_FUZZ_REPORT")
+    if path:
+        with open(path, "w") as f:
+            f.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in results)
+
+
 def test_fuzz_eager_marks_change_no_number():
     results = _run([fm.make_case(seed) for seed in range(EAGER_CASES)])
+    _write_report(results)
     summary = _summary(results)
     print("\n" + summary)
     bad = _unexplained(results)
