@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import json
 import os
+import warnings
 
 import torch
 
@@ -75,6 +76,11 @@ def test_fuzz_eager_marks_change_no_number():
     print("\n" + summary)
     bad = _unexplained(results)
     assert not bad, summary + "\n" + "\n".join(bad)
+    used = {c for r in results if r.known for c in r.known.split("+")}
+    unused = [number for number, _, _ in fm.KNOWN_BROKEN if number not in used]
+    if unused:  # rare classes may just not have come up; a fixed class's entry should go
+        warnings.warn(f"KNOWN_BROKEN entries that excused no case in this run: {unused}; "
+                      f"delete those whose fix has landed", stacklevel=1)
     compared = sum(r.verdict in ("ok", "documented") for r in results)
     assert compared >= min(500, EAGER_CASES // 2), summary  # the floor of combinations checked
 
