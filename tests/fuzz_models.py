@@ -457,10 +457,6 @@ def _apply_call(model, mark):
     owner.calls[int(index)] = (mark["api"], mark["opts"])
 
 
-def _apply_compile(model, mark):
-    pass  # run_case compiles both models
-
-
 @dataclass(frozen=True)
 class MarkKind:
     """A mark kind: how to draw one (``draw(rng, modules) -> mark or None``) and apply it."""
@@ -687,7 +683,6 @@ class Result:
     detail: str = ""
     tolerated: int = 0  # comparisons that needed the reentrant tolerance
     known: str | None = None  # the KNOWN_BROKEN class, when one matches
-    stats: dict = field(default_factory=dict)
 
 
 class _Mismatch(Exception):
