@@ -1153,13 +1153,18 @@ def known_broken(case: Case, result: Result) -> str | None:
     return "+".join(found) or None
 
 
+def _failure_key(result: Result) -> str:
+    """What a failure is, without its numbers: the phase and the tensor or the error's words."""
+    return re.sub(r"\(max abs diff .*\)|\[.*|:\s*$", "", result.detail)[:100]
+
+
 def shrink(case: Case, result: Result) -> tuple[Case, Result]:
     """Drop marks one at a time while the case still fails the same way; return the smallest."""
     for i in reversed(range(len(case.plan))):
         smaller = copy.deepcopy(case)
         del smaller.plan[i]
         got = run_case(smaller)
-        if got.verdict == result.verdict and got.detail.split(":")[0] == result.detail.split(":")[0]:
+        if got.verdict == result.verdict and _failure_key(got) == _failure_key(result):
             case, result = smaller, got
     return case, result
 
