@@ -693,36 +693,45 @@ def _hooks_top():
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
-def _engine_clean() -> str:
-    """'' when remat left no state behind, else what it left."""
+def _engine_lists() -> dict[str, list | dict]:
+    """remat's private per-thread and global bookkeeping that must be empty between steps.
+
+    Looked up by name, so the harness keeps working while the engine's internals move.
+    """
     from remat import _marks
     from remat._engine import outputs, state
 
+    found = {}
+    for label, owner, name in (("open mark region(s)", _marks, "_stack"),
+                               ("recomputation(s) still marked running", state, "recomputing_fns")):
+        getter = getattr(owner, name, None)
+        if callable(getter):
+            found[label] = getter()
+    registry = getattr(outputs, "_registry", None)
+    if isinstance(registry, dict):
+        found["output_recompute output(s) still registered"] = registry
+    return found
+
+
+def _engine_clean() -> str:
+    """'' when remat left no state behind, else what it left."""
     left = []
+    if _hooks_top() is not None or any(_engine_lists().values()):
+        gc.collect()  # outputs that died in a reference cycle release the hook here
     if _hooks_top() is not None:
-        gc.collect()
-        if _hooks_top() is not None:
-            left.append("a saved-tensor hook is still pushed")
-    if _marks._stack():
-        left.append(f"{len(_marks._stack())} open mark region(s)")
-    if state.recomputing_fns() or state.is_recomputing():
-        left.append("a recomputation is still marked running")
-    if outputs._registry:
-        gc.collect()
-        if outputs._registry:
-            left.append(f"{len(outputs._registry)} output_recompute output(s) still registered")
+        left.append("a saved-tensor hook is still pushed")
+    left += [f"{len(items)} {label}" for label, items in _engine_lists().items() if items]
+    if remat.is_recomputing():
+        left.append("remat.is_recomputing() is still True")
     return "; ".join(left)
 
 
 def _reset_engine() -> None:
-    from remat import _marks
-    from remat._engine import outputs, state
-
+    """Leave nothing of one case to the next, whatever the case left behind."""
     while _hooks_top() is not None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
-    _marks._stack().clear()
-    state.recomputing_fns().clear()
-    outputs._registry.clear()
+    for items in _engine_lists().values():
+        items.clear()
 
 
 class _Side:
