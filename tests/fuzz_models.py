@@ -665,7 +665,43 @@ DOCUMENTED_ERRORS: list[tuple[type, str, str]] = [
     (ValueError, r"^Unexpected keyword arguments", "use_reentrant=True: no keyword arguments (torch's)"),
     (ValueError, r"Passing `context_fn` or `debug` is only supported when use_reentrant=False",
      "Limits of use_reentrant=True: no context_fn"),
+    # documented in the README once the fixes of issue 10 landed (main, d412b05):
+    (remat.RecomputeError, r"\(use_reentrant=True\) reads its argument .* and then changes it in place",
+     "Limits of use_reentrant=True: a region that reads its own argument and then changes it in place"),
+    (remat.RecomputeError, r"reads a tensor through its closure that was computed from other tensors",
+     "Limits of use_reentrant=True: a tensor read through the closure computed from the region's parameters"),
+    (remat.RecomputeError, r"cannot be re-run: one of its inputs was changed in place after the region ran",
+     "A region's input changed in place after the region ran: a RecomputeError in backward"),
+    (remat.RecomputeError, r"changed one of its inputs in place after it had saved .* tensor",
+     "A region that changes its own input in place after saving a temporary: a RecomputeError"),
 ]
+
+#: A case may use this much more memory than when it started (bytes); past it, allocation
+#: fails and the case is a crash, instead of a runaway recursion taking the machine down.
+MEMORY_CAP = 8 << 30
+
+
+@contextlib.contextmanager
+def _memory_cap(extra: int):
+    """Cap the address space at what the process uses now plus ``extra`` (POSIX only)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * resource.getpagesize()
+    except OSError:  # pragma: no cover - no /proc
+        yield
+        return
+    cap = used + extra if hard == resource.RLIM_INFINITY else min(used + extra, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 #: Reentrant regions sum their gradient contributions before the engine adds other
 #: consumers' (issue 10), so gradients may differ in the last bits: the only tolerance.
@@ -891,6 +927,11 @@ def _resync(base: _Side, marked: _Side) -> None:
 
 def run_case(case: Case) -> Result:
     """Run ``case``: baseline and marked model in lockstep; compare everything."""
+    with _memory_cap(MEMORY_CAP):
+        return _run_case(case)
+
+
+def _run_case(case: Case) -> Result:
     _reset_engine()
     if case.compiled:
         torch._dynamo.reset()  # compiled code is cached per code object, shared by all cases
