@@ -1162,7 +1162,10 @@ def _new_b(case, facts, regs, result):
     return any(m["kind"] == "call" and m["opts"].get("context") == "torch_selective" for m in case.plan)
 
 
-def _class10(case, facts, regs, result):  # reentrant: parameter gradient hooks fire twice (DDP)
+def _class10(case, facts, regs, result):
+    """Reentrant regions: a parameter's gradient hook runs twice (today's branch: the second
+    time with None; main d412b05: twice with a gradient, so a hook that changes the gradient
+    is applied twice). DDP's "mark a variable ready only once" is the same fault."""
     return "gradient hook calls" in result.detail and any(r.reentrant for r in regs)
 
 
