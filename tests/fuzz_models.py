@@ -1,0 +1,1241 @@
+"""A seeded generator of random small models and random recompute marks (for tests/test_fuzz.py).
+
+A *case* is one integer seed. From it :func:`make_case` draws a model description
+(stages of blocks, the wiring between them, tied and frozen parameters, the input)
+and a *plan* of marks (cell marks, ``recompute_module``, ``remat.apply``, primitive
+marks, functional ``remat.recompute`` and ``remat.checkpoint`` call sites, policies,
+nesting). :func:`run_case` builds the model twice from the same seed, marks the
+second copy, trains both in lockstep and compares every number with ``torch.equal``.
+
+Grow it by adding entries to the tables: ``BLOCKS`` (layer kinds), ``WIRES`` (what
+happens between blocks), ``MARKS`` (mark kinds), ``POLICIES`` and ``CONTEXTS``.
+
+Reproduce one case::
+
+    PYTHONPATH=src python -m tests.fuzz_models 1234          # run it, print the verdict
+    PYTHONPATH=src python -m tests.fuzz_models 1234 --show   # print the model and the plan
+
+``KNOWN_BROKEN`` (at the end) names, per issue-10 class, the cases that today's engine
+gets wrong; delete an entry when its fix lands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import random
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import remat
+from remat import ops
+
+D = 8  # feature width of every block
+
+
+# --- blocks ---------------------------------------------------------------------
+# Every block maps (X, Y, D) -> (X, Y, D) (or a tuple for "tuple_out"), and works on the
+# last dimension only, so the wiring may transpose the first two between blocks.
+
+
+class Block(remat.nn.Cell):
+    """Base of the fuzz blocks: a Cell, so ``.recompute()`` marks it."""
+
+    kind = "block"
+    tuple_out = False
+    inplace_after: tuple[str, ...] = ()  # children whose output the block changes in place
+
+
+def _act(name: str) -> nn.Module:
+    return {
+        "relu_inplace": lambda: nn.ReLU(inplace=True),
+        "relu": nn.ReLU,
+        "gelu": nn.GELU,
+        "tanh": nn.Tanh,
+        "op_relu": ops.ReLU,
+        "op_gelu": ops.GeLU,
+        "op_tanh": ops.Tanh,
+        "op_sigmoid": ops.Sigmoid,
+    }[name]()
+
+
+ACTS = ("relu_inplace", "relu", "gelu", "tanh", "op_relu", "op_gelu", "op_tanh", "op_sigmoid")
+
+
+class Linear(Block):
+    kind = "linear"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class LinearAct(Block):
+    kind = "linear_act"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc, self.act = nn.Linear(D, D), _act(p["act"])
+        if p["act"] == "relu_inplace":
+            self.inplace_after = ("fc",)
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+class MLP(Block):
+    kind = "mlp"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(D, 2 * D), _act(p["act"]), nn.Linear(2 * D, D)
+        if p["act"] == "relu_inplace":
+            self.inplace_after = ("fc1",)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Conv(Block):
+    """Conv1d over the middle dimension: transposes in, a transposed view out."""
+
+    kind = "conv"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(D, D, 3, padding=1, bias=p["bias"])
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+class Norm(Block):
+    """BatchNorm1d (training mode, running statistics) or LayerNorm, then a Linear."""
+
+    kind = "norm"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.batch = p["batch"]
+        self.norm = nn.BatchNorm1d(D) if self.batch else nn.LayerNorm(D)
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        if self.batch:
+            return self.fc(self.norm(x.transpose(1, 2)).transpose(1, 2))
+        return self.fc(self.norm(x))
+
+
+class Drop(Block):
+    kind = "dropout"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(D, D), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
+
+
+class Residual(Block):
+    kind = "residual"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.act, self.fc = _act(p["act"]), nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + self.fc(self.act(x.clone() if isinstance(self.act, nn.ReLU) and self.act.inplace else x))
+
+
+class Concat(Block):
+    kind = "concat"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.a, self.b, self.fc = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(2 * D, D)
+
+    def forward(self, x):
+        return self.fc(torch.cat([self.a(x), torch.tanh(self.b(x))], dim=-1))
+
+
+class TupleOut(Block):
+    kind = "tuple_out"
+    tuple_out = True
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.fc(x), torch.sin(x)
+
+
+class Keywords(Block):
+    """Keyword, non-tensor and optional tensor arguments."""
+
+    kind = "keywords"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, gate=None, *, scale: float = 1.0, mode: str = "plain"):
+        y = self.fc(x) * scale
+        if gate is not None:
+            y = y + gate
+        return torch.tanh(y) if mode == "tanh" else y
+
+
+class Skip(Block):
+    """Two tensor inputs: the previous output and an earlier one (two consumers)."""
+
+    kind = "skip"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, skip):
+        return self.fc(x) * torch.sigmoid(skip)
+
+
+class Shared(Block):
+    """One Linear applied twice (shared parameters inside a block)."""
+
+    kind = "shared"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.fc(x)))
+
+
+class InplaceInput(Block):
+    """Changes its own input in place before using it."""
+
+    kind = "inplace_input"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return self.fc(x)
+
+
+class Closure(Block):
+    """Reads a non-leaf tensor through an attribute (a closure) as well as its argument."""
+
+    kind = "closure"
+    memo: torch.Tensor | None = None  # set by the stage before each call
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.fc(x) * self.memo
+
+
+class InplaceInputLate(Block):
+    """Reads its input, writes it in place, reads it again."""
+
+    kind = "inplace_input_late"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        a = torch.exp(x)  # saves its result, not x
+        x.mul_(0.5)
+        return self.fc(a * 0.1 + x)
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """A layer kind: its class, how often it is drawn, and its random parameters."""
+
+    cls: type
+    weight: float
+    params: Callable[[random.Random], dict] = lambda r: {}
+
+
+BLOCKS: dict[str, BlockKind] = {
+    "linear": BlockKind(Linear, 1.0),
+    "linear_act": BlockKind(LinearAct, 2.0, lambda r: {"act": r.choice(ACTS)}),
+    "mlp": BlockKind(MLP, 1.5, lambda r: {"act": r.choice(ACTS)}),
+    "conv": BlockKind(Conv, 1.0, lambda r: {"bias": r.random() < 0.7}),
+    "norm": BlockKind(Norm, 1.5, lambda r: {"batch": r.random() < 0.5}),
+    "dropout": BlockKind(Drop, 0.7),
+    "residual": BlockKind(Residual, 1.0, lambda r: {"act": r.choice(ACTS)}),
+    "concat": BlockKind(Concat, 0.7),
+    "tuple_out": BlockKind(TupleOut, 0.8, lambda r: {"combine": r.choice(("add", "mul", "first"))}),
+    "keywords": BlockKind(Keywords, 0.8, lambda r: {
+        "scale": r.choice((0.5, 2.0)), "mode": r.choice(("plain", "tanh")), "gate": r.random() < 0.5}),
+    "skip": BlockKind(Skip, 0.8),
+    "shared": BlockKind(Shared, 0.6),
+    "inplace_input": BlockKind(InplaceInput, 0.3),
+    "inplace_input_late": BlockKind(InplaceInputLate, 0.2),
+    "closure": BlockKind(Closure, 0.5),
+}
+
+
+def _wire_view(h):
+    return h.reshape(-1, D).view(h.shape)
+
+
+# What runs between blocks, outside them: name -> (function, weight, changes in place).
+WIRES: dict[str, tuple[Callable, float, bool]] = {
+    "none": (lambda h: h, 4.0, False),
+    "transpose": (lambda h: h.transpose(0, 1), 1.0, False),
+    "view": (_wire_view, 0.7, False),
+    "relu_": (lambda h: torch.relu_(h), 0.8, True),
+    "mul_": (lambda h: h.mul_(1.5), 0.8, True),
+    "clone": (lambda h: h.clone(), 0.3, False),
+}
+
+
+# How a stage merges a "tuple_out" block's two outputs.
+COMBINE: dict[str, Callable] = {"add": lambda a, c: a + c, "mul": lambda a, c: a * c, "first": lambda a, c: a}
+
+
+# --- the model ------------------------------------------------------------------
+
+
+def call(module: nn.Module, mode: tuple | None, args: tuple, kwargs: dict) -> Any:
+    """Call ``module`` plainly, or through the functional mark ``mode`` = (api, options)."""
+    if mode is None:
+        return module(*args, **kwargs)
+    api, opts = mode
+    opts = dict(opts)
+    if "context" in opts:
+        opts["context_fn"] = CONTEXTS[opts.pop("context")]()
+    if api == "recompute":
+        return remat.recompute(module, *args, **opts, **kwargs)
+    if api == "checkpoint":
+        return remat.checkpoint(module, *args, **opts, **kwargs)
+    raise AssertionError(api)
+
+
+class Stage(remat.nn.Cell):
+    """Blocks in sequence, with wiring between them; a Cell, so it may be marked (nesting)."""
+
+    def __init__(self, blocks: list[dict]) -> None:
+        super().__init__()
+        self.desc = blocks
+        self.blocks = nn.ModuleList(BLOCKS[b["kind"]].cls(b["p"]) for b in blocks)
+        self.calls: dict[int, tuple] = {}  # functional marks, by block index
+
+    def forward(self, h):
+        outs = [h]
+        for i, (block, b) in enumerate(zip(self.blocks, self.desc)):
+            args, kwargs = (h,), {}
+            if b["kind"] == "skip":
+                skip = outs[b["p"]["from"] % len(outs)]
+                args = (h, skip if skip.shape == h.shape else skip.transpose(0, 1))
+            elif b["kind"] == "keywords":
+                p = b["p"]
+                kwargs = {"scale": p["scale"], "mode": p["mode"]}
+                if p["gate"]:
+                    kwargs["gate"] = torch.cos(h)
+            elif b["kind"] == "closure":
+                block.memo = torch.sigmoid(h)
+            out = call(block, self.calls.get(i), args, kwargs)
+            if block.tuple_out:
+                out = COMBINE[b["p"]["combine"]](*out)
+            h = WIRES[b["wire"]][0](out)
+            outs.append(h)
+        return h
+
+
+class FuzzNet(nn.Module):
+    """Stages in sequence and a head; returns the head's output and the first stage's output."""
+
+    def __init__(self, desc: dict) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(Stage(blocks) for blocks in desc["stages"])
+        self.head = nn.Linear(D, D)
+        self.calls: dict[int, tuple] = {}  # functional marks, by stage index
+
+    def forward(self, x):
+        h, first = x, None
+        for i, stage in enumerate(self.stages):
+            h = call(stage, self.calls.get(i), (h,), {})
+            if first is None:
+                first = h
+        return self.head(h), first
+
+
+def build(desc: dict) -> FuzzNet:
+    """Build the model of ``desc`` (parameters drawn from ``desc['seed']``), unmarked."""
+    torch.manual_seed(desc["seed"])
+    model = FuzzNet(desc)
+    for src, dst, attr in desc["tie"]:
+        setattr(model.get_submodule(dst), attr, getattr(model.get_submodule(src), attr))
+    for path in desc["frozen"]:
+        model.get_submodule(path).requires_grad_(False)
+    return model
+
+
+# --- marks ----------------------------------------------------------------------
+
+POLICIES: dict[str, remat.Policy] = {
+    "save_compute_intensive": remat.save_compute_intensive,
+    "save_all": remat.save_all,
+    "recompute_all": remat.recompute_all,
+    "save_only_mm": remat.save_only("aten::mm", "aten::addmm"),
+}
+
+
+def _torch_selective() -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts([torch.ops.aten.mm.default, torch.ops.aten.addmm.default])
+
+
+CONTEXTS: dict[str, Callable[[], Any]] = {
+    "save_compute_intensive": lambda: remat.policy_context(remat.save_compute_intensive),
+    "save_all": lambda: remat.policy_context(remat.save_all),
+    "torch_selective": lambda: _torch_selective,
+}
+
+
+def _options(r: random.Random, *, policy: bool = True) -> dict:
+    opts: dict = {}
+    if r.random() < 0.3:
+        opts["use_reentrant"] = True
+    elif r.random() < 0.35:
+        opts["output_recompute"] = True
+    if "use_reentrant" not in opts and policy and r.random() < 0.25:
+        opts["policy"] = r.choice(sorted(POLICIES))
+    return opts
+
+
+def _mark_options(opts: dict) -> dict:
+    out = dict(opts)
+    if "policy" in out:
+        out["policy"] = POLICIES[out["policy"]]
+    return out
+
+
+def _apply_cell(model, mark):
+    model.get_submodule(mark["path"]).recompute(**_mark_options(mark["opts"]))
+
+
+def _apply_module(model, mark):
+    remat.recompute_module(model.get_submodule(mark["path"]), **_mark_options(mark["opts"]))
+
+
+def _apply_type(model, mark):
+    types = {"Linear": nn.Linear, "ReLU": nn.ReLU, "GELU": nn.GELU, "LayerNorm": nn.LayerNorm,
+             "BatchNorm1d": nn.BatchNorm1d, "Conv1d": nn.Conv1d, "Tanh": nn.Tanh}
+    remat.apply(model, where=types[mark["type"]], **_mark_options(mark["opts"]))
+
+
+def _apply_primitive(model, mark):
+    model.get_submodule(mark["path"]).recompute()
+
+
+def _apply_call(model, mark):
+    owner_path, index = mark["path"].rsplit(".", 1)
+    owner = model.get_submodule(owner_path.removesuffix(".blocks")) if owner_path != "stages" else model
+    owner.calls[int(index)] = (mark["api"], mark["opts"])
+
+
+@dataclass(frozen=True)
+class MarkKind:
+    """A mark kind: how to draw one (``draw(rng, modules) -> mark or None``) and apply it."""
+
+    weight: float
+    draw: Callable[[random.Random, dict], dict | None]
+    apply: Callable[[nn.Module, dict], None]
+
+
+def _blocks_and_stages(modules: dict) -> list[str]:
+    return [n for n, m in modules.items() if isinstance(m, (Block, Stage))]
+
+
+def _draw_cell(r, modules):
+    return {"kind": "cell", "path": r.choice(_blocks_and_stages(modules)), "opts": _options(r)}
+
+
+def _draw_module(r, modules):
+    names = [n for n, m in modules.items() if n and not isinstance(m, (ops.Primitive, nn.ModuleList))]
+    return {"kind": "module", "path": r.choice(names), "opts": _options(r)}
+
+
+def _draw_type(r, modules):
+    present = sorted({type(m).__name__ for m in modules.values()}
+                     & {"Linear", "ReLU", "GELU", "LayerNorm", "BatchNorm1d", "Conv1d", "Tanh"})
+    kind = r.choice(present)
+    opts = _options(r, policy=False)
+    if kind in ("ReLU", "GELU", "Tanh") and r.random() < 0.7:  # the README's primitive recipe
+        opts = {"output_recompute": True}
+    return {"kind": "type", "type": kind, "opts": opts}
+
+
+def _draw_primitive(r, modules):
+    names = [n for n, m in modules.items() if isinstance(m, ops.Primitive)]
+    return {"kind": "primitive", "path": r.choice(names)} if names else None
+
+
+def _draw_call(r, modules):
+    path = r.choice(_blocks_and_stages(modules))
+    if r.random() < 0.5:
+        api, opts = "checkpoint", {"use_reentrant": r.random() < 0.4}
+        if not opts["use_reentrant"] and r.random() < 0.3:
+            opts["context"] = r.choice(sorted(CONTEXTS))
+    else:
+        api, opts = "recompute", {"use_reentrant": r.random() < 0.5}
+        if not opts["use_reentrant"] and r.random() < 0.4:
+            opts["output_recompute"] = True
+    return {"kind": "call", "api": api, "path": path, "opts": opts}
+
+
+def _draw_chain(r, modules):
+    """Adjacent blocks of one stage, all output_recompute (MindSpore's merged regions)."""
+    stages = sorted({n.rsplit(".blocks.", 1)[0] for n, m in modules.items() if isinstance(m, Block)})
+    stage = r.choice(stages)
+    blocks = sorted(n for n, m in modules.items() if isinstance(m, Block) and n.startswith(stage + ".blocks."))
+    use = r.choice(("cell", "recompute"))
+    return {"kind": "chain", "paths": blocks, "use": use}
+
+
+def _apply_chain(model, mark):
+    for path in mark["paths"]:
+        if mark["use"] == "cell":
+            model.get_submodule(path).recompute(output_recompute=True)
+        else:
+            _apply_call(model, {"path": path, "api": "recompute", "opts": {"output_recompute": True}})
+
+
+MARKS: dict[str, MarkKind] = {
+    "cell": MarkKind(3.0, _draw_cell, _apply_cell),
+    "module": MarkKind(1.5, _draw_module, _apply_module),
+    "type": MarkKind(1.0, _draw_type, _apply_type),
+    "primitive": MarkKind(1.0, _draw_primitive, _apply_primitive),
+    "call": MarkKind(2.5, _draw_call, _apply_call),
+    "chain": MarkKind(0.7, _draw_chain, _apply_chain),
+}
+
+
+def apply_plan(model: FuzzNet, plan: list[dict]) -> None:
+    """Apply the marks of ``plan`` to ``model`` in order."""
+    for mark in plan:
+        MARKS[mark["kind"]].apply(model, mark)
+
+
+# --- cases ----------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    seed: int
+    desc: dict
+    plan: list[dict]
+    compiled: bool = False
+    x_requires_grad: bool = True
+    x_shape: tuple = (2, 3, D)
+    optimizer: str = "sgd"
+    retain_twice: bool = False
+    grad_check: bool = False
+    penalty: bool = False
+
+    @property
+    def reentrant(self) -> bool:
+        return any(m["opts"].get("use_reentrant") for m in self.plan if "opts" in m)
+
+    def show(self) -> str:
+        lines = [(f"case {self.seed}: x{list(self.x_shape)} requires_grad={self.x_requires_grad} "
+                  f"opt={self.optimizer} retain_twice={self.retain_twice} grad={self.grad_check} "
+                  f"penalty={self.penalty} compiled={self.compiled}")]
+        for i, stage in enumerate(self.desc["stages"]):
+            for j, b in enumerate(stage):
+                lines.append(f"  stages.{i}.blocks.{j}: {b['kind']} {b['p']} wire={b['wire']}")
+        lines.append(f"  tie={self.desc['tie']} frozen={self.desc['frozen']}")
+        lines += [f"  mark {m}" for m in self.plan]
+        return "\n".join(lines)
+
+
+def _pick(r: random.Random, table: dict, weight: Callable) -> str:
+    names = sorted(table)
+    return r.choices(names, weights=[weight(table[n]) for n in names])[0]
+
+
+def draw_desc(r: random.Random, seed: int) -> dict:
+    stages = []
+    for _ in range(r.choice((1, 1, 2, 2, 3))):
+        blocks = []
+        for j in range(r.choice((1, 2, 2, 3))):
+            kind = _pick(r, BLOCKS, lambda k: k.weight)
+            p = BLOCKS[kind].params(r)
+            if kind == "skip":
+                p["from"] = r.randrange(j + 1)
+            if kind.startswith("inplace_input") and not stages and j == 0:
+                kind, p = "linear", {}  # the model's input may be a leaf that requires grad
+            blocks.append({"kind": kind, "p": p, "wire": _pick(r, WIRES, lambda w: w[1])})
+        stages.append(blocks)
+    desc = {"seed": seed, "stages": stages, "tie": [], "frozen": []}
+    fcs = [f"stages.{i}.blocks.{j}" for i, s in enumerate(stages) for j, b in enumerate(s)
+           if b["kind"] in ("linear", "linear_act", "dropout", "keywords", "skip", "shared", "closure")]
+    if len(fcs) >= 2 and r.random() < 0.25:
+        a, b = sorted(r.sample(fcs, 2))
+        desc["tie"].append((a, b, "fc"))
+    norms = {}
+    for i, s in enumerate(stages):
+        for j, b in enumerate(s):
+            if b["kind"] == "norm":
+                norms.setdefault(b["p"]["batch"], []).append(f"stages.{i}.blocks.{j}")
+    for group in norms.values():
+        if len(group) >= 2 and r.random() < 0.5:
+            desc["tie"].append((group[0], group[1], "norm"))  # one norm used twice
+    if r.random() < 0.25:
+        desc["frozen"].append("stages.0.blocks.0")
+    for i, s in enumerate(stages):
+        for j in range(len(s)):
+            if r.random() < 0.1:
+                desc["frozen"].append(f"stages.{i}.blocks.{j}")
+    return desc
+
+
+def make_case(seed: int, *, compiled: bool = False) -> Case:
+    """Draw case ``seed`` (the same seed always gives the same case)."""
+    r = random.Random(seed)
+    desc = draw_desc(r, seed)
+    case = Case(seed, desc, [], compiled=compiled)
+    case.x_requires_grad = r.random() < 0.6
+    case.x_shape = r.choice(((2, 3, D), (3, 2, D)))
+    case.optimizer = r.choice(("sgd", "adamw"))
+    case.retain_twice = r.random() < 0.3
+    case.grad_check = r.random() < 0.3
+    case.penalty = r.random() < 0.1
+    modules = dict(build(desc).named_modules())
+    marked: set[int] = set()  # ids: a tied module has two paths
+    typed: set[str] = set()
+    called: set[str] = set()
+    kinds = sorted((_pick(r, MARKS, lambda k: k.weight) for _ in range(r.choice((1, 1, 2, 2, 3, 4)))),
+                   key=lambda k: k != "type")  # a type mark first, so other marks avoid its modules
+    for kind in kinds:
+        mark = MARKS[kind].draw(r, modules)
+        if mark is None or any(id(modules[p]) in marked for p in mark.get("paths", [mark.get("path")]) if p):
+            continue
+        if kind == "type" and any(m["kind"] == "type" for m in case.plan):
+            continue
+        if kind == "module" and type(modules[mark["path"]]).__name__ in typed:
+            continue  # would conflict with the type mark: a documented ValueError, a wasted case
+        if kind == "type":
+            typed.add(mark["type"])
+        if compiled and kind == "call" and mark["opts"].get("context"):
+            continue
+        at_call_sites = kind == "call" or (kind == "chain" and mark["use"] == "recompute")
+        sites = mark.get("paths", [mark.get("path")])
+        if at_call_sites and any(p in called for p in sites):
+            continue  # one functional mark per call site
+        if at_call_sites:
+            called.update(sites)
+        if kind not in ("call", "chain") or mark.get("use") == "cell":
+            marked.update(id(modules[p]) for p in mark.get("paths", [mark.get("path")]) if p)
+        case.plan.append(mark)
+    return case
+
+
+# --- running and comparing --------------------------------------------------------
+
+#: Errors the README documents as unsupported: (type, message pattern, README reference).
+DOCUMENTED_ERRORS: list[tuple[type, str, str]] = [
+    (TypeError, r"use_reentrant=True\) (got argument|returned output) .* tensors? .*inside lists",
+     "Limits of use_reentrant=True: tensors nested in lists, tuples or dicts"),
+    (remat.RecomputeError, r"cannot see which parameters it uses",
+     "Limits of use_reentrant=True: torch.autograd.grad through an opaque callable object"),
+    (ValueError, r"^Unexpected keyword arguments", "use_reentrant=True: no keyword arguments (torch's)"),
+    (ValueError, r"Passing `context_fn` or `debug` is only supported when use_reentrant=False",
+     "Limits of use_reentrant=True: no context_fn"),
+    # documented in the README once the fixes of issue 10 landed (main, d412b05):
+    (remat.RecomputeError, r"\(use_reentrant=True\) reads its argument .* and then changes it in place",
+     "Limits of use_reentrant=True: a region that reads its own argument and then changes it in place"),
+    (remat.RecomputeError, r"reads a tensor through its closure that was computed from other tensors",
+     "Limits of use_reentrant=True: a tensor read through the closure computed from the region's parameters"),
+    (remat.RecomputeError, r"cannot be re-run: one of its inputs was changed in place after the region ran",
+     "A region's input changed in place after the region ran: a RecomputeError in backward"),
+    (remat.RecomputeError, r"changed one of its inputs in place after it had saved .* tensor",
+     "A region that changes its own input in place after saving a temporary: a RecomputeError"),
+]
+
+#: A case may use this much more memory than when it started (bytes); past it, allocation
+#: fails and the case is a crash, instead of a runaway recursion taking the machine down.
+MEMORY_CAP = 8 << 30
+
+
+@contextlib.contextmanager
+def _memory_cap(extra: int):
+    """Cap the address space at what the process uses now plus ``extra`` (POSIX only)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * resource.getpagesize()
+    except OSError:  # pragma: no cover - no /proc
+        yield
+        return
+    cap = used + extra if hard == resource.RLIM_INFINITY else min(used + extra, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+#: Reentrant regions sum their gradient contributions before the engine adds other
+#: consumers' (issue 10), so gradients may differ in the last bits: the only tolerance.
+REENTRANT_RTOL, REENTRANT_ATOL = 1e-5, 1e-6
+
+
+@dataclass
+class Result:
+    """How a case ended: ``ok``, ``documented`` (an allowed typed error), ``invalid`` (the
+    unmarked model itself fails), ``mismatch`` (a silent wrong number), ``crash`` (an error
+    plain PyTorch does not raise), ``leak`` (engine state left behind)."""
+
+    seed: int
+    verdict: str
+    detail: str = ""
+    tolerated: int = 0  # comparisons that needed the reentrant tolerance
+    known: str | None = None  # the KNOWN_BROKEN class, when one matches
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _hooks_top():
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def _engine_lists() -> dict[str, list | dict]:
+    """remat's private per-thread and global bookkeeping that must be empty between steps.
+
+    Looked up by name, so the harness keeps working while the engine's internals move.
+    """
+    from remat import _marks
+    from remat._engine import outputs, state
+
+    found = {}
+    for label, owner, name in (("open mark region(s)", _marks, "_stack"),
+                               ("recomputation(s) still marked running", state, "recomputing_fns")):
+        getter = getattr(owner, name, None)
+        if callable(getter):
+            found[label] = getter()
+    registry = getattr(outputs, "_registry", None)
+    if isinstance(registry, dict):
+        found["output_recompute output(s) still registered"] = registry
+    return found
+
+
+def _engine_clean() -> str:
+    """'' when remat left no state behind, else what it left."""
+    left = []
+    if _hooks_top() is not None or any(_engine_lists().values()):
+        gc.collect()  # outputs that died in a reference cycle release the hook here
+    if _hooks_top() is not None:
+        left.append("a saved-tensor hook is still pushed")
+    left += [f"{len(items)} {label}" for label, items in _engine_lists().items() if items]
+    if remat.is_recomputing():
+        left.append("remat.is_recomputing() is still True")
+    return "; ".join(left)
+
+
+def _reset_engine() -> None:
+    """Leave nothing of one case to the next, whatever the case left behind."""
+    while _hooks_top() is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    for items in _engine_lists().values():
+        items.clear()
+
+
+class _Side:
+    """One model (the baseline or the marked copy), its optimizer and its input."""
+
+    def __init__(self, case: Case, model: FuzzNet, compiled: bool) -> None:
+        self.case, self.model = case, model
+        self.fn = remat.compile(model, backend="aot_eager") if compiled else model
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW if case.optimizer == "adamw" else torch.optim.SGD
+        self.opt = opt(params, lr=0.1) if params else None
+        g = torch.Generator().manual_seed(case.seed)
+        self.x = torch.randn(case.x_shape, generator=g).requires_grad_(case.x_requires_grad)
+        self.hook_calls = {n: 0 for n, p in model.named_parameters() if p.requires_grad}
+        for n, p in model.named_parameters():
+            if p.requires_grad:  # DDP's reducer relies on one call per backward, with a gradient
+                p.register_hook(lambda grad, n=n: self._count(n, grad))
+
+    def _count(self, name: str, grad: torch.Tensor | None) -> None:
+        self.hook_calls[name] += 1 if grad is not None else 1000  # a None counts loudly
+
+    def hooks(self) -> list:
+        """How often each parameter's gradient hook ran since the last call (then reset)."""
+        calls = torch.tensor(list(self.hook_calls.values()))
+        self.hook_calls = dict.fromkeys(self.hook_calls, 0)
+        return [("gradient hook calls per parameter", calls)]
+
+    def forward(self, phase: int):
+        torch.manual_seed(self.case.seed * 7 + phase)
+        out, first = self.fn(self.x)
+        loss = out.square().mean() + 0.1 * first.mean()
+        return loss, out
+
+    def grads(self) -> list:
+        return [("grad " + n, p.grad) for n, p in self.model.named_parameters()] + [("grad x", self.x.grad)]
+
+    def state(self) -> list:
+        return ([("param " + n, p) for n, p in self.model.named_parameters()]
+                + [("buffer " + n, b) for n, b in self.model.named_buffers()])
+
+
+def _phases(case: Case) -> list[tuple[str, Callable]]:
+    """The steps both sides run, each returning named tensors to compare."""
+
+    def train(phase: int, retain: bool):
+        def step(side: _Side):
+            if side.opt is not None:
+                side.opt.zero_grad(set_to_none=True)
+            side.x.grad = None
+            loss, out = side.forward(phase)
+            found = [("loss", loss), ("output", out)]
+            if loss.requires_grad:
+                loss.backward(retain_graph=retain)
+                if retain:
+                    found += [(n + " (first backward)", g) for n, g in side.grads()]
+                    loss.backward()
+            return found + side.grads() + side.hooks()
+        return step
+
+    def update(side: _Side):
+        if side.opt is not None:
+            side.opt.step()
+        return side.state()
+
+    def grad(side: _Side):
+        loss, _ = side.forward(3)
+        wrt = [p for p in side.model.parameters() if p.requires_grad] + ([side.x] if side.x.requires_grad else [])
+        if not loss.requires_grad or not wrt:
+            return [("loss", loss)]
+        side.hooks()
+        found = torch.autograd.grad(loss, wrt, allow_unused=True)
+        return [("loss", loss)] + [(f"autograd.grad #{i}", g) for i, g in enumerate(found)] + side.hooks()
+
+    def penalty(side: _Side):
+        if not side.x.requires_grad:
+            return []
+        side.model.zero_grad(set_to_none=True)
+        loss, _ = side.forward(4)
+        if not loss.requires_grad:
+            return []
+        (gx,) = torch.autograd.grad(loss, side.x, create_graph=True)
+        found = [("penalty grad x", gx)]
+        if gx.requires_grad:
+            gx.square().sum().backward()
+        return found + [(n, g) for n, g in side.grads() if n != "grad x"] + side.hooks()
+
+    phases = [("step 1", train(1, case.retain_twice)), ("step 1 update", update),
+              ("step 2", train(2, False)), ("step 2 update", update)]
+    if case.grad_check:
+        phases.append(("autograd.grad", grad))
+    if case.penalty:
+        phases.append(("gradient penalty", penalty))
+    return phases
+
+
+def _compare(phase: str, base: list, marked: list, tolerant: bool, hooks: list) -> int:
+    """Raise _Mismatch at the first difference; return how many needed the tolerance.
+
+    A difference in gradient-hook calls is appended to ``hooks`` instead, so the case goes
+    on comparing numbers (the caller reports it at the end).
+    """
+    if [n for n, _ in base] != [n for n, _ in marked]:
+        raise _Mismatch(f"{phase}: different results {[n for n, _ in base]} vs {[n for n, _ in marked]}")
+    tolerated = 0
+    for (name, a), (_, b) in zip(base, marked):
+        if (a is None) != (b is None):
+            raise _Mismatch(f"{phase}: {name}: {'None' if a is None else 'tensor'} vs "
+                            f"{'None' if b is None else 'tensor'}")
+        if a is None or torch.equal(a, b):
+            continue
+        if name.startswith("gradient hook calls"):
+            hooks.append(f"{phase}: {name}: {a.tolist()} vs {b.tolist()} (1000: called with None)")
+            continue
+        if (tolerant and a.shape == b.shape and "grad" in name
+                and torch.allclose(a, b, rtol=REENTRANT_RTOL, atol=REENTRANT_ATOL)):
+            tolerated += 1
+            continue
+        diff = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else f"shapes {a.shape} {b.shape}"
+        raise _Mismatch(f"{phase}: {name} differs (max abs diff {diff})")
+    return tolerated
+
+
+def _snapshot(side: _Side) -> list:
+    return [t.detach().clone() for _, t in side.state()]
+
+
+def _unchanged(side: _Side, snap: list) -> str:
+    """'' when a phase that raised left the parameters as they were and grad mode on.
+
+    Buffers are not compared: layers that ran before the failing region (a BatchNorm
+    in training) update theirs, as they would before any error in plain PyTorch.
+    """
+    changed = [n for (n, t), s in zip(side.state(), snap) if n.startswith("param") and not torch.equal(t, s)]
+    if changed:
+        return f"parameters changed before the error: {changed[:3]}"
+    if not torch.is_grad_enabled():
+        return "grad mode left off"
+    return ""
+
+
+def _documented(err: BaseException) -> str | None:
+    for typ, pattern, where in DOCUMENTED_ERRORS:
+        if isinstance(err, typ) and re.search(pattern, str(err)):
+            return where
+    return None
+
+
+def _resync(base: _Side, marked: _Side) -> None:
+    """After a tolerated reentrant difference, start the next phase from the baseline's state."""
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(base.state() + base.grads(), marked.state() + marked.grads()):
+            if a is not None:
+                b.copy_(a)
+    if base.opt is not None:
+        marked.opt.load_state_dict(copy.deepcopy(base.opt.state_dict()))
+
+
+def run_case(case: Case) -> Result:
+    """Run ``case``: baseline and marked model in lockstep; compare everything."""
+    with _memory_cap(MEMORY_CAP):
+        return _run_case(case)
+
+
+def _run_case(case: Case) -> Result:
+    _reset_engine()
+    if case.compiled:
+        torch._dynamo.reset()  # compiled code is cached per code object, shared by all cases
+    tolerated, hooks = 0, []
+    try:
+        torch.manual_seed(0)
+        base = _Side(case, build(case.desc), case.compiled)
+        model = build(case.desc)
+        for mark in case.plan:
+            snap = _snapshot_model(model)
+            try:
+                apply_plan(model, [mark])
+            except (TypeError, ValueError) as err:  # documented: each marking API names them
+                if not _same_snapshot(_snapshot_model(model), snap):
+                    return Result(case.seed, "crash", f"marking failed after changing the model: {err!r}")
+                return Result(case.seed, "documented", f"marking: {type(err).__name__}: {err}")
+        marked = _Side(case, model, case.compiled)
+        for phase, step in _phases(case):
+            try:
+                expected = step(base)
+            except Exception as err:  # noqa: BLE001 - the unmarked model fails: not a remat case
+                return Result(case.seed, "invalid", f"{phase}: baseline raised {type(err).__name__}: {err}")
+            snap = _snapshot(marked)
+            try:
+                got = step(marked)
+            except Exception as err:  # noqa: BLE001 - every error is judged below
+                where = _documented(err)
+                first = str(err).splitlines()[0] if str(err) else ""
+                if where is None:
+                    return Result(case.seed, "crash", f"{phase}: {type(err).__name__}: {first}")
+                changed = _unchanged(marked, snap) or _engine_clean()
+                if changed:
+                    return Result(case.seed, "crash", f"{phase}: documented error ({where}) but {changed}")
+                return Result(case.seed, "documented", f"{phase}: {where}")
+            try:
+                n = _compare(phase, expected, got, case.reentrant, hooks)
+            except _Mismatch as err:
+                return Result(case.seed, "mismatch", str(err))
+            if n:
+                tolerated += n
+                _resync(base, marked)
+            del expected, got
+        left = _engine_clean()
+        if left:
+            return Result(case.seed, "leak", left, tolerated)
+        if hooks:
+            return Result(case.seed, "mismatch", hooks[0], tolerated)
+        return Result(case.seed, "ok", "", tolerated)
+    finally:
+        _reset_engine()
+
+
+def _snapshot_model(model: nn.Module) -> tuple:
+    """What marking may not change when it fails: state, hooks, marks, RNG."""
+    return ([(k, v.clone()) for k, v in model.state_dict().items()],
+            [(n, len(m._forward_hooks), len(m._forward_pre_hooks), remat.mark_of(m))
+             for n, m in model.named_modules()], torch.get_rng_state())
+
+
+def _same_snapshot(a: tuple, b: tuple) -> bool:
+    (sa, ha, ra), (sb, hb, rb) = a, b
+    return (ha == hb and torch.equal(ra, rb) and [k for k, _ in sa] == [k for k, _ in sb]
+            and all(torch.equal(x, y) for (_, x), (_, y) in zip(sa, sb)))
+
+
+# --- the known-broken list (issue 10's classes) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class Region:
+    """One marked region of a case, as the plan describes it."""
+
+    path: str
+    api: str  # "cell", "module", "type", "primitive", "recompute", "checkpoint"
+    reentrant: bool
+    output_recompute: bool
+    selective: bool  # a policy or a context_fn
+
+
+def regions(case: Case, model: nn.Module) -> list[Region]:
+    """The regions of ``case``'s plan, a type mark expanded to the modules it selects."""
+    found = []
+    for mark in case.plan:
+        opts = mark.get("opts", {})
+        reentrant, out = bool(opts.get("use_reentrant")), bool(opts.get("output_recompute"))
+        selective = "policy" in opts or "context" in opts
+        if mark["kind"] == "type":
+            for name, m in model.named_modules():
+                if type(m).__name__ == mark["type"]:
+                    found.append(Region(name, "type", reentrant, out, selective))
+        elif mark["kind"] == "primitive":
+            found.append(Region(mark["path"], "primitive", False, True, False))
+        elif mark["kind"] == "call":
+            found.append(Region(mark["path"], mark["api"], reentrant, out, selective))
+        elif mark["kind"] == "chain":
+            api = "cell" if mark["use"] == "cell" else "recompute"
+            found += [Region(p, api, False, True, False) for p in mark["paths"]]
+        else:
+            found.append(Region(mark["path"], mark["kind"], reentrant, out, selective))
+    return found
+
+
+@dataclass
+class Facts:
+    """What an unmarked forward of the model does, per module name (from forward hooks)."""
+
+    output_changed_after: set = field(default_factory=set)  # output written in place after return
+    output_is_view: set = field(default_factory=set)
+    input_changed_inside: set = field(default_factory=set)  # writes its own input in place
+    calls: dict = field(default_factory=dict)
+    inplace_relu: set = field(default_factory=set)
+    batch_norms: set = field(default_factory=set)
+    kinds: dict = field(default_factory=dict)  # block name -> kind
+
+
+def probe(case: Case) -> Facts:
+    """Run the unmarked model once with hooks on every module; return what it did."""
+    model, facts, seen = build(case.desc), Facts(), []
+    paths: dict[int, list[str]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(n)
+    names = {i: ps[0] for i, ps in paths.items()}
+
+    def pre(module, args):
+        ts = [a for a in args if isinstance(a, torch.Tensor)]
+        module.__dict__.setdefault("_probe_in", []).append([(t, t._version) for t in ts])
+
+    def post(module, args, out):
+        name = names[id(module)]
+        facts.calls[name] = facts.calls.get(name, 0) + 1
+        if any(t._version != v for t, v in module.__dict__["_probe_in"].pop()):
+            facts.input_changed_inside.add(name)
+        for t in out if isinstance(out, tuple) else (out,):
+            if isinstance(t, torch.Tensor):
+                seen.append((name, t, t._version))
+                if t._is_view():
+                    facts.output_is_view.add(name)
+
+    for name, m in model.named_modules():
+        m.register_forward_pre_hook(pre)
+        m.register_forward_hook(post)
+        if isinstance(m, nn.ReLU) and m.inplace:
+            facts.inplace_relu.add(name)
+        if isinstance(m, nn.BatchNorm1d):
+            facts.batch_norms.add(name)
+        if isinstance(m, Block):
+            facts.kinds[name] = m.kind
+    x = torch.randn(case.x_shape).requires_grad_(case.x_requires_grad)
+    with contextlib.suppress(Exception):
+        model(x)
+    facts.output_changed_after = {name for name, t, v in seen if t._version != v}
+    alias = {ps[0]: ps for ps in paths.values()}  # a tied module answers to each of its paths
+    for key in ("output_changed_after", "output_is_view", "input_changed_inside", "inplace_relu",
+                "batch_norms"):
+        setattr(facts, key, {a for n in getattr(facts, key) for a in alias.get(n, [n])})
+    facts.calls = {a: c for n, c in facts.calls.items() for a in alias.get(n, [n])}
+    facts.kinds = {a: k for n, k in facts.kinds.items() for a in alias.get(n, [n])}
+    return facts
+
+
+def _inside(path: str, region: str) -> bool:
+    return region == "" or path == region or path.startswith(region + ".")
+
+
+def _class1(case, facts, regs, result):  # output_recompute output changed in place afterwards
+    return any(r.output_recompute and r.path in facts.output_changed_after for r in regs)
+
+
+def _class2(case, facts, regs, result):  # a marked module also called through checkpoint/recompute
+    calls = {r.path for r in regs if r.api in ("recompute", "checkpoint")}
+    return any(r.path in calls for r in regs if r.api not in ("recompute", "checkpoint"))
+
+
+def _class3(case, facts, regs, result):  # use_reentrant=True and create_graph=True
+    return case.penalty and any(r.reentrant for r in regs)
+
+
+def _class4(case, facts, regs, result):  # use_reentrant=True and a non-leaf read through a closure
+    closures = [n for n, k in facts.kinds.items() if k == "closure"]
+    return any(r.reentrant and any(_inside(c, r.path) for c in closures) for r in regs)
+
+
+def _class5(case, facts, regs, result):  # a BatchNorm called outside a region and again inside one
+    return any(facts.calls.get(bn, 0) > 1 and any(_inside(bn, r.path) for r in regs)
+               for bn in facts.batch_norms)
+
+
+def _class6(case, facts, regs, result):  # a policy / context_fn region around a BatchNorm
+    return any(r.selective and any(_inside(bn, r.path) for bn in facts.batch_norms) for r in regs)
+
+
+def _class7(case, facts, regs, result):  # a marked ReLU(inplace=True)
+    # output_recompute: "modified by an inplace operation"; use_reentrant=True: "a leaf
+    # Variable that requires grad is being used in an in-place operation"
+    return any(r.path in facts.inplace_relu and (r.output_recompute or r.reentrant) for r in regs)
+
+
+def _class8(case, facts, regs, result):  # in place on a reentrant region's output that is a view
+    return any(r.reentrant and r.path in facts.output_is_view and r.path in facts.output_changed_after
+               for r in regs)
+
+
+def _class9(case, facts, regs, result):  # a reentrant region writes its input in place; retain_graph twice
+    return case.retain_twice and any(r.reentrant and r.path in facts.input_changed_inside for r in regs)
+
+
+def _new_a(case, facts, regs, result):
+    """NEW-A: a region writes its own input in place (legal without marks).
+
+    Saved-tensor hooks: the input saver's copy is stale, backward fails ("modified by an
+    inplace operation"). use_reentrant=True: the re-run starts from the written input, and
+    drops the write (NOTE [No double state updates]): silently wrong when the region read
+    the input before writing it; "a leaf Variable that requires grad is being used in an
+    in-place operation" when the input requires grad. Nested in another region: silently
+    wrong (the outer re-run hands back the unwritten input; the inner re-run drops the
+    write). Reproducers: tests/test_fuzz_regressions.py. A marked ``ReLU(inplace=True)``
+    (input and output one tensor) is class 7's.
+    """
+    return any(r.path in facts.input_changed_inside and r.path not in facts.inplace_relu for r in regs)
+
+
+def _new_b(case, facts, regs, result):
+    """NEW-B: torch's ``create_selective_checkpoint_contexts`` as ``context_fn`` keeps torch's
+    own limits: an in-place write to a cached output ("Tensor cached during selective
+    activation checkpoint has been mutated") and a second backward ("Trying to backward an
+    extra time"). torch.utils.checkpoint raises the same; ``remat.policy_context`` with the
+    same operators runs both."""
+    return any(m["kind"] == "call" and m["opts"].get("context") == "torch_selective" for m in case.plan)
+
+
+def _class10(case, facts, regs, result):
+    """Reentrant regions: a parameter's gradient hook runs twice (today's branch: the second
+    time with None; main d412b05: twice with a gradient, so a hook that changes the gradient
+    is applied twice). DDP's "mark a variable ready only once" is the same fault."""
+    return "gradient hook calls" in result.detail and any(r.reentrant for r in regs)
+
+
+def _class11(case, facts, regs, result):  # engine state left behind after output_recompute regions
+    return any(r.output_recompute for r in regs)
+
+
+#: (issue-10 class, the failure verdicts it explains, predicate(case, facts, regions)).
+#: Classes "1".."11" are issue 10's; "NEW-*" were found by this fuzzer (see tests/test_fuzz.py).
+#: Delete an entry when the fix of its class lands.
+KNOWN_BROKEN: list[tuple[str, tuple[str, ...], Callable]] = [
+    ("1", ("mismatch", "crash"), _class1),
+    ("2", ("mismatch", "crash"), _class2),
+    ("3", ("mismatch",), _class3),
+    ("4", ("mismatch", "crash"), _class4),
+    ("5", ("crash",), _class5),
+    ("6", ("crash",), _class6),
+    ("7", ("crash", "mismatch"), _class7),
+    ("8", ("crash",), _class8),
+    ("9", ("crash",), _class9),
+    ("10", ("mismatch",), _class10),
+    ("11", ("leak",), _class11),
+    ("NEW-A", ("crash", "mismatch"), _new_a),
+    ("NEW-B", ("crash",), _new_b),
+]
+
+
+def known_broken(case: Case, result: Result) -> str | None:
+    """Return the classes that explain ``result`` (a failure of ``case``), "+"-joined, else None.
+
+    Several classes may match one case (say a reentrant region that is also nested); all
+    are named, so a case stays excused until the fixes of all of them have landed.
+    """
+    facts = probe(case)
+    regs = regions(case, build(case.desc))
+    found = [number for number, verdicts, predicate in KNOWN_BROKEN
+             if result.verdict in verdicts and predicate(case, facts, regs, result)]
+    return "+".join(found) or None
+
+
+def _failure_key(result: Result) -> str:
+    """What a failure is, without its numbers: the phase and the tensor or the error's words."""
+    return re.sub(r"\(max abs diff .*\)|\[.*|:\s*$", "", result.detail)[:100]
+
+
+def shrink(case: Case, result: Result) -> tuple[Case, Result]:
+    """Drop marks one at a time while the case still fails the same way; return the smallest."""
+    for i in reversed(range(len(case.plan))):
+        smaller = copy.deepcopy(case)
+        del smaller.plan[i]
+        got = run_case(smaller)
+        if got.verdict == result.verdict and _failure_key(got) == _failure_key(result):
+            case, result = smaller, got
+    return case, result
+
+
+def main(argv: list[str]) -> None:
+    seeds = [int(a) for a in argv if not a.startswith("-")]
+    for seed in seeds:
+        case = make_case(seed, compiled="--compile" in argv)
+        if "--show" in argv:
+            print(case.show())
+        result = run_case(case)
+        result.known = known_broken(case, result) if result.verdict in ("mismatch", "crash", "leak") else None
+        print(f"{seed}: {result.verdict} {result.detail} known={result.known} tolerated={result.tolerated}")
+        if "--shrink" in argv and result.verdict in ("mismatch", "crash", "leak"):
+            case, result = shrink(case, result)
+            print("shrunk:", case.show(), sep="\n")
+            print(f"  -> {result.verdict} {result.detail}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
