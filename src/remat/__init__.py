@@ -22,11 +22,14 @@ from remat._policy import Policy, recompute_all, save_all, save_compute_intensiv
 from remat._spec import RegionSpec
 from remat.memory.estimate import estimate
 from remat.memory.profile import profile
+from remat.plan import BudgetError, Plan, plan
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BudgetError",
     "CheckpointError",
+    "Plan",
     "Policy",
     "RecomputeError",
     "RegionSpec",
@@ -41,6 +44,7 @@ __all__ = [
     "memory",
     "nn",
     "ops",
+    "plan",
     "policy_context",
     "profile",
     "recompute",
