@@ -35,7 +35,8 @@ def random_problem(rng: random.Random, n: int, *, chain: bool = True) -> Problem
         output.append(out)
     fixed = [rng.randint(0, 30) for _ in range(n)]
     return Problem(kept=kept, time=time, rebuilt=rebuilt, fixed=fixed, output=output,
-                   end=rng.randint(0, 20), chain_time=[rng.randint(1, 20) for _ in range(n)])
+                   end=rng.randint(0, 20), chain_time=[rng.randint(1, 20) for _ in range(n)],
+                   last_held=[o + rng.randint(0, 10) for o in output])
 
 
 def budgets(problem: Problem, rng: random.Random, count: int = 4) -> list[float]:
@@ -96,10 +97,11 @@ def test_monotone_over_a_budget_sweep():
 
 def test_output_chains_hold_their_outputs_and_run_twice_but_last():
     problem = Problem(kept=[[10, 2, 6, 0]] * 3, time=[[0, 5, 2, 5]] * 3, rebuilt=[10] * 3,
-                      fixed=[0] * 3, output=[2] * 3, end=0, chain_time=[4] * 3)
+                      fixed=[0] * 3, output=[2] * 3, end=0, chain_time=[4] * 3, last_held=[7] * 3)
     peak, time = evaluate(problem, [OUTPUT, OUTPUT, OUTPUT])
     assert time == 3 * 5 + 2 * 4
-    assert peak == 10 + 2 + 2  # block 2's backward holds the rebuilt outputs of blocks 0 and 1
+    assert peak == 10 + 2 + 7  # block 2's backward holds block 0's output and block 1 rebuilt whole
+    assert evaluate(problem, [KEEP, OUTPUT, KEEP])[0] == 10 + 10 + 7  # after block 0 keeps 10
     assert evaluate(problem, [KEEP] * 3) == (30, 0)
 
 

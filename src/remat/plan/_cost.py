@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 from remat._marks import recompute_module, unmark_module
 from remat._policy import save_compute_intensive
 from remat.memory.profile import OptimizerLike, default_loss, measure
-from remat.plan._solve import OPTIONS, OUTPUT, RECOMPUTE, SELECTIVE, Problem
+from remat.plan._solve import OPTIONS, OUTPUT, Problem, evaluate
 
 API = "remat.plan"
 MARKS: dict[str, dict] = {
@@ -55,7 +55,7 @@ class BlockCosts:
     phases: dict[str, str] = field(default_factory=dict)
     step_s: float | None = None
     timed: str = "measured"
-    transient_bytes: float = 0.0
+    transient_bytes: list = field(default_factory=list)
 
     def problem(self) -> Problem:
         """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks."""
@@ -66,19 +66,22 @@ class BlockCosts:
         end = self.peaks["keep"] - sum(keep_kept)
         base = max((p for o, p in self.peaks.items() if self.phases.get(o) == "optimizer"), default=0)
         time_of = [[0.0, f, s, f] for f, s in zip(self.forward_s, self.selective_s)]
+        # block moments only (the end of forward set to nothing)
         rough = Problem(kept=self.kept, time=time_of, rebuilt=keep_kept, fixed=fixed,
-                        output=self.output_bytes, end=end, chain_time=self.forward_s, base=base)
-        gap = 0.0
-        from remat.plan._solve import evaluate
-
-        for o in (RECOMPUTE, SELECTIVE, OUTPUT):
+                        output=self.output_bytes, end=-float("inf"), chain_time=self.forward_s,
+                        last_held=keep_kept)
+        # Each option's uniform run tells what its backward holds beyond the rough model
+        # (gradient temporaries, the rebuilt output of a cell mark): added for that option.
+        gaps = [0.0] * len(OPTIONS)
+        for o in range(len(OPTIONS)):
             if OPTIONS[o] in self.peaks:
                 choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
-                gap = max(gap, self.peaks[OPTIONS[o]] - evaluate(rough, choice)[0])
-        self.transient_bytes = gap
-        return Problem(kept=self.kept, time=time_of, rebuilt=[k + gap for k in keep_kept],
+                gaps[o] = max(0.0, self.peaks[OPTIONS[o]] - evaluate(rough, choice)[0])
+        self.transient_bytes = gaps
+        return Problem(kept=self.kept, time=time_of,
+                       rebuilt=[[k + g for g in gaps] for k in keep_kept],
                        fixed=fixed, output=self.output_bytes, end=end, chain_time=self.forward_s,
-                       base=base)
+                       base=base, last_held=keep_kept)
 
 
 def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, torch.nn.Module]]:
@@ -98,7 +101,9 @@ def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, t
                 for name, kid in kids:
                     walk(name, kid)
                 return
-            if sum(1 for _, k in kids if next(k.parameters(), None) is not None) >= 2:
+            with_params = sum(1 for _, k in kids if next(k.parameters(), None) is not None)
+            structured = any(next(k.children(), None) is not None for _, k in kids)
+            if with_params >= 2 or (with_params and structured):
                 found.extend(kids)
                 return
         for name, kid in module.named_children():
@@ -180,8 +185,11 @@ def _trace(model: torch.nn.Module, inputs: tuple, blocks: list, loss_fn: Callabl
         ins.setdefault(i, set()).update(keys((args, kwargs)))
         ops.block = i
 
+    alive: list = []  # storages stay alive while traced, so their keys are not reused
+
     def post(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         outs.setdefault(ids[id(module)], set()).update(keys(output))
+        alive.append(output)
         ops.block = None
 
     handles = [h for _, m in blocks for h in (m.register_forward_pre_hook(pre, with_kwargs=True),

@@ -255,23 +255,38 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
         >>> p.measured_peak_bytes <= p.budget_bytes
         True
     """
-    value, fractional = parse_budget(budget)
+    return sweep(model, *example_inputs, budgets=[budget], loss_fn=loss_fn, optimizer=optimizer,
+                 blocks=blocks, options=options, device=device, throughput=throughput, dtype=dtype,
+                 verify=verify, solver=solver, repeat=repeat, progress=progress)[0]
+
+
+def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str],
+          loss_fn: Callable | None = None, optimizer: OptimizerLike = "adam",
+          blocks: Any = None, options: Sequence[str] = OPTIONS, device: str | None = None,
+          throughput: float | None = None, dtype: torch.dtype | None = None,
+          verify: bool = True, solver: str = "auto", repeat: int = 2,
+          progress: Callable[[str], None] | None = None, floors: bool = False) -> list[Plan | BudgetError]:
+    """:func:`plan` for several budgets, measuring the blocks once.
+
+    A budget below the floor gives its :class:`BudgetError` in the list (with
+    ``floors=True``) or raises it.
+    """
+    parsed = [parse_budget(b) for b in budgets]
     bad = [o for o in options if o not in OPTIONS]
     if bad:
         raise ValueError(f"{API}: unknown option(s) {bad}; choose from {OPTIONS}")
     options = tuple(dict.fromkeys(("keep", *options)))
-    kwargs = {"value": value, "fractional": fractional, "loss_fn": loss_fn, "optimizer": optimizer,
-                  "blocks": blocks, "options": options, "throughput": throughput, "verify": verify,
-                  "solver": solver, "repeat": repeat, "progress": progress}
+    kwargs = {"loss_fn": loss_fn, "optimizer": optimizer, "blocks": blocks, "options": options,
+                  "throughput": throughput, "verify": verify, "solver": solver, "repeat": repeat,
+                  "progress": progress, "floors": floors}
     if isinstance(model, torch.nn.Module):
-        inputs = example_inputs
         if marked_modules(model):
             raise ValueError(f"{API}: {type(model).__name__} already has recompute marks on "
                              f"{sorted(marked_modules(model))[:3]}; call remat.unmark(model) first")
         if device is None:
             param = next(model.parameters(), None)
             device = param.device.type if param is not None else "cpu"
-        return _plan(model, inputs, fake=False, device=device, **kwargs)
+        return _plans(model, example_inputs, parsed, fake=False, device=device, **kwargs)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.memory.estimate import _build_in, _fake_inputs
@@ -282,49 +297,65 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
         inputs = _fake_inputs(mode, example_inputs, dtype)
         if device is None:
             device = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
-        return _plan(net, inputs, fake=True, device=device, **kwargs)
+        return _plans(net, inputs, parsed, fake=True, device=device, **kwargs)
 
 
-def _plan(model: torch.nn.Module, inputs: tuple, *, value: float, fractional: bool, fake: bool,
-          device: str, loss_fn: Callable | None, optimizer: OptimizerLike, blocks: Any,
-          options: tuple, throughput: float | None, verify: bool, solver: str, repeat: int,
-          progress: Callable[[str], None] | None) -> Plan:
+def _plans(model: torch.nn.Module, inputs: tuple, budgets: list, *, fake: bool, device: str,
+           loss_fn: Callable | None, optimizer: OptimizerLike, blocks: Any, options: tuple,
+           throughput: float | None, verify: bool, solver: str, repeat: int,
+           progress: Callable[[str], None] | None, floors: bool) -> list:
     say = progress or (lambda _: None)
     chosen = find_blocks(model, blocks)
     costs = measure_costs(model, inputs, chosen, loss_fn=loss_fn, optimizer=optimizer, fake=fake,
                           device=device, repeat=repeat, throughput=throughput, options=options,
                           progress=say)
     problem = costs.problem()
-    no_recompute = costs.peaks["keep"]
-    budget = value * no_recompute if fractional else value
-    say("solving")
     least = floor(problem)
+    out = []
+    for value, fractional in budgets:
+        budget = value * costs.peaks["keep"] if fractional else value
+        try:
+            out.append(_fit(model, inputs, costs, problem, budget, least, fake=fake, loss_fn=loss_fn,
+                            optimizer=optimizer, verify=verify, solver=solver, say=say))
+        except BudgetError as err:
+            if not floors:
+                raise
+            out.append(err)
+    return out
+
+
+def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, budget: float,
+         least: float, *, fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike,
+         verify: bool, solver: str, say: Callable[[str], None]) -> Plan:
+    no_recompute = costs.peaks["keep"]
+    say(f"solving for {format_bytes(budget)}")
     target = budget
+    measured = None
+    over: list[int] = []
     for _attempt in range(6):
         try:
             solution = solve(problem, target, resolution=max(1.0, target / 8192), solver=solver)
         except BudgetError:
+            if over:
+                raise BudgetError(
+                    f"{API}: no plan measured within a budget of {format_bytes(budget)} ({budget:,.0f} "
+                    f"bytes): the cost model's floor is {format_bytes(least)}, but the plans near it "
+                    f"measured {format_bytes(min(over))} or more; raise the budget to {min(over):,.0f} bytes",
+                    budget_bytes=budget, floor_bytes=min(over)) from None
+            shown = max(least, budget + 1)
             raise BudgetError(
                 f"{API}: no plan fits a budget of {format_bytes(budget)} ({budget:,.0f} bytes); the "
-                f"smallest reachable peak is {format_bytes(max(least, budget + 1))} "
-                f"({max(least, budget + 1):,.0f} bytes, no recompute: {format_bytes(no_recompute)}); "
-                f"raise the budget or shrink the batch",
-                budget_bytes=budget, floor_bytes=max(least, budget + 1)) from None
-        measured = None
+                f"smallest reachable peak is {format_bytes(shown)} ({shown:,.0f} bytes; no recompute: "
+                f"{format_bytes(no_recompute)}); raise the budget or shrink the batch",
+                budget_bytes=budget, floor_bytes=shown) from None
         if not verify:
             break
-        say(f"measuring the plan at {format_bytes(target)}")
-        names = dict(model.named_modules())
-        marked = [names[n] for n, c in zip(costs.names, solution.choices) if c != "keep"]
-        for module, choice in zip(marked, [c for c in solution.choices if c != "keep"]):
-            recompute_module(module, **MARKS[choice])
-        try:
-            measured = measure_peak(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake)
-        finally:
-            for module in marked:
-                unmark_module(module)
+        say(f"measuring the plan for {format_bytes(budget)}")
+        measured = _measure_choices(model, inputs, costs.names, solution.choices, fake=fake,
+                                    loss_fn=loss_fn, optimizer=optimizer)
         if measured <= budget:
             break
+        over.append(measured)
         target -= measured - budget
     else:
         raise BudgetError(
@@ -332,6 +363,19 @@ def _plan(model: torch.nn.Module, inputs: tuple, *, value: float, fractional: bo
             f"({budget:,.0f} bytes); the last plan measured {format_bytes(measured)}; raise the budget",
             budget_bytes=budget, floor_bytes=measured)
     return _make(costs, problem, solution, budget, least, measured)
+
+
+def _measure_choices(model: torch.nn.Module, inputs: tuple, names: list, choices: Sequence[str], *,
+                     fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike) -> int:
+    modules = dict(model.named_modules())
+    marked = [(modules[n], c) for n, c in zip(names, choices) if c != "keep"]
+    for module, choice in marked:
+        recompute_module(module, **MARKS[choice])
+    try:
+        return measure_peak(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake)
+    finally:
+        for module, _ in marked:
+            unmark_module(module)
 
 
 def _make(costs: Any, problem: Problem, solution: Any, budget: float, least: float,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 import time as _time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 OPTIONS = ("keep", "recompute", "selective", "output")
@@ -67,22 +67,26 @@ class Problem:
     Args:
         kept: ``kept[i][o]`` bytes block ``i`` keeps under option ``o`` (None: not allowed).
         time: ``time[i][o]`` extra seconds option ``o`` costs block ``i``.
-        rebuilt: bytes block ``i``'s backward holds on top of what earlier blocks keep.
+        rebuilt: bytes block ``i``'s backward holds on top of what earlier blocks keep
+            (one number, or one per option: ``rebuilt[i][o]``).
         fixed: bytes alive during block ``i``'s backward that no choice changes.
         output: bytes of block ``i``'s output (held while an ``output`` chain is rebuilt).
         end: bytes alive at the end of forward besides what the blocks keep.
         chain_time: extra seconds of an ``output`` block followed by another (default: ``time[i][3]``).
         base: a peak no choice changes (e.g. the optimizer step's).
+        last_held: bytes the last ``output`` block of a chain holds while the next block's
+            backward rebuilds it: it is re-run whole (default: ``output[i]``).
     """
 
     kept: Sequence[Sequence[float | None]]
     time: Sequence[Sequence[float]]
-    rebuilt: Sequence[float]
+    rebuilt: Sequence[float | Sequence[float]]
     fixed: Sequence[float]
     output: Sequence[float]
     end: float
     chain_time: Sequence[float] | None = None
     base: float = 0.0
+    last_held: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.kept)
@@ -102,6 +106,15 @@ class Problem:
         """Seconds an ``output`` block ``i`` costs when the next block is ``output`` too."""
         return self.time[i][OUTPUT] if self.chain_time is None else self.chain_time[i]
 
+    def held_last(self, i: int) -> float:
+        """Bytes ``output`` block ``i`` holds while the block after it runs backward."""
+        return self.output[i] if self.last_held is None else self.last_held[i]
+
+    def rebuilt_of(self, i: int, o: int) -> float:
+        """Bytes block ``i``'s backward holds under option ``o``."""
+        r = self.rebuilt[i]
+        return r if isinstance(r, (int, float)) else r[o]
+
     def allowed(self, i: int) -> list[int]:
         """Options block ``i`` may take."""
         return [o for o in range(len(OPTIONS)) if self.kept[i][o] is not None]
@@ -120,19 +133,23 @@ class Solution:
 
 def evaluate(problem: Problem, choice: Sequence[int]) -> tuple[float, float]:
     """Return ``(peak bytes, extra seconds)`` of option indices ``choice`` (NOTE [Plan cost model])."""
-    prefix = held = 0.0
+    prefix = held = 0.0  # held: outputs of the chain's blocks before the last
     peak = -math.inf
     total = 0.0
     for i, c in enumerate(choice):
         if problem.kept[i][c] is None:
             return math.inf, math.inf
-        peak = max(peak, problem.fixed[i] + prefix + problem.rebuilt[i] + held)
+        last = i > 0 and choice[i - 1] == OUTPUT
+        chain = held + problem.held_last(i - 1) if last else 0.0
+        peak = max(peak, problem.fixed[i] + prefix + problem.rebuilt_of(i, c) + chain)
         total += problem.time[i][c]
-        if c == OUTPUT and i and choice[i - 1] == OUTPUT:
+        if c == OUTPUT and last:
             total += problem.extra_time(i - 1)
         prefix += problem.kept[i][c]
-        held = held + problem.output[i] if c == OUTPUT else 0.0
-    peak = max(peak, problem.end + prefix + held, problem.base)
+        held = (held + problem.output[i - 1] if last else 0.0) if c == OUTPUT else 0.0
+    n = len(choice)
+    chain = held + problem.held_last(n - 1) if n and choice[-1] == OUTPUT else 0.0
+    peak = max(peak, problem.end + prefix + chain, problem.base)
     return peak, total
 
 
@@ -166,10 +183,20 @@ def solve_chain(problem: Problem, budget: float, *, resolution: float = 1.0) -> 
 
 
 def _dp(problem: Problem, budget: float, resolution: float) -> tuple[int, ...] | None:
+    if resolution <= 1:
+        return _dp_rounded(problem, budget, 1.0, math.ceil)
+    # Bytes rounded to the nearest step keep the plans at the budget's edge (an exact
+    # check of the peak follows); rounded up, every plan found fits (the fallback).
+    return (_dp_rounded(problem, budget, resolution, round)
+            or _dp_rounded(problem, budget, resolution, math.ceil))
+
+
+def _dp_rounded(problem: Problem, budget: float, resolution: float,
+                rounding: Callable[[float], int]) -> tuple[int, ...] | None:
     q = max(resolution, 1e-12)
 
     def up(x: float) -> int:
-        return math.ceil(x / q - 1e-9)
+        return rounding(x / q - 1e-9)
 
     limit = budget / q + 1e-9
     if problem.base > budget:
@@ -177,29 +204,33 @@ def _dp(problem: Problem, budget: float, resolution: float) -> tuple[int, ...] |
     # state: (prefix, held, last_is_output) -> (time, back pointer)
     states: dict[tuple[int, int, bool], tuple[float, tuple | None]] = {(0, 0, False): (0.0, None)}
     for i in range(problem.blocks):
-        base = up(problem.fixed[i] + problem.rebuilt[i])
+        base = {o: up(problem.fixed[i] + problem.rebuilt_of(i, o)) for o in problem.allowed(i)}
         nxt: dict[tuple[int, int, bool], tuple[float, tuple | None]] = {}
         for (prefix, held, last), (spent, back) in states.items():
-            if base + prefix + held > limit:
-                continue
+            chain = held + up(problem.held_last(i - 1)) if last else 0
             for o in problem.allowed(i):
+                if base[o] + prefix + chain > limit:
+                    continue
                 cost = spent + problem.time[i][o]
                 if o == OUTPUT and last:
                     cost += problem.extra_time(i - 1)
                 key = (prefix + up(problem.kept[i][o]),
-                       held + up(problem.output[i]) if o == OUTPUT else 0, o == OUTPUT)
+                       (held + up(problem.output[i - 1]) if last else 0) if o == OUTPUT else 0,
+                       o == OUTPUT)
                 if key not in nxt or cost < nxt[key][0]:
                     nxt[key] = (cost, (o, (prefix, held, last), back))
         states = _pareto(nxt)
         if not states:
             return None
     end = up(problem.end)
-    finals = [(t, key, back) for key, (t, back) in states.items() if end + key[0] + key[1] <= limit]
+    tail = up(problem.held_last(problem.blocks - 1)) if problem.blocks else 0
+    finals = [(t, key, back) for key, (t, back) in states.items()
+              if end + key[0] + (key[1] + tail if key[2] else 0) <= limit]
     if not finals:
         return None
-    least = min(t for t, _, _ in finals)
-    candidates = [_unwind(back) for t, _, back in finals if t <= least * (1 + 1e-12) + 1e-15]
-    return min(candidates, key=lambda c: evaluate(problem, c))
+    scored = sorted((evaluate(problem, c)[::-1], c) for c in (_unwind(back) for _, _, back in finals))
+    fits = [(score, c) for score, c in scored if score[1] <= budget]
+    return fits[0][1] if fits else None
 
 
 def _pareto(states: dict) -> dict:
@@ -285,9 +316,11 @@ def solve_milp(problem: Problem, budget: float, *, time_limit: float = 10.0) -> 
                     a[r, x[j, o]] = problem.kept[j][o]
         for j in range(i):
             if (j, i) in u:
-                a[r, u[j, i]] = problem.output[j]
-        const = problem.end if i == n else problem.fixed[i] + problem.rebuilt[i]
-        hi[r] = budget - const
+                a[r, u[j, i]] = problem.held_last(j) if j == i - 1 else problem.output[j]
+        if i < n:
+            for o in problem.allowed(i):
+                a[r, x[i, o]] += problem.rebuilt_of(i, o)
+        hi[r] = budget - (problem.end if i == n else problem.fixed[i])
         r += 1
     for i, v in z.items():  # z >= x_i + x_{i+1} - 1
         a[r, x[i, OUTPUT]] = a[r, x[i + 1, OUTPUT]] = 1
