@@ -2,8 +2,9 @@
 
 Example:
     >>> import torch, remat
-    >>> net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-    >>> p = remat.plan(net, torch.randn(256, 64), budget="95%")
+    >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+    ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
+    >>> p = remat.plan(net, torch.randn(512, 64), budget="90%")
     >>> set(p.choices.values()) <= {"keep", "recompute", "selective", "output"}
     True
 """

@@ -57,8 +57,9 @@ class Plan:
 
     Example:
         >>> import torch, remat
-        >>> net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-        >>> p = remat.plan(net, torch.randn(256, 64), budget=0.9)
+        >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+        ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
+        >>> p = remat.plan(net, torch.randn(512, 64), budget=0.8)
         >>> p.predicted_peak_bytes <= p.budget_bytes
         True
         >>> remat.Plan.from_json(p.to_json()) == p

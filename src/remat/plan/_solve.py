@@ -25,7 +25,7 @@ Example:
     >>> p = Problem(kept=[[8, 2, 4, 0]] * 3, time=[[0, 3, 1, 4]] * 3, rebuilt=[8] * 3,
     ...             fixed=[0] * 3, output=[2] * 3, end=0)
     >>> solve(p, 20).choices
-    ('selective', 'selective', 'keep')
+    ('keep', 'selective', 'keep')
 """
 
 from __future__ import annotations
