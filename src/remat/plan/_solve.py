@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import time as _time
@@ -204,21 +205,29 @@ def _dp_rounded(problem: Problem, budget: float, resolution: float,
     # state: (prefix, held, last_is_output) -> (time, back pointer)
     states: dict[tuple[int, int, bool], tuple[float, tuple | None]] = {(0, 0, False): (0.0, None)}
     for i in range(problem.blocks):
-        base = {o: up(problem.fixed[i] + problem.rebuilt_of(i, o)) for o in problem.allowed(i)}
+        # per option: (option, memory moment without the prefix, bytes kept, seconds)
+        moves = [(o, up(problem.fixed[i] + problem.rebuilt_of(i, o)), up(problem.kept[i][o]),
+                  problem.time[i][o]) for o in problem.allowed(i)]
+        held_last = up(problem.held_last(i - 1)) if i else 0
+        carried = up(problem.output[i - 1]) if i else 0
+        extra = problem.extra_time(i - 1) if i else 0.0
+        room = limit
         nxt: dict[tuple[int, int, bool], tuple[float, tuple | None]] = {}
-        for (prefix, held, last), (spent, back) in states.items():
-            chain = held + up(problem.held_last(i - 1)) if last else 0
-            for o in problem.allowed(i):
-                if base[o] + prefix + chain > limit:
+        for state, (spent, back) in states.items():
+            prefix, held, last = state
+            used = prefix + (held + held_last if last else 0)
+            for o, moment, kept, seconds in moves:
+                if moment + used > room:
                     continue
-                cost = spent + problem.time[i][o]
-                if o == OUTPUT and last:
-                    cost += problem.extra_time(i - 1)
-                key = (prefix + up(problem.kept[i][o]),
-                       (held + up(problem.output[i - 1]) if last else 0) if o == OUTPUT else 0,
-                       o == OUTPUT)
-                if key not in nxt or cost < nxt[key][0]:
-                    nxt[key] = (cost, (o, (prefix, held, last), back))
+                if o == OUTPUT:
+                    key = (prefix + kept, held + carried if last else 0, True)
+                    cost = spent + seconds + (extra if last else 0.0)
+                else:
+                    key = (prefix + kept, 0, False)
+                    cost = spent + seconds
+                old = nxt.get(key)
+                if old is None or cost < old[0]:
+                    nxt[key] = (cost, (o, state, back))
         states = _pareto(nxt)
         if not states:
             return None
@@ -228,9 +237,15 @@ def _dp_rounded(problem: Problem, budget: float, resolution: float,
               if end + key[0] + (key[1] + tail if key[2] else 0) <= limit]
     if not finals:
         return None
-    scored = sorted((evaluate(problem, c)[::-1], c) for c in (_unwind(back) for _, _, back in finals))
-    fits = [(score, c) for score, c in scored if score[1] <= budget]
-    return fits[0][1] if fits else None
+    best: tuple | None = None  # (time, peak, choice): least time, then least peak, that fits
+    for t, _, back in sorted(finals, key=lambda f: f[0]):
+        if best is not None and t > best[0] * (1 + 1e-12) + 1e-15:
+            break
+        choice = _unwind(back)
+        peak, total = evaluate(problem, choice)
+        if peak <= budget and (best is None or (total, peak) < best[:2]):
+            best = (total, peak, choice)
+    return None if best is None else best[2]
 
 
 def _pareto(states: dict) -> dict:
@@ -238,13 +253,20 @@ def _pareto(states: dict) -> dict:
     out = {}
     for last in (False, True):
         group = sorted(((t, key[0], key[1], key, back) for key, (t, back) in states.items()
-                        if key[2] == last))
-        frontier: list[tuple[int, int]] = []
+                        if key[2] == last), key=lambda g: (g[0], g[1], g[2]))
+        # staircase of (prefix, held) seen so far: prefixes ascending, held strictly descending
+        prefixes: list[int] = []
+        helds: list[int] = []
         for t, prefix, held, key, back in group:
-            if any(p <= prefix and h <= held for p, h in frontier):
+            k = bisect.bisect_right(prefixes, prefix)
+            if k and helds[k - 1] <= held:
                 continue
-            frontier.append((prefix, held))
             out[key] = (t, back)
+            end = k
+            while end < len(prefixes) and helds[end] >= held:
+                end += 1
+            prefixes[k:end] = [prefix]
+            helds[k:end] = [held]
     return out
 
 
