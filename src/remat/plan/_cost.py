@@ -11,8 +11,9 @@ See NOTE [Plan cost model] in ``_solve.py`` for how these make a peak.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,3 +306,67 @@ def time_step(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | None
             best = min(best, time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     return best
+
+
+def identical_container(model: torch.nn.Module, blocks: list) -> torch.nn.Module | None:
+    """The container holding ``blocks`` when they are all its children, of one class and one set
+    of parameter shapes (so a shorter container runs a shorter model); else None."""
+    parents = {name.rpartition(".")[0] for name, _ in blocks}
+    if len(parents) != 1 or len(blocks) < 4:
+        return None
+    container = dict(model.named_modules()).get(parents.pop())
+    if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+        return None
+    if [id(m) for m in container.children()] != [id(m) for _, m in blocks]:
+        return None
+
+    def signature(module: torch.nn.Module) -> tuple:
+        return (type(module), tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
+
+    first = signature(blocks[0][1])
+    return container if all(signature(m) == first for _, m in blocks[1:]) else None
+
+
+@contextlib.contextmanager
+def _truncated(container: torch.nn.Module, count: int) -> Iterator[None]:
+    saved = container._modules
+    container._modules = type(saved)(list(saved.items())[:count])
+    try:
+        yield
+    finally:
+        container._modules = saved
+
+
+def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, container: torch.nn.Module,
+                   **kwargs: Any) -> BlockCosts | None:
+    """Measure the model with 2 and with 3 of its ``n`` identical blocks and compose the costs of
+    all ``n``: per block, the first, a middle one repeated, the last; every step-wide figure
+    (baseline, peaks, step time) grows linearly with the number of blocks. None when the model
+    does not run a shorter container as a shorter model."""
+    n = len(blocks)
+    measured = {}
+    for count in (2, 3):
+        with _truncated(container, count):
+            try:
+                measured[count] = measure_costs(model, inputs, blocks[:count], **kwargs)
+            except (TypeError, IndexError):  # the forward does not iterate over the container
+                return None
+    two, three = measured[2], measured[3]
+
+    def grow(a: float, b: float) -> float:
+        return b + (n - 3) * (b - a)
+
+    def spread(values: list) -> list:
+        return [values[0], *[values[1]] * (n - 2), values[2]]
+
+    return BlockCosts(
+        names=[name for name, _ in blocks], types=spread(three.types), kept=spread(three.kept),
+        forward_s=spread(three.forward_s), selective_s=spread(three.selective_s),
+        output_bytes=spread(three.output_bytes), grad_bytes=spread(three.grad_bytes),
+        chain=spread(three.chain), baseline_bytes=int(grow(two.baseline_bytes, three.baseline_bytes)),
+        other_grad_bytes=three.other_grad_bytes,
+        peaks={o: int(grow(two.peaks[o], p)) for o, p in three.peaks.items()},
+        phases=three.phases,
+        step_s=grow(two.step_s, three.step_s) if two.step_s is not None else None,
+        timed=three.timed + f", {n} identical blocks composed from 2 and 3",
+    )

@@ -21,7 +21,14 @@ import torch
 from remat._marks import mark_of, marked_modules, recompute_module, unmark_module
 from remat.memory._report import format_bytes
 from remat.memory.profile import OptimizerLike
-from remat.plan._cost import MARKS, find_blocks, measure_costs, measure_peak
+from remat.plan._cost import (
+    MARKS,
+    composed_costs,
+    find_blocks,
+    identical_container,
+    measure_costs,
+    measure_peak,
+)
 from remat.plan._solve import OPTIONS, BudgetError, Problem, floor, solve
 
 API = "remat.plan"
@@ -211,7 +218,7 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
          blocks: Any = None, options: Sequence[str] = OPTIONS, device: str | None = None,
          throughput: float | None = None, dtype: torch.dtype | None = None,
          verify: bool = True, solver: str = "auto", repeat: int = 2,
-         progress: Callable[[str], None] | None = None) -> Plan:
+         progress: Callable[[str], None] | None = None, compose: bool = True) -> Plan:
     """Choose, per block, keep / recompute / selective / output_recompute for a memory budget.
 
     The plan has the least predicted extra time among those whose predicted step
@@ -239,6 +246,8 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
         solver: ``"auto"`` (dynamic program on chains, MILP otherwise), ``"dp"``, ``"milp"``.
         repeat: timed runs per block for real-tensor plans.
         progress: called with a short message at each stage (the CLI's progress bar).
+        compose: on fake tensors, measure a model of identical blocks with 2 and 3 of them
+            and compose the costs of all (the plan is still verified on the whole model).
 
     Returns:
         A :class:`Plan`.
@@ -258,7 +267,7 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
     """
     return sweep(model, *example_inputs, budgets=[budget], loss_fn=loss_fn, optimizer=optimizer,
                  blocks=blocks, options=options, device=device, throughput=throughput, dtype=dtype,
-                 verify=verify, solver=solver, repeat=repeat, progress=progress)[0]
+                 verify=verify, solver=solver, repeat=repeat, progress=progress, compose=compose)[0]
 
 
 def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str],
@@ -266,7 +275,8 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
           blocks: Any = None, options: Sequence[str] = OPTIONS, device: str | None = None,
           throughput: float | None = None, dtype: torch.dtype | None = None,
           verify: bool = True, solver: str = "auto", repeat: int = 2,
-          progress: Callable[[str], None] | None = None, floors: bool = False) -> list[Plan | BudgetError]:
+          progress: Callable[[str], None] | None = None, floors: bool = False,
+          compose: bool = True) -> list[Plan | BudgetError]:
     """:func:`plan` for several budgets, measuring the blocks once.
 
     A budget below the floor gives its :class:`BudgetError` in the list (with
@@ -279,7 +289,7 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
     options = tuple(dict.fromkeys(("keep", *options)))
     kwargs = {"loss_fn": loss_fn, "optimizer": optimizer, "blocks": blocks, "options": options,
                   "throughput": throughput, "verify": verify, "solver": solver, "repeat": repeat,
-                  "progress": progress, "floors": floors}
+                  "progress": progress, "floors": floors, "compose": compose}
     if isinstance(model, torch.nn.Module):
         if marked_modules(model):
             raise ValueError(f"{API}: {type(model).__name__} already has recompute marks on "
@@ -304,12 +314,15 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
 def _plans(model: torch.nn.Module, inputs: tuple, budgets: list, *, fake: bool, device: str,
            loss_fn: Callable | None, optimizer: OptimizerLike, blocks: Any, options: tuple,
            throughput: float | None, verify: bool, solver: str, repeat: int,
-           progress: Callable[[str], None] | None, floors: bool) -> list:
+           progress: Callable[[str], None] | None, floors: bool, compose: bool) -> list:
     say = progress or (lambda _: None)
     chosen = find_blocks(model, blocks)
-    costs = measure_costs(model, inputs, chosen, loss_fn=loss_fn, optimizer=optimizer, fake=fake,
-                          device=device, repeat=repeat, throughput=throughput, options=options,
-                          progress=say)
+    options_of = {"loss_fn": loss_fn, "optimizer": optimizer, "fake": fake, "device": device,
+                  "repeat": repeat, "throughput": throughput, "options": options, "progress": say}
+    container = identical_container(model, chosen) if fake and compose else None
+    costs = composed_costs(model, inputs, chosen, container, **options_of) if container else None
+    if costs is None:
+        costs = measure_costs(model, inputs, chosen, **options_of)
     problem = costs.problem()
     least = floor(problem)
     out = []
