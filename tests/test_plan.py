@@ -171,3 +171,24 @@ def test_unsupported_models_give_typed_errors():
         remat.plan(marked, tokens(), budget=0.9)
     with pytest.raises(ValueError, match="unknown option"):
         remat.plan(tiny_gpt(), tokens(), budget=0.9, options=("keep", "offload"))
+
+
+def test_identical_blocks_composed_from_two_and_three_equal_the_whole_model():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.plan._cost import composed_costs, find_blocks, identical_container, measure_costs
+
+    with FakeTensorMode():
+        model = gpt(layers=5, width=32, heads=4, seq_len=16, vocab=64)
+        x = (torch.zeros(2, 16, dtype=torch.long),)
+        blocks = find_blocks(model)
+        container = identical_container(model, blocks)
+        assert container is model.blocks
+        kwargs = {"loss_fn": None, "optimizer": "adam", "fake": True, "device": "cpu",
+                  "options": ("keep", "recompute")}
+        whole = measure_costs(model, x, blocks, **kwargs)
+        composed = composed_costs(model, x, blocks, container, **kwargs)
+    assert len(model.blocks) == 5  # the container is whole again
+    assert composed.peaks == whole.peaks
+    assert composed.kept == whole.kept and composed.baseline_bytes == whole.baseline_bytes
+    assert identical_container(model, blocks[:3]) is None  # too few to gain anything
