@@ -368,5 +368,5 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
         peaks={o: int(grow(two.peaks[o], p)) for o, p in three.peaks.items()},
         phases=three.phases,
         step_s=grow(two.step_s, three.step_s) if two.step_s is not None else None,
-        timed=three.timed + f", {n} identical blocks composed from 2 and 3",
+        timed=three.timed + f"; {n} identical blocks composed from runs with 2 and 3",
     )

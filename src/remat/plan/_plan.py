@@ -142,12 +142,21 @@ class Plan:
                 + f" (no recompute {format_bytes(self.no_recompute_peak_bytes)}, "
                 f"floor {format_bytes(self.floor_bytes)})\n"
                 f"predicted overhead +{100 * self.predicted_overhead:.1f}% "
-                f"({1e3 * self.predicted_extra_s:.2f} ms, {self.timing} times); "
+                f"({1e3 * self.predicted_extra_s:,.2f} ms; times: {self.timing}); "
                 f"solved by {self.solver} in {1e3 * self.solve_s:.1f} ms")
-        width = max([len(d.name) for d in self.decisions] + [5])
-        lines = [head, f"{'block':<{width}}  {'type':<16} {'choice':<10} {'kept':>12} {'extra ms':>9}"]
+        runs: list[list[Decision]] = []  # consecutive blocks with the same row print once
         for d in self.decisions:
-            lines.append(f"{d.name:<{width}}  {d.type[:16]:<16} {d.choice:<10} "
+            if runs and _same_row(runs[-1][-1], d):
+                runs[-1].append(d)
+            else:
+                runs.append([d])
+        names = [r[0].name if len(r) == 1 else f"{r[0].name}..{r[-1].name.rpartition('.')[2]} "
+                 f"({len(r)})" for r in runs]
+        width = max([len(n) for n in names] + [5])
+        lines = [head, f"{'block':<{width}}  {'type':<16} {'choice':<10} {'kept':>12} {'extra ms':>9}"]
+        for name, run in zip(names, runs):
+            d = run[0]
+            lines.append(f"{name:<{width}}  {d.type[:16]:<16} {d.choice:<10} "
                          f"{format_bytes(d.kept_bytes):>12} {1e3 * d.extra_s:>9.2f}")
         return "\n".join(lines)
 
@@ -172,6 +181,11 @@ class Plan:
             lines.append(f"{'step':<10} {predicted:>9.1f} ms "
                          + (f"{step_ms:>9.1f} ms" if step_ms else f"{'-':>12}"))
         return "\n".join(lines)
+
+
+def _same_row(a: Decision, b: Decision) -> bool:
+    return (a.type, a.choice, a.kept_bytes, round(a.extra_s, 12)) == (
+        b.type, b.choice, b.kept_bytes, round(b.extra_s, 12))
 
 
 def _spec_of(choice: str) -> Any:
