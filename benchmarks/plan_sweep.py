@@ -45,8 +45,8 @@ def models(quick: bool) -> dict:
                 (tokens,), next_token_loss),
         "llama": (functools.partial(llama, layers=6, width=128, heads=4, hidden=344, vocab=512),
                   (tokens,), next_token_loss),
-        "resnet50": (functools.partial(resnet50, class_num=10),
-                     (torch.randn(4 * scale, 3, 32, 32),), None),
+        "resnet50": (functools.partial(resnet50, class_num=10),  # activations above Adam's state
+                     (torch.randn(4 * scale, 3, 128, 128),), None),
         "unet": (functools.partial(unet, channels=(16, 32, 64), dropout=0.1),
                  (torch.randn(2 * scale, 3, 64, 64),), None),
     }
@@ -181,7 +181,7 @@ def max_batch(budget: str) -> dict:
 
 
 def speed(full_70b: bool) -> dict:
-    from remat.plan._cost import find_blocks, measure_costs
+    from remat.plan._cost import composed_costs, find_blocks, identical_container, measure_costs
     from remat.plan._solve import solve
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -202,17 +202,43 @@ def speed(full_70b: bool) -> dict:
     out["solve_32_layers_s"] = {"median": statistics.median(times), "max": max(times)}
     print(f"[speed] solve for a 32-layer transformer: median {statistics.median(times) * 1e3:.1f} ms, "
           f"max {max(times) * 1e3:.1f} ms over 10 budgets")
-    if full_70b:
-        config = LlamaConfig(layers=80, width=8192, heads=64, kv_heads=8, hidden=28672, vocab=32000)
+    from remat.models.llama import llama_7b
+
+    for label, config, batch in (("7B", llama_7b(), 1),
+                                 ("70B", LlamaConfig(layers=80, width=8192, heads=64, kv_heads=8,
+                                                     hidden=28672, vocab=32000), 8)):
+        if label == "70B" and not full_70b:
+            continue
+        factory = functools.partial(llama, config, dtype=torch.bfloat16)
+
+        def inputs(batch: int = batch) -> tuple:
+            return (torch.zeros(batch, 4096, dtype=torch.long),)
+
         start = time.perf_counter()
-        p = remat.plan(functools.partial(llama, config, dtype=torch.bfloat16),
-                       lambda: (torch.zeros(1, 4096, dtype=torch.long),), budget=0.5,
-                       loss_fn=next_token_loss, dtype=torch.bfloat16)
-        out["plan_70b_s"] = time.perf_counter() - start
-        out["plan_70b"] = {"budget": p.budget_bytes, "predicted": p.predicted_peak_bytes,
-                           "measured": p.measured_peak_bytes, "no_recompute": p.no_recompute_peak_bytes}
-        print(f"[speed] remat.plan on fake tensors, 70B Llama-style (80 layers, width 8192, MLP 28672, "
-              f"seq 4096, bf16): {out['plan_70b_s']:.1f} s; {out['plan_70b']}")
+        with FakeTensorMode():
+            model = factory()
+            blocks = find_blocks(model)
+            composed = composed_costs(model, inputs(), blocks, identical_container(model, blocks),
+                                      loss_fn=next_token_loss, optimizer="adam", fake=True,
+                                      device="cpu", options=("keep",))
+        composed_s = time.perf_counter() - start
+        start = time.perf_counter()
+        full = remat.estimate(factory, inputs, loss_fn=next_token_loss)
+        full_s = time.perf_counter() - start
+        start = time.perf_counter()
+        p = remat.plan(factory, inputs, budget=0.7, loss_fn=next_token_loss)
+        plan_s = time.perf_counter() - start
+        out[label] = {"composed_estimate_s": composed_s, "full_estimate_s": full_s,
+                      "composed_peak": composed.peaks["keep"], "full_peak": full.peak_bytes,
+                      "relative_error": abs(composed.peaks["keep"] - full.peak_bytes) / full.peak_bytes,
+                      "plan_s": plan_s, "budget": p.budget_bytes, "predicted": p.predicted_peak_bytes,
+                      "measured": p.measured_peak_bytes, "no_recompute": p.no_recompute_peak_bytes,
+                      "choices": {c: list(p.choices.values()).count(c) for c in set(p.choices.values())}}
+        print(f"[speed] Llama {label} (seq 4096, batch {batch}, bf16) on fake tensors: composed step "
+              f"estimate {composed_s:.1f} s vs every block traced {full_s:.1f} s, peaks "
+              f"{composed.peaks['keep']:,} vs {full.peak_bytes:,} (error {out[label]['relative_error']:.2e}); "
+              f"remat.plan end to end at 0.7x: {plan_s:.1f} s, predicted {p.predicted_peak_bytes:,}, "
+              f"measured {p.measured_peak_bytes:,}")
     return out
 
 
@@ -222,6 +248,8 @@ def main() -> int:
     parser.add_argument("--budgets", type=int, default=10)
     parser.add_argument("--sections", default="held,optimality,anchors,maxbatch,speed")
     parser.add_argument("--no-70b", action="store_true", help="skip the 70B fake-tensor plan")
+    parser.add_argument("--models", default="gpt,llama,resnet50,unet", help="models of 'held'")
+    parser.add_argument("--anchor-models", default="gpt,resnet50", help="models of 'anchors'")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -229,17 +257,17 @@ def main() -> int:
     result: dict = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     chosen = models(args.quick)
     if "held" in sections:
-        result["held"] = [budget_sweep(n, *spec, args.budgets) for n, spec in chosen.items()]
+        result["held"] = [budget_sweep(n, *chosen[n], args.budgets) for n in args.models.split(",")]
     if "optimality" in sections:
         result["optimality"] = optimality(12 if args.quick else 30)
     if "anchors" in sections:
-        result["anchors"] = [anchors(n, *chosen[n], pairs=5) for n in ("gpt", "resnet50")]
+        result["anchors"] = [anchors(n, *chosen[n], pairs=5) for n in args.anchor_models.split(",")]
     if "maxbatch" in sections:
         result["max_batch"] = max_batch("160MiB")
     if "speed" in sections:
         result["speed"] = speed(not args.no_70b)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "plan_sweep_quick.json" if args.quick else "plan_sweep.json")
+    path = os.path.join(args.out, f"plan_sweep{'_quick' if args.quick else ''}_{'_'.join(sections)}.json")
     with open(path, "w") as fh:
         json.dump(result, fh, indent=1, default=str)
     print(f"wrote {path}")

@@ -211,7 +211,9 @@ def _dp_rounded(problem: Problem, budget: float, resolution: float,
         held_last = up(problem.held_last(i - 1)) if i else 0
         carried = up(problem.output[i - 1]) if i else 0
         extra = problem.extra_time(i - 1) if i else 0.0
-        room = limit
+        # rounded to nearest, i + 2 terms may each be half a step low or high: let such
+        # states through (the exact check at the end decides)
+        room = limit if rounding is math.ceil else limit + (i + 2) / 2
         nxt: dict[tuple[int, int, bool], tuple[float, tuple | None]] = {}
         for state, (spent, back) in states.items():
             prefix, held, last = state
@@ -233,8 +235,9 @@ def _dp_rounded(problem: Problem, budget: float, resolution: float,
             return None
     end = up(problem.end)
     tail = up(problem.held_last(problem.blocks - 1)) if problem.blocks else 0
+    slack = 0 if rounding is math.ceil else (problem.blocks + 2) / 2
     finals = [(t, key, back) for key, (t, back) in states.items()
-              if end + key[0] + (key[1] + tail if key[2] else 0) <= limit]
+              if end + key[0] + (key[1] + tail if key[2] else 0) <= limit + slack]
     if not finals:
         return None
     best: tuple | None = None  # (time, peak, choice): least time, then least peak, that fits
