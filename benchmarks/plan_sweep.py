@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import random
@@ -73,7 +74,7 @@ def budget_sweep(name: str, build, inputs, loss_fn, count: int) -> dict:
     ok = [r for r in rows if "measured" in r]
     held = all(r["measured"] <= r["budget"] for r in ok)
     tight = [r["measured"] / r["budget"] for r in ok if r["binds"]]
-    inversions = {key: sum(1 for a, b in zip(ok, ok[1:]) if (b[key] > a[key] if key != "overhead"
+    inversions = {key: sum(1 for a, b in itertools.pairwise(ok) if (b[key] > a[key] if key != "overhead"
                                                           else b[key] < a[key]))
                   for key in ("predicted", "measured", "overhead")}
     summary = {"model": name, "blocks": len(first.decisions), "budgets": len(budgets),
@@ -181,9 +182,11 @@ def max_batch(budget: str) -> dict:
 
 
 def speed(full_70b: bool) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.memory.estimate import _build_in
     from remat.plan._cost import composed_costs, find_blocks, identical_container, measure_costs
     from remat.plan._solve import solve
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     out = {}
     with FakeTensorMode():
@@ -209,24 +212,24 @@ def speed(full_70b: bool) -> dict:
                                                      hidden=28672, vocab=32000), 8)):
         if label == "70B" and not full_70b:
             continue
-        factory = functools.partial(llama, config, dtype=torch.bfloat16)
+        factory = config  # a LlamaConfig: built in bfloat16 (dtype= below), as remat.estimate does
 
         def inputs(batch: int = batch) -> tuple:
             return (torch.zeros(batch, 4096, dtype=torch.long),)
 
         start = time.perf_counter()
         with FakeTensorMode():
-            model = factory()
+            model = _build_in(factory, torch.bfloat16)
             blocks = find_blocks(model)
             composed = composed_costs(model, inputs(), blocks, identical_container(model, blocks),
                                       loss_fn=next_token_loss, optimizer="adam", fake=True,
                                       device="cpu", options=("keep",))
         composed_s = time.perf_counter() - start
         start = time.perf_counter()
-        full = remat.estimate(factory, inputs, loss_fn=next_token_loss)
+        full = remat.estimate(factory, inputs, loss_fn=next_token_loss, dtype=torch.bfloat16)
         full_s = time.perf_counter() - start
         start = time.perf_counter()
-        p = remat.plan(factory, inputs, budget=0.7, loss_fn=next_token_loss)
+        p = remat.plan(factory, inputs, budget=0.7, loss_fn=next_token_loss, dtype=torch.bfloat16)
         plan_s = time.perf_counter() - start
         out[label] = {"composed_estimate_s": composed_s, "full_estimate_s": full_s,
                       "composed_peak": composed.peaks["keep"], "full_peak": full.peak_bytes,
