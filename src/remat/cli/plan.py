@@ -213,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Measured:
-    def __init__(self, peak_bytes: int, step_ms: float | None, **_: Any) -> None:
-        self.peak_bytes, self.step_ms = peak_bytes, step_ms
+    def __init__(self, peak_bytes: int, step_ms: float | None, overhead: float | None = None) -> None:
+        self.peak_bytes, self.step_ms, self.overhead = peak_bytes, step_ms, overhead
 
 
 def _budget_arg(text: str) -> Any:

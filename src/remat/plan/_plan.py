@@ -166,7 +166,9 @@ class Plan:
         Args:
             measured: a :class:`~remat.memory.ProfileReport` (``remat.profile`` or
                 ``remat.estimate`` of the marked model), a tracker, or peak bytes;
-                default: the peak measured when the plan was made.
+                default: the peak measured when the plan was made. An ``overhead``
+                attribute (measured extra time over the unmarked step, 0.1 = 10%) is
+                shown against the predicted overhead.
         """
         peak = getattr(measured, "peak_bytes", measured)
         peak = self.measured_peak_bytes if peak is None else int(peak)
@@ -176,7 +178,10 @@ class Plan:
                  f"{format_bytes(peak) if peak is not None else '-':>12}"
                  + ("  (within budget)" if peak is not None and peak <= self.budget_bytes else
                     "  (OVER BUDGET)" if peak is not None else "")]
-        if self.step_s:
+        overhead = getattr(measured, "overhead", None)
+        if overhead is not None:
+            lines.append(f"{'overhead':<10} {100 * self.predicted_overhead:>+11.1f}% {100 * overhead:>+11.1f}%")
+        elif self.step_s:
             predicted = 1e3 * (self.step_s + self.predicted_extra_s)
             lines.append(f"{'step':<10} {predicted:>9.1f} ms "
                          + (f"{step_ms:>9.1f} ms" if step_ms else f"{'-':>12}"))
