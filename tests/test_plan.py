@@ -192,3 +192,20 @@ def test_identical_blocks_composed_from_two_and_three_equal_the_whole_model():
     assert composed.peaks == whole.peaks
     assert composed.kept == whole.kept and composed.baseline_bytes == whole.baseline_bytes
     assert identical_container(model, blocks[:3]) is None  # too few to gain anything
+
+
+def test_remat_compile_honours_every_option_of_a_plan():
+    import dataclasses
+
+    plan = remat.plan(tiny_gpt(), tokens(), budget=0.9, repeat=1)
+    forced = ("output", "output", "selective", "recompute")
+    plan = dataclasses.replace(plan, decisions=tuple(
+        dataclasses.replace(d, choice=c) for d, c in zip(plan.decisions, forced)))
+    x = tokens()
+    expected = grads(tiny_gpt(), x)
+    marked = tiny_gpt()
+    plan.apply(marked)
+    compiled = remat.compile(marked)
+    torch.manual_seed(123)
+    compiled(x).float().pow(2).mean().backward()
+    assert all(torch.equal(p.grad, expected[n]) for n, p in marked.named_parameters())
