@@ -5,7 +5,8 @@ fake tensors): one step with no marks and one step per option with every block
 marked alike give each block's kept bytes under each option. Time per block is
 its measured forward time, or on fake tensors a roofline estimate (FLOPs over
 ``throughput`` plus bytes moved over ``bandwidth``); the selective option costs
-the share of a block's operators that ``save_compute_intensive`` does not keep.
+the share of a block's operators that ``save_compute_intensive`` does not keep
+(by measured operator times on CPU tensors, by the roofline otherwise).
 See NOTE [Plan cost model] in ``_solve.py`` for how these make a peak.
 """
 
@@ -139,27 +140,33 @@ def _select(model: torch.nn.Module, blocks: Any) -> list[tuple[str, torch.nn.Mod
 
 
 class _Ops(TorchDispatchMode):
-    """Per block: roofline cost of all operators and of those a selective policy recomputes."""
+    """Per block: cost of all operators and of those a selective policy recomputes; the
+    roofline estimate, or with ``timed`` each operator's measured time (CPU tensors)."""
 
-    def __init__(self, throughput: float, bandwidth: float) -> None:
+    def __init__(self, throughput: float, bandwidth: float, timed: bool = False) -> None:
         super().__init__()
         from torch.utils.flop_counter import flop_registry
 
         self.registry = flop_registry
-        self.throughput, self.bandwidth = throughput, bandwidth
+        self.throughput, self.bandwidth, self.timed = throughput, bandwidth, timed
         self.block: int | None = None
         self.total: dict[int, float] = {}
         self.recomputed: dict[int, float] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        start = time.perf_counter()
         out = func(*args, **kwargs)
+        elapsed = time.perf_counter() - start
         if self.block is not None:
-            packet = func._overloadpacket
-            flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
-            moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, out))
-                        if isinstance(t, torch.Tensor))
-            cost = flops / self.throughput + moved / self.bandwidth
+            if self.timed:
+                cost = elapsed
+            else:
+                packet = func._overloadpacket
+                flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
+                moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, out))
+                            if isinstance(t, torch.Tensor))
+                cost = flops / self.throughput + moved / self.bandwidth
             self.total[self.block] = self.total.get(self.block, 0.0) + cost
             if not save_compute_intensive.saves(func.name()):
                 self.recomputed[self.block] = self.recomputed.get(self.block, 0.0) + cost
@@ -167,14 +174,15 @@ class _Ops(TorchDispatchMode):
 
 
 def _trace(model: torch.nn.Module, inputs: tuple, blocks: list, loss_fn: Callable,
-           device: str, throughput: float | None, bandwidth: float | None) -> tuple:
+           device: str, throughput: float | None, bandwidth: float | None,
+           timed: bool = False) -> tuple:
     """One forward: block call order, counts, chain edges, roofline costs."""
     ids = {id(m): i for i, (_, m) in enumerate(blocks)}
     order: list[int] = []
     ins: dict[int, set] = {}
     outs: dict[int, set] = {}
     ops = _Ops(throughput or THROUGHPUT.get(device, THROUGHPUT["cpu"]),
-               bandwidth or BANDWIDTH.get(device, BANDWIDTH["cpu"]))
+               bandwidth or BANDWIDTH.get(device, BANDWIDTH["cpu"]), timed=timed)
 
     def keys(obj: Any) -> set:
         return {t.untyped_storage()._cdata for t in tree_leaves(obj)
@@ -214,7 +222,12 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
     say = progress or (lambda _: None)
     say("tracing blocks")
     state = None if fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
-    order, ins, outs, ops = _trace(model, inputs, blocks, loss_fn, device, throughput, bandwidth)
+    # on CPU tensors the selective share comes from operator times (a warm-up forward first)
+    timed = not fake and device == "cpu"
+    if timed:
+        _trace(model, inputs, blocks, loss_fn, device, throughput, bandwidth)
+    order, ins, outs, ops = _trace(model, inputs, blocks, loss_fn, device, throughput, bandwidth,
+                                   timed=timed)
     if state is not None:
         model.load_state_dict(state)
     counts = {i: order.count(i) for i in set(order)}
