@@ -13,6 +13,7 @@ from remat.cli._bench import (
     CONFIGURATIONS,
     BenchConfig,
     configure,
+    plan_for,
     preparer,
     render_markdown,
     run_bench,
@@ -46,6 +47,7 @@ def test_every_configuration_gives_the_baseline_gradients_and_switches_back():
     model = work.build()
     x, y = work.inputs()
     expected = _gradients(model, x, y)
+    plan_for(model, work, x, y)
     eager = [name for name in CONFIGURATIONS if name not in COMPILED]
     for name in eager:
         configure(model, name)

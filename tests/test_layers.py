@@ -18,6 +18,7 @@ LAYERS = {
     "_checkpoint": 3, "_selective": 3, "_functional": 3, "_marks": 3, "nn": 3, "ops": 3, "ms": 3,
     "_graph": 3, "_blocks": 3, "_hf": 3, "_compile_check": 3, "parallel": 3,
     "memory": 4, "models": 4, "data": 4, "cli": 4, "__main__": 4,
+    "plan": 4, "plan/_solve": 1,
     "__init__": 5,
 }
 
@@ -99,7 +100,7 @@ def test_vocabulary_imports_no_torch():
 def test_import_remat_is_light():
     code = (
         "import sys, remat; "
-        "print(sorted(m for m in ('rich', 'matplotlib', 'torch._dynamo', 'torch._inductor') "
+        "print(sorted(m for m in ('rich', 'matplotlib', 'scipy', 'torch._dynamo', 'torch._inductor') "
         "if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

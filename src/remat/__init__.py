@@ -43,16 +43,19 @@ from remat._selective import (
 from remat._spec import RegionSpec
 from remat.memory.estimate import estimate
 from remat.memory.profile import profile
+from remat.plan import BudgetError, Plan, plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SAC_IGNORED_OPS",
+    "BudgetError",
     "CheckpointError",
     "CheckpointFunction",
     "CheckpointPolicy",
     "DefaultDeviceType",
     "GraphExecGroup",
+    "Plan",
     "Policy",
     "RecomputeError",
     "RegionSpec",
@@ -75,6 +78,7 @@ __all__ = [
     "noop_context_fn",
     "ops",
     "parallel",
+    "plan",
     "policy_context",
     "profile",
     "recompute",

@@ -1,4 +1,4 @@
-"""The ``remat`` command line: ``remat demo``, ``remat bench``, ``remat profile``.
+"""The ``remat`` command line: ``remat demo``, ``remat bench``, ``remat profile``, ``remat plan``.
 
 Each subcommand lives in its own private module (``remat.cli.<name>``) that
 defines ``add_parser(subparsers)``; this file only dispatches.
@@ -14,7 +14,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS = ("demo", "bench", "profile")
+SUBCOMMANDS = ("demo", "bench", "profile", "plan")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

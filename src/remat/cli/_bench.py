@@ -47,6 +47,7 @@ CONFIGURATIONS = (
     "torch reentrant",
     "torch non-reentrant",
     "remat cell marks",
+    "remat plan",
     "remat output_recompute",
     "remat selective",
     "remat primitive marks",
@@ -64,6 +65,9 @@ COMPILED = {
     "compiled torch non-reentrant": ("torch non-reentrant", "torch"),
 }
 COMPILED_BASELINE = "compiled none"
+#: ``remat plan``: the planner's choice for a budget of the cell marks' measured peak, set by
+#: :func:`plan_for` per model (keyed by ``id``) before the model is configured with it.
+_PLANS: dict[int, remat.Plan] = {}
 #: For each remat configuration, the torch configuration with the same marks.
 TORCH_EQUIVALENT = {
     "remat cell marks": "torch non-reentrant",
@@ -158,6 +162,10 @@ def configure(model: torch.nn.Module, name: str) -> None:
             )
     elif name == "remat cell marks":
         model.mark_blocks()
+    elif name == "remat plan":
+        if id(model) not in _PLANS:
+            raise ValueError("remat bench: configuration 'remat plan' needs plan_for(model, ...) first")
+        _PLANS[id(model)].apply(model)
     elif name == "remat output_recompute":
         model.mark_blocks(output_recompute=True)
     elif name == "remat selective":
@@ -307,12 +315,26 @@ def measure_memory(prepare: Prepare, workload: Workload, x: torch.Tensor,
             "peak_source": peak["source"], "kept_bytes": kept}
 
 
+def plan_for(model: torch.nn.Module, workload: Workload, x: torch.Tensor, y: torch.Tensor) -> remat.Plan:
+    """Plan ``model`` for a budget of the measured peak of ``remat cell marks`` (same step,
+    same tracker); register the plan for configuration ``remat plan`` and return it."""
+    configure(model, "remat cell marks")
+    budget = peak_bytes(lambda: _step((model, model), workload, x, y), model, x.device)["peak_bytes"]
+    configure(model, BASELINE)
+    model.zero_grad(set_to_none=True)
+    plan = remat.plan(model, x, budget=budget, loss_fn=lambda out: workload.loss(out, y),
+                      optimizer=None, repeat=2)
+    _PLANS[id(model)] = plan
+    return plan
+
+
 def bench_workload(config: BenchConfig, workload: Workload, advance: Callable[[], None]) -> dict:
     """Benchmark every configuration on one workload; return its figures."""
     torch.manual_seed(0)
     model = workload.build()
     x, y = workload.inputs()
     configs = [c for c in config.configurations if c != BASELINE]
+    plan = plan_for(model, workload, x, y) if "remat plan" in configs else None
     prepare = preparer(model, configs)
     rows: dict[str, dict] = {}
     for name in [BASELINE, *configs]:
@@ -340,6 +362,10 @@ def bench_workload(config: BenchConfig, workload: Workload, advance: Callable[[]
     configure(model, BASELINE)
     rows[BASELINE]["step_s"] = statistics.median(baseline_times)
     _summarise(rows, ratios)
+    if plan is not None:
+        rows["remat plan"]["plan"] = {"budget_bytes": plan.budget_bytes, "choices": plan.choices,
+                                      "predicted_peak_bytes": plan.predicted_peak_bytes,
+                                      "predicted_overhead": plan.predicted_overhead}
     return {"name": workload.name, "rows": rows}
 
 

@@ -36,6 +36,8 @@ CONFIGURATIONS: tuple[tuple[str, dict | None], ...] = (
     ("seed marks + output_recompute", {"output_recompute": True}),
     ("selective (save_compute_intensive)", {"policy": remat.save_compute_intensive}),
 )
+#: The planner's row: budgets tried, as shares of the seed marks' measured peak (first that fits).
+PLANNER_SHARES = (0.85, 0.9, 0.95, 1.0)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class DemoConfig:
         model: ``"resnet50"`` (seed 003) or ``"tiny"`` (two small stages, for smoke tests).
         seed: seed of the weights (the batches are the same in every configuration).
         lr: Adam learning rate.
+        planner: add a row planned by :func:`remat.plan` for a budget below the seed marks' peak.
     """
 
     steps: int = 16
@@ -61,19 +64,52 @@ class DemoConfig:
     model: str = "resnet50"
     seed: int = 0
     lr: float = 3e-4
+    planner: bool = True
 
 
-def build_model(name: str, options: dict | None) -> torch.nn.Module:
-    """Build the demo's model, marked with seed 003's recipe when ``options`` is not None."""
+def build_model(name: str, options: dict | remat.Plan | None) -> torch.nn.Module:
+    """Build the demo's model, marked with seed 003's recipe when ``options`` is a dict
+    (``Cell.recompute`` options) or as a :class:`remat.Plan` says."""
     if name == "resnet50":
         net = resnet50(class_num=10)
     elif name == "tiny":
         net = resnet((2, 2), width=4, class_num=10)
     else:
         raise ValueError(f"remat demo: model must be 'resnet50' or 'tiny', got {name!r}")
-    if options is not None:
+    if isinstance(options, remat.Plan):
+        options.apply(net)
+    elif options is not None:
         net.mark_blocks(**options)
     return net
+
+
+def make_plan(config: DemoConfig, data: Any) -> tuple[remat.Plan, int]:
+    """Plan the demo's model for the lowest of :data:`PLANNER_SHARES` of the seed marks' peak
+    that fits; return the plan and that peak.
+
+    The plan's step is forward, cross-entropy and backward on the first batch, without
+    the optimizer step; the seed marks' peak is measured the same way.
+    """
+    from remat.plan._cost import measure_peak
+    from remat.plan._plan import sweep
+
+    device = _device(config.device)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, None).to(device)
+    images, labels = data.batch(0, config.batch_size, device)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out, labels)
+
+    seeded = build_model(config.model, {}).to(device)
+    seed_peak = measure_peak(seeded, (images,), loss_fn=loss_fn, optimizer=None, fake=False)
+    budgets = [int(share * seed_peak) for share in PLANNER_SHARES]
+    plans = sweep(model, images, budgets=budgets, optimizer=None, repeat=1, floors=True,
+                  loss_fn=loss_fn)
+    fitting = [p for p in plans if isinstance(p, remat.Plan)]
+    if not fitting:
+        raise plans[-1]
+    return fitting[0], seed_peak
 
 
 def has_tracker() -> bool:
@@ -166,7 +202,8 @@ def train_configuration(
     kept = kept_bytes(lambda: torch.nn.functional.cross_entropy(model(images), labels))
     return {
         "name": name,
-        "marks": {k: repr(v) for k, v in (options or {}).items()} if options is not None else None,
+        "marks": (options.choices if isinstance(options, remat.Plan)
+                  else {k: repr(v) for k, v in (options or {}).items()} if options is not None else None),
         "marked_blocks": len(remat.marked_modules(model)),
         "peak_bytes": memory["peak_bytes"],
         "peak_increase_bytes": memory["peak_increase_bytes"],
@@ -224,9 +261,12 @@ def run_demo(config: DemoConfig, *, progress: bool = True) -> dict:
 
 
 def _train_all(config: DemoConfig, data: Any, progress: bool) -> list[dict]:
-    total = config.steps * len(CONFIGURATIONS)
+    total = config.steps * (len(CONFIGURATIONS) + config.planner)
     if not progress:
-        return [train_configuration(config, n, o, data, lambda: None) for n, o in CONFIGURATIONS]
+        rows = [train_configuration(config, n, o, data, lambda: None) for n, o in CONFIGURATIONS]
+        if config.planner:
+            rows.append(_train_planned(config, data, rows, lambda: None))
+        return rows
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     rows = []
@@ -238,7 +278,23 @@ def _train_all(config: DemoConfig, data: Any, progress: bool) -> list[dict]:
             rows.append(
                 train_configuration(config, name, options, data, lambda: bar.advance(task))
             )
+        if config.planner:
+            bar.update(task, description="planning: remat.plan")
+            rows.append(_train_planned(config, data, rows, lambda: bar.advance(task)))
     return rows
+
+
+def _train_planned(config: DemoConfig, data: Any, rows: list[dict], advance: Callable[[], None]) -> dict:
+    start = time.perf_counter()
+    plan, seed_peak = make_plan(config, data)
+    seconds = time.perf_counter() - start
+    share = plan.budget_bytes / seed_peak
+    row = train_configuration(config, f"remat.plan ({share:.2f}x seed marks' peak)", plan, data, advance)
+    row.update(plan_budget_bytes=plan.budget_bytes, plan_predicted_peak_bytes=plan.predicted_peak_bytes,
+               plan_predicted_overhead=plan.predicted_overhead, plan_seconds=seconds,
+               plan_choices=plan.choices, plan_measured_peak_bytes=plan.measured_peak_bytes,
+               plan_seed_peak_bytes=seed_peak)
+    return row
 
 
 def _write_outputs(out_dir: str, result: dict) -> list[str]:
@@ -303,5 +359,14 @@ def print_table(result: dict) -> None:
                   f"{k}: {statistics.mean(losses[-k:]):.3f}; "
                   + ("final losses identical in every configuration"
                      if result["losses_identical"] else "FINAL LOSSES DIFFER"))
+    for r in result["rows"]:
+        if "plan_choices" in r:
+            counts = {c: list(r["plan_choices"].values()).count(c) for c in dict.fromkeys(r["plan_choices"].values())}
+            console.print(f"remat.plan: budget {_mib(r['plan_budget_bytes'])} (seed marks: "
+                          f"{_mib(r['plan_seed_peak_bytes'])} on the plan's step: forward, loss, backward "
+                          f"of batch 0), predicted {_mib(r['plan_predicted_peak_bytes'])}, measured "
+                          f"{_mib(r['plan_measured_peak_bytes'])}; "
+                          f"blocks: " + ", ".join(f"{n} {c}" for c, n in counts.items())
+                          + f"; planned in {r['plan_seconds']:.1f} s")
     for path in result["files"]:
         console.print(f"wrote {path}")

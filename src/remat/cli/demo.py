@@ -30,6 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", choices=("resnet50", "tiny"), default=default.model,
                         help="resnet50 (seed 003) or a tiny ResNet for smoke tests")
     parser.add_argument("--seed", type=int, default=default.seed, help="seed of the weights")
+    parser.add_argument("--no-planner", action="store_true",
+                        help="leave out the remat.plan row (planned below the seed marks' peak)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared CPU more threads wait on "
                              "each other and run many times slower)")
@@ -42,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     config = DemoConfig(
         steps=args.steps, batch_size=args.batch_size, data_dir=args.data, out_dir=args.out,
-        device=args.device, model=args.model, seed=args.seed,
+        device=args.device, model=args.model, seed=args.seed, planner=not args.no_planner,
     )
     result = run_demo(config, progress=True)
     return 0 if result["losses_identical"] else 1

@@ -1,0 +1,282 @@
+"""The planner's targets (issue 11), measured: budget held, monotone, optimal, anchors, speed.
+
+Usage:
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_sweep.py [--quick] [--out benchmarks/results]
+
+Sections (each prints its figures and lands in plan_sweep.json):
+1. budget held / monotone: for each model, >= 10 budgets from the floor to the no-recompute
+   peak; each plan's measured peak (remat.memory.track, real tensors) against its budget.
+2. optimality: the dynamic program against the exact optimum on random chains, the MILP
+   against the exact dynamic program on random graphs of up to 50 blocks.
+3. anchors: at the measured peak of per-block checkpointing, the plan's measured overhead
+   (step time ratios timed in adjacent pairs) against per-block checkpointing's.
+4. --max-batch on the GPT-style model (fake tensors): planner against per-block checkpointing.
+5. speed: solve time for a 32-layer transformer; remat.plan end to end on fake tensors for a
+   70B Llama-style configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+import remat
+from remat.models import gpt, resnet50
+from remat.models.llama import LlamaConfig, llama, next_token_loss
+from remat.models.unet import unet
+from remat.plan._plan import sweep
+from remat.plan._solve import KEEP, Problem, evaluate, floor, solve_chain, solve_milp
+
+
+def models(quick: bool) -> dict:
+    """name -> (build, inputs, loss_fn)."""
+    scale = 1 if quick else 2
+    tokens = torch.zeros(4, 64 * scale, dtype=torch.long)
+    return {
+        "gpt": (functools.partial(gpt, layers=6, width=128, heads=4, seq_len=64 * scale, vocab=512),
+                (tokens,), next_token_loss),
+        "llama": (functools.partial(llama, layers=6, width=128, heads=4, hidden=344, vocab=512),
+                  (tokens,), next_token_loss),
+        "resnet50": (functools.partial(resnet50, class_num=10),  # activations above Adam's state
+                     (torch.randn(4 * scale, 3, 128, 128),), None),
+        "unet": (functools.partial(unet, channels=(16, 32, 64), dropout=0.1),
+                 (torch.randn(2 * scale, 3, 64, 64),), None),
+    }
+
+
+def budget_sweep(name: str, build, inputs, loss_fn, count: int) -> dict:
+    torch.manual_seed(0)
+    model = build()
+    start = time.perf_counter()
+    first = sweep(model, *inputs, budgets=[1.0], loss_fn=loss_fn, repeat=1)[0]
+    low, high = first.floor_bytes, first.no_recompute_peak_bytes
+    budgets = [int(high - (high - low) * k / (count - 1)) for k in range(count)]
+    plans = sweep(model, *inputs, budgets=budgets, loss_fn=loss_fn, repeat=1, floors=True)
+    seconds = time.perf_counter() - start
+    rows = []
+    for b, p in zip(budgets, plans):
+        if isinstance(p, Exception):
+            rows.append({"budget": b, "error": str(p).split(";")[0], "floor": p.floor_bytes})
+            continue
+        binds = any(c != "keep" for c in p.choices.values())
+        rows.append({"budget": b, "predicted": p.predicted_peak_bytes, "measured": p.measured_peak_bytes,
+                     "overhead": p.predicted_overhead, "binds": binds,
+                     "choices": "".join(c[0] for c in p.choices.values())})
+    ok = [r for r in rows if "measured" in r]
+    held = all(r["measured"] <= r["budget"] for r in ok)
+    tight = [r["measured"] / r["budget"] for r in ok if r["binds"]]
+    inversions = {key: sum(1 for a, b in itertools.pairwise(ok) if (b[key] > a[key] if key != "overhead"
+                                                          else b[key] < a[key]))
+                  for key in ("predicted", "measured", "overhead")}
+    summary = {"model": name, "blocks": len(first.decisions), "budgets": len(budgets),
+               "planned": len(ok), "held": held, "min_tightness": min(tight) if tight else None,
+               "inversions": inversions, "seconds": seconds, "rows": rows,
+               "floor": low, "no_recompute": high}
+    print(f"[{name}] {len(ok)}/{len(budgets)} budgets planned, held at every one: {held}, "
+          f"measured/budget where binding >= {summary['min_tightness'] and round(summary['min_tightness'], 4)}, "
+          f"inversions {inversions}, {seconds:.1f} s")
+    for r in rows:
+        print("   ", r)
+    return summary
+
+
+def random_problem(rng: random.Random, n: int, chain: bool) -> Problem:
+    kept, times, rebuilt, output = [], [], [], []
+    for i in range(n):
+        act, out, t = rng.randint(40, 400), rng.randint(10, 80), rng.uniform(1, 20)
+        allow = chain or rng.random() < 0.6 or i == n - 1
+        kept.append([act + out, out, out + act // 2, 0 if allow else None])
+        times.append([0, t, t * rng.uniform(0.1, 0.6), t])
+        rebuilt.append(act + out + 50)
+        output.append(out)
+    return Problem(kept=kept, time=times, rebuilt=rebuilt, fixed=[rng.randint(0, 300) for _ in range(n)],
+                   output=output, end=rng.randint(0, 100), last_held=[o + 40 for o in output])
+
+
+def optimality(trials: int) -> dict:
+    rng = random.Random(0)
+    chain_ratios, graph_ratios, milp_times = [], [], []
+    for _ in range(trials):
+        n = rng.randint(8, 32)
+        p = random_problem(rng, n, chain=True)
+        low, high = floor(p), evaluate(p, [KEEP] * n)[0]
+        budget = rng.uniform(low, high)
+        exact = solve_chain(p, budget, resolution=1.0)
+        fast = solve_chain(p, budget, resolution=budget / 8192)  # what remat.plan runs
+        chain_ratios.append(fast.time / exact.time if exact.time else 1.0)
+    for _ in range(max(3, trials // 3)):
+        n = rng.randint(20, 50)
+        p = random_problem(rng, n, chain=False)
+        low, high = floor(p), evaluate(p, [KEEP] * n)[0]
+        budget = rng.uniform(low, high)
+        exact = solve_chain(p, budget, resolution=1.0)
+        start = time.perf_counter()
+        found = solve_milp(p, budget)
+        milp_times.append(time.perf_counter() - start)
+        graph_ratios.append(found.time / exact.time if exact.time else 1.0)
+    out = {"chains": len(chain_ratios), "chain_worst_ratio": max(chain_ratios),
+           "graphs": len(graph_ratios), "graph_worst_ratio": max(graph_ratios),
+           "milp_median_s": statistics.median(milp_times)}
+    print(f"[optimality] DP (as remat.plan runs it) / exact: worst {out['chain_worst_ratio']:.4f} "
+          f"over {out['chains']} chains of 8-32 blocks; MILP / exact: worst {out['graph_worst_ratio']:.4f} "
+          f"over {out['graphs']} graphs of 20-50 blocks (median {out['milp_median_s']:.2f} s)")
+    return out
+
+
+def anchors(name: str, build, inputs, loss_fn, pairs: int) -> dict:
+    """Planner at per-block checkpointing's measured peak: measured overheads side by side."""
+    import argparse as _argparse
+
+    from remat.cli.plan import Setup, mark_strategy
+
+    setup = Setup.__new__(Setup)
+    setup.args = _argparse.Namespace(estimate=False, repeat=pairs, device=None, throughput=None)
+    setup.build = lambda: (torch.manual_seed(0), build())[1]
+    setup.inputs = lambda batch=None: inputs
+    setup.loss_fn, setup.optimizer = loss_fn, "adam"
+    per_block = setup.measure(lambda m: mark_strategy(m, "per-block checkpointing"))
+    plan = sweep(setup.build(), *inputs, budgets=[per_block["peak_bytes"]], loss_fn=loss_fn,
+                 repeat=1, floors=True)[0]
+    if isinstance(plan, Exception):
+        print(f"[anchors {name}] no plan at per-block's peak: {plan}")
+        return {"model": name, "error": str(plan)}
+    planned = setup.measure(plan.apply)
+    ratio = planned["overhead"] / per_block["overhead"] if per_block["overhead"] > 0 else None
+    out = {"model": name, "per_block_peak": per_block["peak_bytes"], "per_block_overhead": per_block["overhead"],
+           "plan_peak": planned["peak_bytes"], "plan_overhead": planned["overhead"],
+           "plan_predicted_overhead": plan.predicted_overhead, "overhead_ratio": ratio,
+           "choices": "".join(c[0] for c in plan.choices.values())}
+    print(f"[anchors {name}] per-block: peak {per_block['peak_bytes']:,} overhead {per_block['overhead']:+.3f}; "
+          f"plan: peak {planned['peak_bytes']:,} overhead {planned['overhead']:+.3f} "
+          f"(predicted {plan.predicted_overhead:+.3f}) -> ratio {ratio}")
+    return out
+
+
+def max_batch(budget: str) -> dict:
+    import argparse as _argparse
+
+    from remat.cli.plan import Setup, _fits, largest_batch
+    from remat.plan._plan import parse_budget
+
+    args = _argparse.Namespace(factory="remat.models.gpt:gpt", estimate=True, repeat=0, device=None,
+                               throughput=None, loss="next-token", optimizer="adam", input_dtype="int64",
+                               input_shape=["4,256"], arg=["layers=8", "width=256", "heads=4",
+                                                           "seq_len=256", "vocab=4096"])
+    setup = Setup(args)
+    value = parse_budget(budget)[0]
+    out = {}
+    for strategy in ("per-block checkpointing", "planner"):
+        start = time.perf_counter()
+        out[strategy] = largest_batch(lambda b, s=strategy: _fits(setup, s, b, value), 4)
+        print(f"[max-batch] {strategy}: {out[strategy]} within {budget} ({time.perf_counter() - start:.0f} s)")
+    return out
+
+
+def speed(full_70b: bool) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.memory.estimate import _build_in
+    from remat.plan._cost import composed_costs, find_blocks, identical_container, measure_costs
+    from remat.plan._solve import solve
+
+    out = {}
+    with FakeTensorMode():
+        model = gpt(layers=32, width=256, heads=4, seq_len=256, vocab=4096)
+        inputs = (torch.zeros(4, 256, dtype=torch.long),)
+        costs = measure_costs(model, inputs, find_blocks(model), loss_fn=next_token_loss,
+                              optimizer="adam", fake=True, device="cpu")
+    problem = costs.problem()
+    low, high = floor(problem), costs.peaks["keep"]
+    times = []
+    for k in range(10):
+        budget = low + (high - low) * k / 9
+        start = time.perf_counter()
+        solve(problem, budget, resolution=max(1.0, budget / 8192))
+        times.append(time.perf_counter() - start)
+    out["solve_32_layers_s"] = {"median": statistics.median(times), "max": max(times)}
+    print(f"[speed] solve for a 32-layer transformer: median {statistics.median(times) * 1e3:.1f} ms, "
+          f"max {max(times) * 1e3:.1f} ms over 10 budgets")
+    from remat.models.llama import llama_7b
+
+    for label, config, batch, fraction in (
+            ("7B", llama_7b(), 1, 0.9),
+            ("70B", LlamaConfig(layers=80, width=8192, heads=64, kv_heads=8, hidden=28672,
+                                vocab=32000), 8, 0.7)):
+        if label == "70B" and not full_70b:
+            continue
+        factory = config  # a LlamaConfig: built in bfloat16 (dtype= below), as remat.estimate does
+
+        def inputs(batch: int = batch) -> tuple:
+            return (torch.zeros(batch, 4096, dtype=torch.long),)
+
+        start = time.perf_counter()
+        with FakeTensorMode():
+            model = _build_in(factory, torch.bfloat16)
+            blocks = find_blocks(model)
+            composed = composed_costs(model, inputs(), blocks, identical_container(model, blocks),
+                                      loss_fn=next_token_loss, optimizer="adam", fake=True,
+                                      device="cpu", options=("keep",))
+        composed_s = time.perf_counter() - start
+        start = time.perf_counter()
+        full = remat.estimate(factory, inputs, loss_fn=next_token_loss, dtype=torch.bfloat16)
+        full_s = time.perf_counter() - start
+        start = time.perf_counter()
+        p = remat.plan(factory, inputs, budget=fraction, loss_fn=next_token_loss, dtype=torch.bfloat16)
+        plan_s = time.perf_counter() - start
+        out[label] = {"composed_estimate_s": composed_s, "full_estimate_s": full_s,
+                      "composed_peak": composed.peaks["keep"], "full_peak": full.peak_bytes,
+                      "relative_error": abs(composed.peaks["keep"] - full.peak_bytes) / full.peak_bytes,
+                      "plan_s": plan_s, "budget": p.budget_bytes, "predicted": p.predicted_peak_bytes,
+                      "measured": p.measured_peak_bytes, "no_recompute": p.no_recompute_peak_bytes,
+                      "choices": {c: list(p.choices.values()).count(c) for c in set(p.choices.values())}}
+        print(f"[speed] Llama {label} (seq 4096, batch {batch}, bf16) on fake tensors: composed step "
+              f"estimate {composed_s:.1f} s vs every block traced {full_s:.1f} s, peaks "
+              f"{composed.peaks['keep']:,} vs {full.peak_bytes:,} (error {out[label]['relative_error']:.2e}); "
+              f"remat.plan end to end at {fraction}x: {plan_s:.1f} s, predicted {p.predicted_peak_bytes:,}, "
+              f"measured {p.measured_peak_bytes:,}")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller models and fewer trials")
+    parser.add_argument("--budgets", type=int, default=10)
+    parser.add_argument("--sections", default="held,optimality,anchors,maxbatch,speed")
+    parser.add_argument("--no-70b", action="store_true", help="skip the 70B fake-tensor plan")
+    parser.add_argument("--models", default="gpt,llama,resnet50,unet", help="models of 'held'")
+    parser.add_argument("--anchor-models", default="gpt,resnet50", help="models of 'anchors'")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sections = args.sections.split(",")
+    result: dict = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    chosen = models(args.quick)
+    if "held" in sections:
+        result["held"] = [budget_sweep(n, *chosen[n], args.budgets) for n in args.models.split(",")]
+    if "optimality" in sections:
+        result["optimality"] = optimality(12 if args.quick else 30)
+    if "anchors" in sections:
+        result["anchors"] = [anchors(n, *chosen[n], pairs=5) for n in args.anchor_models.split(",")]
+    if "maxbatch" in sections:
+        result["max_batch"] = max_batch("160MiB")
+    if "speed" in sections:
+        result["speed"] = speed(not args.no_70b)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"plan_sweep{'_quick' if args.quick else ''}_{'_'.join(sections)}.json")
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1, default=str)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""``remat plan``: choose what to recompute for a memory budget, and measure the plan.
+
+Example:
+    $ remat plan remat.models.gpt:gpt --arg layers=8 --input-shape 8,256 --input-dtype int64 \\
+          --loss next-token --budget 60% --json plan.json --plot pareto.png
+    $ remat plan remat.models.llama:llama --arg layers=4 --input-shape 1,512 --input-dtype int64 \\
+          --loss next-token --estimate --budget 2GiB
+    $ remat plan remat.models.gpt:gpt --input-shape 8,256 --input-dtype int64 --max-batch --budget 300MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from remat.cli.profile import load_factory, make_inputs, parse_kwargs, parse_shape
+
+API = "remat plan"
+#: The anchors the planner is compared with, in plot order.
+STRATEGIES = ("no recompute", "per-block checkpointing", "sqrt(n) segments", "selective policy")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``remat plan`` on the ``remat`` command line."""
+    parser = subparsers.add_parser("plan", help="choose what to recompute for a memory budget",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("factory", help="model factory as module:function, e.g. remat.models.gpt:gpt")
+    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument for the factory (a Python literal), repeatable")
+    parser.add_argument("--input-shape", action="append", default=[], metavar="N,N,...",
+                        help="shape of one positional input, repeatable")
+    parser.add_argument("--input-dtype", default="float32", help="dtype of the inputs (int64: token ids)")
+    parser.add_argument("--loss", choices=("sum", "next-token"), default="sum",
+                        help="loss on the output: sum, or next-token cross-entropy for logits")
+    parser.add_argument("--optimizer", default="adam", help="adam, adamw, sgd or none")
+    parser.add_argument("--budget", help="peak budget: bytes, '6GiB', '60%%' or a fraction such as 0.6")
+    parser.add_argument("--estimate", action="store_true",
+                        help="plan on fake tensors: nothing allocated, times from FLOPs (roofline)")
+    parser.add_argument("--device", help="device of the roofline for --estimate (cpu, cuda)")
+    parser.add_argument("--throughput", type=float, help="FLOP/s of that device for --estimate")
+    parser.add_argument("--json", metavar="PATH", help="write the plan as JSON")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="write a Pareto PNG (peak against step time) of the anchors and a budget sweep")
+    parser.add_argument("--sweep", type=int, default=8, help="planner budgets in --plot (default 8)")
+    parser.add_argument("--max-batch", action="store_true",
+                        help="find the largest batch (dimension 0 of the inputs) each strategy fits in --budget")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="timed pairs (with the unmarked model) per measured point")
+    parser.set_defaults(run=run)
+
+
+class Setup:
+    """The model, its inputs and loss as the command line describes them."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.factory = load_factory(args.factory)
+        self.kwargs = parse_kwargs(args.arg)
+        self.dtype = getattr(torch, args.input_dtype)
+        self.shapes = [parse_shape(s) for s in args.input_shape]
+        self.optimizer = None if args.optimizer == "none" else args.optimizer
+        self.loss_fn = None
+        if args.loss == "next-token":
+            from remat.models.llama import next_token_loss
+
+            self.loss_fn = next_token_loss
+
+    def build(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return self.factory(**self.kwargs)
+
+    def inputs(self, batch: int | None = None) -> tuple:
+        shapes = [(batch, *s[1:]) if batch else s for s in self.shapes]
+        return make_inputs(shapes, self.dtype)
+
+    def plan(self, budgets: list, batch: int | None = None, progress: Callable | None = None) -> list:
+        from remat.plan._plan import sweep
+
+        if self.args.estimate:
+            return sweep(self.build, lambda: self.inputs(batch), budgets=budgets, loss_fn=self.loss_fn,
+                         optimizer=self.optimizer, device=self.args.device,
+                         throughput=self.args.throughput, progress=progress, floors=True)
+        return sweep(self.build(), *self.inputs(batch), budgets=budgets, loss_fn=self.loss_fn,
+                     optimizer=self.optimizer, progress=progress, floors=True)
+
+    def measure(self, mark: Callable[[torch.nn.Module], Any], batch: int | None = None,
+                timed: bool = True) -> dict:
+        """Peak bytes (and step ms) of the model marked by ``mark``."""
+        import remat
+
+        def build() -> torch.nn.Module:
+            model = self.build()
+            mark(model)
+            return model
+
+        if self.args.estimate:
+            report = remat.estimate(build, lambda: self.inputs(batch), loss_fn=self.loss_fn,
+                                    optimizer=self.optimizer)
+            return {"peak_bytes": report.peak_bytes, "step_ms": None, "overhead": None}
+        model = build()
+        inputs = self.inputs(batch)
+        report = remat.profile(model, *inputs, loss_fn=self.loss_fn, optimizer=self.optimizer, repeat=0)
+        out = {"peak_bytes": report.peak_bytes, "step_ms": None, "overhead": None}
+        if timed:
+            out["overhead"], out["step_ms"] = self.paired_time(model, inputs)
+        return out
+
+    def paired_time(self, model: torch.nn.Module, inputs: tuple) -> tuple[float, float]:
+        """Median ratio of ``model``'s step time to the unmarked model's, timed in adjacent
+        pairs (robust to a busy machine), and the step time that ratio gives (ms)."""
+        import statistics
+        import time
+
+        from remat.memory.profile import default_loss
+
+        if not hasattr(self, "_baseline"):
+            self._baseline = self.build()
+        loss_fn = self.loss_fn or default_loss
+        ratios, base_times = [], []
+
+        def step(net: torch.nn.Module) -> float:
+            start = time.perf_counter()
+            loss_fn(net(*inputs)).backward()
+            elapsed = time.perf_counter() - start
+            net.zero_grad(set_to_none=True)
+            return elapsed
+
+        step(model), step(self._baseline)
+        for k in range(max(1, self.args.repeat)):
+            if k % 2:
+                t, b = step(model), step(self._baseline)
+            else:
+                b, t = step(self._baseline), step(model)
+            ratios.append(t / b)
+            base_times.append(b)
+        ratio = statistics.median(ratios)
+        return ratio - 1, 1e3 * ratio * statistics.median(base_times)
+
+
+def mark_strategy(model: torch.nn.Module, name: str, blocks: list[str] | None = None) -> None:
+    """Mark ``model`` as anchor ``name`` of :data:`STRATEGIES` on the planner's blocks."""
+    import remat
+    from remat.plan._cost import find_blocks
+
+    named = dict(model.named_modules())
+    chosen = [named[n] for n in blocks] if blocks else [m for _, m in find_blocks(model)]
+    if name == "no recompute":
+        return
+    if name == "per-block checkpointing":
+        for module in chosen:
+            remat.recompute_module(module)
+    elif name == "selective policy":
+        for module in chosen:
+            remat.recompute_module(module, policy=remat.save_compute_intensive)
+    elif name == "sqrt(n) segments":  # Chen et al.: keep one output per segment of sqrt(n) blocks
+        size = max(1, round(math.sqrt(len(chosen))))
+        for i, module in enumerate(chosen):
+            last = (i + 1) % size == 0 or i == len(chosen) - 1
+            remat.recompute_module(module, output_recompute=not last)
+    else:
+        raise ValueError(f"{API}: unknown strategy {name!r}; choose from {STRATEGIES}")
+
+
+def _progress() -> tuple[Any, Callable[[str], None]]:
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None, lambda message: print(f"{message} ...", file=sys.stderr, flush=True)
+    status = Console(stderr=True).status("planning")
+    status.start()
+    return status, lambda message: status.update(message)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan for ``--budget``; with ``--plot`` or ``--max-batch``, measure the anchors too."""
+    setup = Setup(args)
+    if args.budget is None:
+        raise SystemExit(f"{API}: give --budget (bytes, '6GiB', '60%' or a fraction)")
+    budget = _budget_arg(args.budget)
+    if args.max_batch:
+        return _max_batch(setup, budget)
+    status, say = _progress()
+    try:
+        result = setup.plan([budget], progress=say)[0]
+    finally:
+        if status is not None:
+            status.stop()
+    if isinstance(result, Exception):
+        print(result, file=sys.stderr)
+        return 1
+    plan = result
+    print(plan)
+    print()
+    if not args.estimate:
+        measured = setup.measure(plan.apply)
+        print(plan.report(measured=_Measured(**measured)))
+    else:
+        print(plan.report())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            fh.write(plan.to_json())
+        print(f"wrote {args.json}")
+    if args.plot:
+        points = pareto_points(setup, plan, args.sweep, progress=True)
+        plot_pareto(points, args.plot, title=f"remat plan {args.factory}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+class _Measured:
+    def __init__(self, peak_bytes: int, step_ms: float | None, overhead: float | None = None) -> None:
+        self.peak_bytes, self.step_ms, self.overhead = peak_bytes, step_ms, overhead
+
+
+def _budget_arg(text: str) -> Any:
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return value if value <= 1 else int(value)
+
+
+def pareto_points(setup: Setup, plan: Any, count: int, progress: bool = False) -> list[dict]:
+    """Measure every anchor and the planner over ``count`` budgets from the floor to no recompute."""
+    blocks = [d.name for d in plan.decisions]
+    points = []
+    status, say = _progress() if progress else (None, lambda _: None)
+    try:
+        for name in STRATEGIES:
+            say(f"measuring {name}")
+            m = setup.measure(lambda model, n=name: mark_strategy(model, n, blocks))
+            points.append({"strategy": name, **m})
+        low, high = plan.floor_bytes, plan.no_recompute_peak_bytes
+        budgets = [int(high - (high - low) * k / max(1, count - 1)) for k in range(count)]
+        for p in setup.plan(budgets, progress=say):
+            if isinstance(p, Exception):
+                continue
+            say(f"measuring the plan for {p.budget_bytes:,} bytes")
+            m = setup.measure(p.apply)
+            points.append({"strategy": "planner", "budget_bytes": p.budget_bytes,
+                           "predicted_peak_bytes": p.predicted_peak_bytes, **m})
+    finally:
+        if status is not None:
+            status.stop()
+    return points
+
+
+def plot_pareto(points: list[dict], path: str, *, title: str = "") -> None:
+    """Write peak (MiB) against step time (ms) of ``points`` as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    planner = sorted((p for p in points if p["strategy"] == "planner"), key=lambda p: p["peak_bytes"])
+    def x(p: dict) -> float:
+        return 1 + (p.get("overhead") or 0)
+
+    if planner:
+        ax.plot([x(p) for p in planner], [p["peak_bytes"] / 2**20 for p in planner],
+                "o-", color="tab:blue", label="remat.plan (budget sweep)")
+    markers = dict(zip(STRATEGIES, "s^Dv"))
+    for p in points:
+        if p["strategy"] in markers:
+            ax.plot([x(p)], [p["peak_bytes"] / 2**20], markers[p["strategy"]],
+                    markersize=9, label=p["strategy"])
+    ax.set_xlabel("step time / no-recompute step time (forward + backward, timed in adjacent pairs)")
+    ax.set_ylabel("measured peak (MiB)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _fits(setup: Setup, strategy: str, batch: int, budget_bytes: float) -> bool:
+    if strategy == "planner":
+        return not isinstance(setup.plan([int(budget_bytes)], batch=batch)[0], Exception)
+    peak = setup.measure(lambda m: mark_strategy(m, strategy), batch=batch, timed=False)["peak_bytes"]
+    return peak <= budget_bytes
+
+
+def largest_batch(fits: Callable[[int], bool], start: int) -> int:
+    """The largest batch ``b`` with ``fits(b)`` (0: none), by doubling then bisection from ``start``."""
+    low, high = 0, start
+    while fits(high):
+        low, high = high, high * 2
+        if high > 1 << 20:
+            return low
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def _max_batch(setup: Setup, budget: Any) -> int:
+    from remat.memory._report import format_bytes
+    from remat.plan._plan import parse_budget
+
+    value, fractional = parse_budget(budget)
+    if fractional:
+        raise SystemExit(f"{API}: --max-batch needs an absolute --budget such as '2GiB'")
+    if not setup.shapes:
+        raise SystemExit(f"{API}: --max-batch needs --input-shape")
+    start = setup.shapes[0][0]
+    rows = []
+    for strategy in (*STRATEGIES, "planner"):
+        print(f"searching the largest batch for {strategy} ...", file=sys.stderr, flush=True)
+        best = largest_batch(lambda b, s=strategy: _fits(setup, s, b, value), start)
+        rows.append((strategy, best))
+    print(f"largest batch within {format_bytes(value)}:")
+    for strategy, best in rows:
+        print(f"  {strategy:<26} {best}")
+    return 0

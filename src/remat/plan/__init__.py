@@ -1,0 +1,15 @@
+"""``remat.plan``: the planner, choosing what to recompute for a memory budget (layer 4).
+
+Example:
+    >>> import torch, remat
+    >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+    ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
+    >>> p = remat.plan(net, torch.randn(512, 64), budget="90%")
+    >>> set(p.choices.values()) <= {"keep", "recompute", "selective", "output"}
+    True
+"""
+
+from remat.plan._plan import Decision, Plan, parse_budget, plan
+from remat.plan._solve import OPTIONS, BudgetError
+
+__all__ = ["OPTIONS", "BudgetError", "Decision", "Plan", "parse_budget", "plan"]

@@ -1,0 +1,385 @@
+"""The planner's cost model: what each block keeps and costs under each option (layer 4).
+
+Memory comes from the tracker (:func:`remat.memory.profile.measure`, on real or
+fake tensors): one step with no marks and one step per option with every block
+marked alike give each block's kept bytes under each option. Time per block is
+its measured forward time, or on fake tensors a roofline estimate (FLOPs over
+``throughput`` plus bytes moved over ``bandwidth``); the selective option costs
+the share of a block's operators that ``save_compute_intensive`` does not keep
+(by measured operator times on CPU tensors, by the roofline otherwise).
+See NOTE [Plan cost model] in ``_solve.py`` for how these make a peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from remat._marks import recompute_module, unmark_module
+from remat._policy import save_compute_intensive
+from remat.memory.profile import OptimizerLike, default_loss, measure
+from remat.plan._solve import OPTIONS, OUTPUT, Problem, evaluate
+
+API = "remat.plan"
+MARKS: dict[str, dict] = {
+    "keep": {},
+    "recompute": {},
+    "selective": {"policy": save_compute_intensive},
+    "output": {"output_recompute": True},
+}
+#: Default roofline of the fake-tensor time model: FLOP/s and bytes/s (ratios matter, not units).
+THROUGHPUT = {"cpu": 1e11, "cuda": 4e14}
+BANDWIDTH = {"cpu": 2e10, "cuda": 2e12}
+
+
+@dataclass
+class BlockCosts:
+    """Measured costs of a model's blocks, in forward order (one entry per block)."""
+
+    names: list[str]
+    types: list[str]
+    kept: list[list[float | None]]
+    forward_s: list[float]
+    selective_s: list[float]
+    output_bytes: list[int]
+    grad_bytes: list[int]
+    chain: list[bool]
+    baseline_bytes: int
+    other_grad_bytes: int
+    peaks: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, str] = field(default_factory=dict)
+    step_s: float | None = None
+    timed: str = "measured"
+    transient_bytes: list = field(default_factory=list)
+
+    def problem(self) -> Problem:
+        """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks."""
+        n = len(self.names)
+        later = [sum(self.grad_bytes[i + 1:]) for i in range(n)]
+        fixed = [self.baseline_bytes + self.other_grad_bytes + g for g in later]
+        keep_kept = [k[0] for k in self.kept]
+        end = self.peaks["keep"] - sum(keep_kept)
+        base = max((p for o, p in self.peaks.items() if self.phases.get(o) == "optimizer"), default=0)
+        time_of = [[0.0, f, s, f] for f, s in zip(self.forward_s, self.selective_s)]
+        # block moments only (the end of forward set to nothing)
+        rough = Problem(kept=self.kept, time=time_of, rebuilt=keep_kept, fixed=fixed,
+                        output=self.output_bytes, end=-float("inf"), chain_time=self.forward_s,
+                        last_held=keep_kept)
+        # Each option's uniform run tells what its backward holds beyond the rough model
+        # (gradient temporaries, the rebuilt output of a cell mark): added for that option.
+        gaps = [0.0] * len(OPTIONS)
+        for o in range(len(OPTIONS)):
+            if OPTIONS[o] in self.peaks:
+                choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
+                gaps[o] = max(0.0, self.peaks[OPTIONS[o]] - evaluate(rough, choice)[0])
+        self.transient_bytes = gaps
+        return Problem(kept=self.kept, time=time_of,
+                       rebuilt=[[k + g for g in gaps] for k in keep_kept],
+                       fixed=fixed, output=self.output_bytes, end=end, chain_time=self.forward_s,
+                       base=base, last_held=keep_kept)
+
+
+def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, torch.nn.Module]]:
+    """The modules the planner chooses for: ``blocks`` (names or types), else the
+    children of the innermost ``ModuleList``/``Sequential`` containers."""
+    if blocks is not None:
+        return _select(model, blocks)
+    found: list[tuple[str, torch.nn.Module]] = []
+
+    def walk(prefix: str, module: torch.nn.Module) -> None:
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            kids = [(f"{prefix}.{n}" if prefix else n, k) for n, k in module.named_children()]
+            leafy = [k for _, k in kids if next(k.children(), None) is not None
+                     and all(next(g.children(), None) is None for g in k.children())]
+            if kids and not leafy and all(isinstance(k, (torch.nn.ModuleList, torch.nn.Sequential))
+                                          for _, k in kids):
+                for name, kid in kids:
+                    walk(name, kid)
+                return
+            with_params = sum(1 for _, k in kids if next(k.parameters(), None) is not None)
+            structured = any(next(k.children(), None) is not None for _, k in kids)
+            if with_params >= 2 or (with_params and structured):
+                found.extend(kids)
+                return
+        for name, kid in module.named_children():
+            walk(f"{prefix}.{name}" if prefix else name, kid)
+
+    walk("", model)
+    if not found:
+        raise TypeError(
+            f"{API}: found no blocks in {type(model).__name__} (no ModuleList or Sequential of "
+            f"modules with parameters); pass blocks=[module names] or blocks=BlockType"
+        )
+    return found
+
+
+def _select(model: torch.nn.Module, blocks: Any) -> list[tuple[str, torch.nn.Module]]:
+    named = dict(model.named_modules())
+    if isinstance(blocks, type) or (isinstance(blocks, tuple) and all(isinstance(t, type) for t in blocks)):
+        chosen = [(n, m) for n, m in named.items() if n and isinstance(m, blocks)]
+    elif isinstance(blocks, Iterable) and not isinstance(blocks, str):
+        names = list(blocks)
+        missing = [n for n in names if n not in named]
+        if missing:
+            raise ValueError(f"{API}: blocks {missing} are not modules of {type(model).__name__}")
+        chosen = [(n, named[n]) for n in names]
+    else:
+        raise TypeError(f"{API}: blocks must be None, a module type or a list of module names, "
+                        f"got {type(blocks).__name__}")
+    outer = [(n, m) for n, m in chosen if not any(n.startswith(o + ".") for o, _ in chosen if o != n)]
+    if not outer:
+        raise TypeError(f"{API}: blocks={blocks!r} selects no module of {type(model).__name__}")
+    return outer
+
+
+class _Ops(TorchDispatchMode):
+    """Per block: cost of all operators and of those a selective policy recomputes; the
+    roofline estimate, or with ``timed`` each operator's measured time (CPU tensors)."""
+
+    def __init__(self, throughput: float, bandwidth: float, timed: bool = False) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.registry = flop_registry
+        self.throughput, self.bandwidth, self.timed = throughput, bandwidth, timed
+        self.block: int | None = None
+        self.total: dict[int, float] = {}
+        self.recomputed: dict[int, float] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        elapsed = time.perf_counter() - start
+        if self.block is not None:
+            if self.timed:
+                cost = elapsed
+            else:
+                packet = func._overloadpacket
+                flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
+                moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, out))
+                            if isinstance(t, torch.Tensor))
+                cost = flops / self.throughput + moved / self.bandwidth
+            self.total[self.block] = self.total.get(self.block, 0.0) + cost
+            if not save_compute_intensive.saves(func.name()):
+                self.recomputed[self.block] = self.recomputed.get(self.block, 0.0) + cost
+        return out
+
+
+def _trace(model: torch.nn.Module, inputs: tuple, blocks: list, loss_fn: Callable,
+           device: str, throughput: float | None, bandwidth: float | None,
+           timed: bool = False) -> tuple:
+    """One forward: block call order, counts, chain edges, roofline costs."""
+    ids = {id(m): i for i, (_, m) in enumerate(blocks)}
+    order: list[int] = []
+    ins: dict[int, set] = {}
+    outs: dict[int, set] = {}
+    ops = _Ops(throughput or THROUGHPUT.get(device, THROUGHPUT["cpu"]),
+               bandwidth or BANDWIDTH.get(device, BANDWIDTH["cpu"]), timed=timed)
+
+    def keys(obj: Any) -> set:
+        return {t.untyped_storage()._cdata for t in tree_leaves(obj)
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+
+    def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        i = ids[id(module)]
+        order.append(i)
+        ins.setdefault(i, set()).update(keys((args, kwargs)))
+        ops.block = i
+
+    alive: list = []  # storages stay alive while traced, so their keys are not reused
+
+    def post(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        outs.setdefault(ids[id(module)], set()).update(keys(output))
+        alive.append(output)
+        ops.block = None
+
+    handles = [h for _, m in blocks for h in (m.register_forward_pre_hook(pre, with_kwargs=True),
+                                              m.register_forward_hook(post, with_kwargs=True))]
+    try:
+        with torch.no_grad(), ops:
+            loss_fn(model(*inputs))
+    finally:
+        for h in handles:
+            h.remove()
+    return order, ins, outs, ops
+
+
+def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_fn: Callable | None,
+                  optimizer: OptimizerLike, fake: bool, device: str, repeat: int = 2,
+                  throughput: float | None = None, bandwidth: float | None = None,
+                  options: tuple[str, ...] = OPTIONS,
+                  progress: Callable[[str], None] | None = None) -> BlockCosts:
+    """Measure every block under every option; see the module docstring."""
+    loss_fn = loss_fn or default_loss
+    say = progress or (lambda _: None)
+    say("tracing blocks")
+    state = None if fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # on CPU tensors the selective share comes from operator times (a warm-up forward first)
+    timed = not fake and device == "cpu"
+    if timed:
+        _trace(model, inputs, blocks, loss_fn, device, throughput, bandwidth)
+    order, ins, outs, ops = _trace(model, inputs, blocks, loss_fn, device, throughput, bandwidth,
+                                   timed=timed)
+    if state is not None:
+        model.load_state_dict(state)
+    counts = {i: order.count(i) for i in set(order)}
+    unused = [blocks[i][0] for i in range(len(blocks)) if i not in counts]
+    twice = [blocks[i][0] for i, c in counts.items() if c > 1]
+    if unused or twice:
+        raise TypeError(f"{API}: every block must run once per step; "
+                        f"{'not run: ' + str(unused) if unused else ''}"
+                        f"{' run more than once: ' + str(twice) if twice else ''}; "
+                        f"pass blocks=[...] naming modules that run once each")
+    blocks = [blocks[i] for i in order]
+    n = len(blocks)
+    idx = order
+    chain = []
+    for k in range(n):
+        mine = outs.get(idx[k], set())
+        later = [ins.get(idx[m], set()) for m in range(k + 1, n)]
+        chain.append(k == n - 1 or (bool(mine & later[0]) and not any(mine & s for s in later[1:])))
+    reports = {}
+    try:
+        for option in ("keep", *(o for o in options if o != "keep")):
+            say(f"measuring '{option}' on {n} blocks")
+            marked = [m for _, m in blocks] if option != "keep" else []
+            for m in marked:
+                recompute_module(m, **MARKS[option])
+            try:
+                reports[option] = measure(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
+                                          repeat=0 if fake or option != "keep" else repeat,
+                                          estimated=fake, api=API)
+            finally:
+                for m in marked:
+                    unmark_module(m)
+            if state is not None:
+                model.load_state_dict(state)
+    finally:
+        if state is not None:
+            model.load_state_dict(state)
+            model.zero_grad(set_to_none=True)
+    rows = {o: {r.name: r for r in rep.rows} for o, rep in reports.items()}
+    keep = rows["keep"]
+    kept = [[float(rows[o][name].kept) if o in rows else None for o in OPTIONS] for name, _ in blocks]
+    for k in range(n):
+        if not chain[k] and kept[k][OUTPUT] is not None:
+            kept[k][OUTPUT] = None
+    if fake:
+        forward = [ops.total.get(i, 0.0) for i in idx]
+        step = 3 * sum(ops.total.values())
+        timed = f"roofline ({device})"
+    else:
+        forward = [(keep[name].forward_ms or 0.0) / 1e3 for name, _ in blocks]
+        step = (reports["keep"].step_ms or 0.0) / 1e3
+        timed = "measured"
+    share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in idx]
+    grads = [sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
+             for _, m in blocks]
+    all_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return BlockCosts(
+        names=[name for name, _ in blocks], types=[type(m).__name__ for _, m in blocks],
+        kept=kept, forward_s=forward, selective_s=[f * s for f, s in zip(forward, share)],
+        output_bytes=[keep[name].output_bytes for name, _ in blocks], grad_bytes=grads,
+        chain=chain, baseline_bytes=reports["keep"].baseline_bytes,
+        other_grad_bytes=all_grads - sum(grads),
+        peaks={o: r.peak_bytes for o, r in reports.items()},
+        phases={o: r.peak_phase for o, r in reports.items()}, step_s=step, timed=timed,
+    )
+
+
+def measure_peak(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | None,
+                 optimizer: OptimizerLike, fake: bool) -> int:
+    """Peak bytes of one step of ``model`` as marked (the model's state is restored after)."""
+    state = None if fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    try:
+        return measure(model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer,
+                       estimated=fake, api=API).peak_bytes
+    finally:
+        if state is not None:
+            model.load_state_dict(state)
+            model.zero_grad(set_to_none=True)
+
+
+def time_step(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | None, repeat: int = 3) -> float:
+    """Fastest forward+backward of ``model`` (seconds) over ``repeat`` runs after a warm-up."""
+    loss_fn = loss_fn or default_loss
+    best = float("inf")
+    for k in range(repeat + 1):
+        start = time.perf_counter()
+        loss_fn(model(*inputs)).backward()
+        if k:
+            best = min(best, time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return best
+
+
+def identical_container(model: torch.nn.Module, blocks: list) -> torch.nn.Module | None:
+    """The container holding ``blocks`` when they are all its children, of one class and one set
+    of parameter shapes (so a shorter container runs a shorter model); else None."""
+    parents = {name.rpartition(".")[0] for name, _ in blocks}
+    if len(parents) != 1 or len(blocks) < 4:
+        return None
+    container = dict(model.named_modules()).get(parents.pop())
+    if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+        return None
+    if [id(m) for m in container.children()] != [id(m) for _, m in blocks]:
+        return None
+
+    def signature(module: torch.nn.Module) -> tuple:
+        return (type(module), tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
+
+    first = signature(blocks[0][1])
+    return container if all(signature(m) == first for _, m in blocks[1:]) else None
+
+
+@contextlib.contextmanager
+def _truncated(container: torch.nn.Module, count: int) -> Iterator[None]:
+    saved = container._modules
+    container._modules = type(saved)(list(saved.items())[:count])
+    try:
+        yield
+    finally:
+        container._modules = saved
+
+
+def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, container: torch.nn.Module,
+                   **kwargs: Any) -> BlockCosts | None:
+    """Measure the model with 2 and with 3 of its ``n`` identical blocks and compose the costs of
+    all ``n``: per block, the first, a middle one repeated, the last; every step-wide figure
+    (baseline, peaks, step time) grows linearly with the number of blocks. None when the model
+    does not run a shorter container as a shorter model."""
+    n = len(blocks)
+    measured = {}
+    for count in (2, 3):
+        with _truncated(container, count):
+            try:
+                measured[count] = measure_costs(model, inputs, blocks[:count], **kwargs)
+            except (TypeError, IndexError):  # the forward does not iterate over the container
+                return None
+    two, three = measured[2], measured[3]
+
+    def grow(a: float, b: float) -> float:
+        return b + (n - 3) * (b - a)
+
+    def spread(values: list) -> list:
+        return [values[0], *[values[1]] * (n - 2), values[2]]
+
+    return BlockCosts(
+        names=[name for name, _ in blocks], types=spread(three.types), kept=spread(three.kept),
+        forward_s=spread(three.forward_s), selective_s=spread(three.selective_s),
+        output_bytes=spread(three.output_bytes), grad_bytes=spread(three.grad_bytes),
+        chain=spread(three.chain), baseline_bytes=int(grow(two.baseline_bytes, three.baseline_bytes)),
+        other_grad_bytes=three.other_grad_bytes,
+        peaks={o: int(grow(two.peaks[o], p)) for o, p in three.peaks.items()},
+        phases=three.phases,
+        step_s=grow(two.step_s, three.step_s) if two.step_s is not None else None,
+        timed=three.timed + f"; {n} identical blocks composed from runs with 2 and 3",
+    )

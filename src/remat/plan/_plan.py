@@ -1,0 +1,427 @@
+"""``remat.plan``: choose what each block recomputes so a step fits a memory budget (layer 4).
+
+The cost model (``_cost.py``) measures every block under every option, the
+solver (``_solve.py``) picks the options of least extra time whose predicted
+peak fits, and the plan is then measured: when the tracker's peak exceeds the
+budget, the solver runs again on a budget lowered by the excess. A
+:class:`Plan` is data; :meth:`Plan.apply` sets the marks through
+:func:`remat.recompute_module`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from remat._marks import mark_of, marked_modules, recompute_module, unmark_module
+from remat.memory._report import format_bytes
+from remat.memory.profile import OptimizerLike
+from remat.plan._cost import (
+    MARKS,
+    composed_costs,
+    find_blocks,
+    identical_container,
+    measure_costs,
+    measure_peak,
+)
+from remat.plan._solve import OPTIONS, BudgetError, Problem, floor, solve
+
+API = "remat.plan"
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One block's option in a :class:`Plan`.
+
+    Args:
+        name: the block's qualified module name.
+        type: its class name.
+        choice: ``"keep"``, ``"recompute"``, ``"selective"`` or ``"output"`` (``output_recompute``).
+        kept_bytes: bytes the block keeps for backward under ``choice``.
+        extra_s: predicted extra seconds per step.
+    """
+
+    name: str
+    type: str
+    choice: str
+    kept_bytes: float
+    extra_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to recompute, block by block, with its predicted peak and overhead.
+
+    Made by :func:`plan`; frozen data that prints as a table and round-trips
+    through :meth:`to_json` / :meth:`from_json`.
+
+    Example:
+        >>> import torch, remat
+        >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+        ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
+        >>> p = remat.plan(net, torch.randn(512, 64), budget=0.8)
+        >>> p.predicted_peak_bytes <= p.budget_bytes
+        True
+        >>> remat.Plan.from_json(p.to_json()) == p
+        True
+        >>> names = p.apply(net)
+    """
+
+    decisions: tuple[Decision, ...]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_extra_s: float
+    step_s: float | None
+    no_recompute_peak_bytes: int
+    floor_bytes: int
+    measured_peak_bytes: int | None = None
+    solver: str = ""
+    solve_s: float = 0.0
+    timing: str = "measured"
+
+    @property
+    def choices(self) -> dict[str, str]:
+        """``{block name: option}`` for every block."""
+        return {d.name: d.choice for d in self.decisions}
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Predicted extra time as a fraction of the step without recompute (0.1: 10% slower)."""
+        return self.predicted_extra_s / self.step_s if self.step_s else 0.0
+
+    def apply(self, model: torch.nn.Module) -> list[str]:
+        """Mark ``model``'s blocks as this plan says; return the names marked.
+
+        Args:
+            model: a model with the planned block names (the planned one or a copy).
+
+        Raises:
+            ValueError: a block is missing or already marked otherwise; nothing is marked then.
+        """
+        api = "remat.Plan.apply"
+        named = dict(model.named_modules())
+        missing = [d.name for d in self.decisions if d.name not in named]
+        if missing:
+            raise ValueError(f"{api}: {type(model).__name__} has no module {missing[0]!r} "
+                             f"(and {len(missing) - 1} more missing); apply the plan to the model it was made for")
+        chosen = [(d.name, named[d.name], d.choice) for d in self.decisions if d.choice != "keep"]
+        for name, module, choice in chosen:
+            old = mark_of(module)
+            if old is not None and old != _spec_of(choice):
+                raise ValueError(f"{api}: module {name!r} is already marked otherwise; "
+                                 f"call remat.unmark(model) first")
+        for _, module, choice in chosen:
+            recompute_module(module, **MARKS[choice])
+        return [name for name, _, _ in chosen]
+
+    def to_json(self) -> str:
+        """The plan as JSON text (:meth:`from_json` reads it back)."""
+        return json.dumps({"remat_plan": 1, **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Read a plan written by :meth:`to_json`."""
+        data = json.loads(text)
+        if data.pop("remat_plan", None) != 1:
+            raise ValueError("remat.Plan.from_json: not a remat plan (no 'remat_plan': 1 field)")
+        data["decisions"] = tuple(Decision(**d) for d in data["decisions"])
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+    def __str__(self) -> str:
+        head = (f"remat.plan: budget {format_bytes(self.budget_bytes)}, predicted peak "
+                f"{format_bytes(self.predicted_peak_bytes)}"
+                + (f", measured {format_bytes(self.measured_peak_bytes)}"
+                   if self.measured_peak_bytes is not None else "")
+                + f" (no recompute {format_bytes(self.no_recompute_peak_bytes)}, "
+                f"floor {format_bytes(self.floor_bytes)})\n"
+                f"predicted overhead +{100 * self.predicted_overhead:.1f}% "
+                f"({1e3 * self.predicted_extra_s:,.2f} ms; times: {self.timing}); "
+                f"solved by {self.solver} in {1e3 * self.solve_s:.1f} ms")
+        runs: list[list[Decision]] = []  # consecutive blocks with the same row print once
+        for d in self.decisions:
+            if runs and _same_row(runs[-1][-1], d):
+                runs[-1].append(d)
+            else:
+                runs.append([d])
+        names = [r[0].name if len(r) == 1 else f"{r[0].name}..{r[-1].name.rpartition('.')[2]} "
+                 f"({len(r)})" for r in runs]
+        width = max([len(n) for n in names] + [5])
+        lines = [head, f"{'block':<{width}}  {'type':<16} {'choice':<10} {'kept':>12} {'extra ms':>9}"]
+        for name, run in zip(names, runs):
+            d = run[0]
+            lines.append(f"{name:<{width}}  {d.type[:16]:<16} {d.choice:<10} "
+                         f"{format_bytes(d.kept_bytes):>12} {1e3 * d.extra_s:>9.2f}")
+        return "\n".join(lines)
+
+    def report(self, measured: Any = None) -> str:
+        """Predicted against measured peak (and step time when known), as a few lines.
+
+        Args:
+            measured: a :class:`~remat.memory.ProfileReport` (``remat.profile`` or
+                ``remat.estimate`` of the marked model), a tracker, or peak bytes;
+                default: the peak measured when the plan was made. An ``overhead``
+                attribute (measured extra time over the unmarked step, 0.1 = 10%) is
+                shown against the predicted overhead.
+        """
+        peak = getattr(measured, "peak_bytes", measured)
+        peak = self.measured_peak_bytes if peak is None else int(peak)
+        step_ms = getattr(measured, "step_ms", None)
+        lines = [f"{'':<10} {'predicted':>12} {'measured':>12}",
+                 f"{'peak':<10} {format_bytes(self.predicted_peak_bytes):>12} "
+                 f"{format_bytes(peak) if peak is not None else '-':>12}"
+                 + ("  (within budget)" if peak is not None and peak <= self.budget_bytes else
+                    "  (OVER BUDGET)" if peak is not None else "")]
+        overhead = getattr(measured, "overhead", None)
+        if overhead is not None:
+            lines.append(f"{'overhead':<10} {100 * self.predicted_overhead:>+11.1f}% {100 * overhead:>+11.1f}%")
+        elif self.step_s:
+            predicted = 1e3 * (self.step_s + self.predicted_extra_s)
+            lines.append(f"{'step':<10} {predicted:>9.1f} ms "
+                         + (f"{step_ms:>9.1f} ms" if step_ms else f"{'-':>12}"))
+        return "\n".join(lines)
+
+
+def _same_row(a: Decision, b: Decision) -> bool:
+    return (a.type, a.choice, a.kept_bytes, round(a.extra_s, 12)) == (
+        b.type, b.choice, b.kept_bytes, round(b.extra_s, 12))
+
+
+def _spec_of(choice: str) -> Any:
+    probe = torch.nn.Identity()
+    recompute_module(probe, **MARKS[choice])
+    return mark_of(probe)
+
+
+def parse_budget(budget: Any) -> tuple[float, bool]:
+    """Read ``budget``: ``(bytes, False)`` or ``(fraction of the no-recompute peak, True)``."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise TypeError(f"{API}: budget must be bytes (int), a string such as '6GiB' or '80%', "
+                        f"or a fraction (float in (0, 1]) of the no-recompute peak; got {budget!r}")
+    if isinstance(budget, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z%]*)\s*", budget)
+        unit = match.group(2).upper() if match else None
+        if match is None or (unit not in UNITS and unit != "%"):
+            raise ValueError(f"{API}: cannot read budget {budget!r}; write e.g. '6GiB', '512MB', "
+                             f"'80%' or pass bytes as an int")
+        value = float(match.group(1))
+        if unit == "%":
+            return _fraction(value / 100, budget)
+        return _bytes(value * UNITS[unit], budget)
+    if isinstance(budget, float):
+        return _fraction(budget, budget)
+    return _bytes(budget, budget)
+
+
+def _fraction(value: float, given: Any) -> tuple[float, bool]:
+    if not 0 < value <= 1:
+        raise ValueError(f"{API}: a fractional budget must be in (0, 1] of the no-recompute peak, "
+                         f"got {given!r}; pass bytes as an int or a string such as '6GiB'")
+    return value, True
+
+
+def _bytes(value: float, given: Any) -> tuple[float, bool]:
+    if value <= 0:
+        raise ValueError(f"{API}: budget must be positive, got {given!r}")
+    return float(value), False
+
+
+def plan(model: Any, *example_inputs: Any, budget: float | str,
+         loss_fn: Callable | None = None, optimizer: OptimizerLike = "adam",
+         blocks: Any = None, options: Sequence[str] = OPTIONS, device: str | None = None,
+         throughput: float | None = None, dtype: torch.dtype | None = None,
+         verify: bool = True, solver: str = "auto", repeat: int = 2,
+         progress: Callable[[str], None] | None = None, compose: bool = True) -> Plan:
+    """Choose, per block, keep / recompute / selective / output_recompute for a memory budget.
+
+    The plan has the least predicted extra time among those whose predicted step
+    peak (parameters, gradients, optimizer state, activations, temporaries, as
+    :func:`remat.memory.track` counts them) fits ``budget``; with ``verify`` the
+    plan is then run once under the tracker and re-solved until the measured
+    peak fits too.
+
+    Args:
+        model: a ``torch.nn.Module`` (profiled on real tensors, not changed), or a
+            factory / ``LlamaConfig`` / ``GPTConfig`` (planned on fake tensors, as
+            :func:`remat.estimate` runs it; times from FLOPs and bytes moved).
+        *example_inputs: the model's inputs (tensors; shapes or a function for factories).
+        budget: peak bytes (int), a string (``"6GiB"``, ``"512MB"``, ``"80%"``), or
+            a fraction in (0, 1] of the no-recompute peak.
+        loss_fn: ``loss_fn(output) -> scalar``; default: the sum of floating outputs.
+        optimizer: as for :func:`remat.profile` (default ``"adam"``; its state counts).
+        blocks: the modules to plan: names, or a module type; default: the children of
+            the model's innermost ``ModuleList`` / ``Sequential`` containers.
+        options: the options allowed (a subset of ``remat.plan.OPTIONS``; ``"keep"`` always).
+        device: device whose roofline times fake-tensor plans (``"cuda"``; default: the inputs').
+        throughput: FLOP/s of that device for fake-tensor plans.
+        dtype: build a factory's model in this dtype (fake-tensor plans).
+        verify: measure the plan's peak and re-solve while it exceeds the budget.
+        solver: ``"auto"`` (dynamic program on chains, MILP otherwise), ``"dp"``, ``"milp"``.
+        repeat: timed runs per block for real-tensor plans.
+        progress: called with a short message at each stage (the CLI's progress bar).
+        compose: on fake tensors, measure a model of identical blocks with 2 and 3 of them
+            and compose the costs of all (the plan is still verified on the whole model).
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        BudgetError: the budget is below the smallest reachable peak (``floor_bytes``).
+        TypeError: no blocks found, a block runs more than once, a bad budget type.
+        ValueError: a malformed budget, an unknown option, a model already marked.
+
+    Example:
+        >>> import torch, remat
+        >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+        ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
+        >>> p = remat.plan(net, torch.randn(512, 64), budget=0.8)
+        >>> p.measured_peak_bytes <= p.budget_bytes
+        True
+    """
+    return sweep(model, *example_inputs, budgets=[budget], loss_fn=loss_fn, optimizer=optimizer,
+                 blocks=blocks, options=options, device=device, throughput=throughput, dtype=dtype,
+                 verify=verify, solver=solver, repeat=repeat, progress=progress, compose=compose)[0]
+
+
+def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str],
+          loss_fn: Callable | None = None, optimizer: OptimizerLike = "adam",
+          blocks: Any = None, options: Sequence[str] = OPTIONS, device: str | None = None,
+          throughput: float | None = None, dtype: torch.dtype | None = None,
+          verify: bool = True, solver: str = "auto", repeat: int = 2,
+          progress: Callable[[str], None] | None = None, floors: bool = False,
+          compose: bool = True) -> list[Plan | BudgetError]:
+    """:func:`plan` for several budgets, measuring the blocks once.
+
+    A budget below the floor gives its :class:`BudgetError` in the list (with
+    ``floors=True``) or raises it.
+    """
+    parsed = [parse_budget(b) for b in budgets]
+    bad = [o for o in options if o not in OPTIONS]
+    if bad:
+        raise ValueError(f"{API}: unknown option(s) {bad}; choose from {OPTIONS}")
+    options = tuple(dict.fromkeys(("keep", *options)))
+    kwargs = {"loss_fn": loss_fn, "optimizer": optimizer, "blocks": blocks, "options": options,
+                  "throughput": throughput, "verify": verify, "solver": solver, "repeat": repeat,
+                  "progress": progress, "floors": floors, "compose": compose}
+    if isinstance(model, torch.nn.Module):
+        if marked_modules(model):
+            raise ValueError(f"{API}: {type(model).__name__} already has recompute marks on "
+                             f"{sorted(marked_modules(model))[:3]}; call remat.unmark(model) first")
+        if device is None:
+            param = next(model.parameters(), None)
+            device = param.device.type if param is not None else "cpu"
+        return _plans(model, example_inputs, parsed, fake=False, device=device, **kwargs)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.memory.estimate import _build_in, _fake_inputs
+
+    with FakeTensorMode() as mode:
+        net = _build_in(model, dtype)
+        net.train()
+        inputs = _fake_inputs(mode, example_inputs, dtype)
+        if device is None:
+            device = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
+        return _plans(net, inputs, parsed, fake=True, device=device, **kwargs)
+
+
+def _plans(model: torch.nn.Module, inputs: tuple, budgets: list, *, fake: bool, device: str,
+           loss_fn: Callable | None, optimizer: OptimizerLike, blocks: Any, options: tuple,
+           throughput: float | None, verify: bool, solver: str, repeat: int,
+           progress: Callable[[str], None] | None, floors: bool, compose: bool) -> list:
+    say = progress or (lambda _: None)
+    chosen = find_blocks(model, blocks)
+    options_of = {"loss_fn": loss_fn, "optimizer": optimizer, "fake": fake, "device": device,
+                  "repeat": repeat, "throughput": throughput, "options": options, "progress": say}
+    container = identical_container(model, chosen) if fake and compose else None
+    costs = composed_costs(model, inputs, chosen, container, **options_of) if container else None
+    if costs is None:
+        costs = measure_costs(model, inputs, chosen, **options_of)
+    problem = costs.problem()
+    least = floor(problem)
+    out = []
+    for value, fractional in budgets:
+        budget = value * costs.peaks["keep"] if fractional else value
+        try:
+            out.append(_fit(model, inputs, costs, problem, budget, least, fake=fake, loss_fn=loss_fn,
+                            optimizer=optimizer, verify=verify, solver=solver, say=say))
+        except BudgetError as err:
+            if not floors:
+                raise
+            out.append(err)
+    return out
+
+
+def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, budget: float,
+         least: float, *, fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike,
+         verify: bool, solver: str, say: Callable[[str], None]) -> Plan:
+    no_recompute = costs.peaks["keep"]
+    say(f"solving for {format_bytes(budget)}")
+    target = budget
+    measured = None
+    over: list[int] = []
+    for _attempt in range(6):
+        try:
+            solution = solve(problem, target, resolution=max(1.0, target / 8192), solver=solver)
+        except BudgetError:
+            if over:
+                raise BudgetError(
+                    f"{API}: no plan measured within a budget of {format_bytes(budget)} ({budget:,.0f} "
+                    f"bytes): the cost model's floor is {format_bytes(least)}, but the plans near it "
+                    f"measured {format_bytes(min(over))} or more; raise the budget to {min(over):,.0f} bytes",
+                    budget_bytes=budget, floor_bytes=min(over)) from None
+            shown = max(least, budget + 1)
+            raise BudgetError(
+                f"{API}: no plan fits a budget of {format_bytes(budget)} ({budget:,.0f} bytes); the "
+                f"smallest reachable peak is {format_bytes(shown)} ({shown:,.0f} bytes; no recompute: "
+                f"{format_bytes(no_recompute)}); raise the budget or shrink the batch",
+                budget_bytes=budget, floor_bytes=shown) from None
+        if not verify:
+            break
+        say(f"measuring the plan for {format_bytes(budget)}")
+        measured = _measure_choices(model, inputs, costs.names, solution.choices, fake=fake,
+                                    loss_fn=loss_fn, optimizer=optimizer)
+        if measured <= budget:
+            break
+        over.append(measured)
+        target -= measured - budget
+    else:
+        raise BudgetError(
+            f"{API}: no plan measured within a budget of {format_bytes(budget)} "
+            f"({budget:,.0f} bytes); the last plan measured {format_bytes(measured)}; raise the budget",
+            budget_bytes=budget, floor_bytes=measured)
+    return _make(costs, problem, solution, budget, least, measured)
+
+
+def _measure_choices(model: torch.nn.Module, inputs: tuple, names: list, choices: Sequence[str], *,
+                     fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike) -> int:
+    modules = dict(model.named_modules())
+    marked = [(modules[n], c) for n, c in zip(names, choices) if c != "keep"]
+    for module, choice in marked:
+        recompute_module(module, **MARKS[choice])
+    try:
+        return measure_peak(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake)
+    finally:
+        for module, _ in marked:
+            unmark_module(module)
+
+
+def _make(costs: Any, problem: Problem, solution: Any, budget: float, least: float,
+          measured: int | None) -> Plan:
+    decisions = []
+    for i, (name, kind, choice) in enumerate(zip(costs.names, costs.types, solution.choices)):
+        o = OPTIONS.index(choice)
+        extra = problem.time[i][o]
+        if choice == "output" and i + 1 < len(solution.choices) and solution.choices[i + 1] == "output":
+            extra += problem.extra_time(i)
+        decisions.append(Decision(name, kind, choice, float(problem.kept[i][o]), extra))
+    return Plan(decisions=tuple(decisions), budget_bytes=int(budget),
+                predicted_peak_bytes=int(solution.peak), predicted_extra_s=solution.time,
+                step_s=costs.step_s, no_recompute_peak_bytes=int(costs.peaks["keep"]),
+                floor_bytes=int(least), measured_peak_bytes=measured, solver=solution.solver,
+                solve_s=solution.seconds, timing=costs.timed)

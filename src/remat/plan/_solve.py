@@ -1,0 +1,429 @@
+"""The planner's solvers: pure functions over plain lists (layer 1: no torch).
+
+NOTE [Plan cost model]
+Blocks ``0..n-1`` run in forward order; each takes one option: ``keep`` (no
+mark), ``recompute`` (a cell mark: inputs and output kept, internals rebuilt),
+``selective`` (a cell mark with ``save_compute_intensive``) or ``output``
+(``output_recompute``: not even the output kept; adjacent ones merge into a chain).
+
+A step's peak is the largest of these moments (bytes):
+
+* block ``i``'s backward: ``fixed[i] + sum(kept[j][c_j] for j < i) + rebuilt[i] + held(i)``;
+  ``fixed[i]`` is what no block choice changes (parameters, optimizer state,
+  gradients already made), ``rebuilt[i]`` what the block's own backward holds
+  (its activations, rebuilt or kept, and its gradient temporaries), ``held(i)``
+  the outputs of the ``output`` chain that ends just before ``i``, rebuilt together;
+* the end of forward: ``end + sum(kept[j][c_j]) + held(n)``.
+
+The extra time is ``sum(time[i][c_i])`` plus ``chain_time[i]`` for each ``output``
+block followed by another ``output`` block (it runs once more to hand its output on).
+An option that is not allowed has ``kept`` None (``output`` where a block's output
+feeds more than the next block).
+
+Example:
+    >>> from remat.plan._solve import Problem, solve
+    >>> p = Problem(kept=[[8, 2, 4, 0]] * 3, time=[[0, 3, 1, 4]] * 3, rebuilt=[8] * 3,
+    ...             fixed=[0] * 3, output=[2] * 3, end=0)
+    >>> solve(p, 20).choices
+    ('keep', 'selective', 'keep')
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import time as _time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+OPTIONS = ("keep", "recompute", "selective", "output")
+KEEP, RECOMPUTE, SELECTIVE, OUTPUT = range(4)
+
+
+class BudgetError(ValueError):
+    """No plan fits the memory budget: it is below the smallest reachable peak.
+
+    Attributes:
+        budget_bytes: the budget asked for.
+        floor_bytes: the smallest peak any plan reaches.
+
+    Example:
+        >>> import remat
+        >>> err = remat.BudgetError("too small", budget_bytes=10, floor_bytes=20)
+        >>> isinstance(err, ValueError), err.floor_bytes
+        (True, 20)
+    """
+
+    def __init__(self, message: str, *, budget_bytes: float, floor_bytes: float) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.floor_bytes = floor_bytes
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One planning problem (NOTE [Plan cost model]); lists indexed by block, then option.
+
+    Args:
+        kept: ``kept[i][o]`` bytes block ``i`` keeps under option ``o`` (None: not allowed).
+        time: ``time[i][o]`` extra seconds option ``o`` costs block ``i``.
+        rebuilt: bytes block ``i``'s backward holds on top of what earlier blocks keep
+            (one number, or one per option: ``rebuilt[i][o]``).
+        fixed: bytes alive during block ``i``'s backward that no choice changes.
+        output: bytes of block ``i``'s output (held while an ``output`` chain is rebuilt).
+        end: bytes alive at the end of forward besides what the blocks keep.
+        chain_time: extra seconds of an ``output`` block followed by another (default: ``time[i][3]``).
+        base: a peak no choice changes (e.g. the optimizer step's).
+        last_held: bytes the last ``output`` block of a chain holds while the next block's
+            backward rebuilds it: it is re-run whole (default: ``output[i]``).
+    """
+
+    kept: Sequence[Sequence[float | None]]
+    time: Sequence[Sequence[float]]
+    rebuilt: Sequence[float | Sequence[float]]
+    fixed: Sequence[float]
+    output: Sequence[float]
+    end: float
+    chain_time: Sequence[float] | None = None
+    base: float = 0.0
+    last_held: Sequence[float] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.kept)
+        for name in ("time", "rebuilt", "fixed", "output"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"remat.plan: Problem.{name} has {len(getattr(self, name))} "
+                                 f"entries for {n} blocks")
+        if any(k[KEEP] is None for k in self.kept):
+            raise ValueError("remat.plan: every block must allow 'keep'")
+
+    @property
+    def blocks(self) -> int:
+        """Number of blocks."""
+        return len(self.kept)
+
+    def extra_time(self, i: int) -> float:
+        """Seconds an ``output`` block ``i`` costs when the next block is ``output`` too."""
+        return self.time[i][OUTPUT] if self.chain_time is None else self.chain_time[i]
+
+    def held_last(self, i: int) -> float:
+        """Bytes ``output`` block ``i`` holds while the block after it runs backward."""
+        return self.output[i] if self.last_held is None else self.last_held[i]
+
+    def rebuilt_of(self, i: int, o: int) -> float:
+        """Bytes block ``i``'s backward holds under option ``o``."""
+        r = self.rebuilt[i]
+        return r if isinstance(r, (int, float)) else r[o]
+
+    def allowed(self, i: int) -> list[int]:
+        """Options block ``i`` may take."""
+        return [o for o in range(len(OPTIONS)) if self.kept[i][o] is not None]
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The options chosen, with their predicted peak and extra time."""
+
+    choices: tuple[str, ...]
+    peak: float
+    time: float
+    solver: str
+    seconds: float = 0.0
+
+
+def evaluate(problem: Problem, choice: Sequence[int]) -> tuple[float, float]:
+    """Return ``(peak bytes, extra seconds)`` of option indices ``choice`` (NOTE [Plan cost model])."""
+    prefix = held = 0.0  # held: outputs of the chain's blocks before the last
+    peak = -math.inf
+    total = 0.0
+    for i, c in enumerate(choice):
+        if problem.kept[i][c] is None:
+            return math.inf, math.inf
+        last = i > 0 and choice[i - 1] == OUTPUT
+        chain = held + problem.held_last(i - 1) if last else 0.0
+        peak = max(peak, problem.fixed[i] + prefix + problem.rebuilt_of(i, c) + chain)
+        total += problem.time[i][c]
+        if c == OUTPUT and last:
+            total += problem.extra_time(i - 1)
+        prefix += problem.kept[i][c]
+        held = (held + problem.output[i - 1] if last else 0.0) if c == OUTPUT else 0.0
+    n = len(choice)
+    chain = held + problem.held_last(n - 1) if n and choice[-1] == OUTPUT else 0.0
+    peak = max(peak, problem.end + prefix + chain, problem.base)
+    return peak, total
+
+
+def solve_brute_force(problem: Problem, budget: float) -> Solution:
+    """The reference: try every combination (tiny problems only); least time, then least peak."""
+    start = _time.perf_counter()
+    best: tuple[float, float, tuple] | None = None
+    for choice in itertools.product(*(problem.allowed(i) for i in range(problem.blocks))):
+        peak, total = evaluate(problem, choice)
+        if peak <= budget and (best is None or (total, peak) < best[:2]):
+            best = (total, peak, choice)
+    if best is None:
+        raise _infeasible(problem, budget)
+    return _solution(problem, best[2], "brute force", start)
+
+
+def solve_chain(problem: Problem, budget: float, *, resolution: float = 1.0) -> Solution:
+    """Exact dynamic program over blocks in order, on memory rounded up to ``resolution`` bytes.
+
+    The state after block ``i`` is (bytes kept so far, bytes of the ``output`` chain
+    ending at ``i``, whether ``i`` is ``output``); for each state the least time is
+    kept, and states another beats on all three counts are dropped. Rounding up makes
+    every plan found fit the budget exactly; with ``resolution=1`` and integer bytes
+    the answer is the optimum of the cost model.
+    """
+    start = _time.perf_counter()
+    choice = _dp(problem, budget, resolution)
+    if choice is None:
+        raise _infeasible(problem, budget)
+    return _solution(problem, choice, "dynamic program", start)
+
+
+def _dp(problem: Problem, budget: float, resolution: float) -> tuple[int, ...] | None:
+    if resolution <= 1:
+        return _dp_rounded(problem, budget, 1.0, math.ceil)
+    # Bytes rounded to the nearest step keep the plans at the budget's edge (an exact
+    # check of the peak follows); rounded up, every plan found fits (the fallback).
+    return (_dp_rounded(problem, budget, resolution, round)
+            or _dp_rounded(problem, budget, resolution, math.ceil))
+
+
+def _dp_rounded(problem: Problem, budget: float, resolution: float,
+                rounding: Callable[[float], int]) -> tuple[int, ...] | None:
+    q = max(resolution, 1e-12)
+
+    def up(x: float) -> int:
+        return rounding(x / q - 1e-9)
+
+    limit = budget / q + 1e-9
+    if problem.base > budget:
+        return None
+    # state: (prefix, held, last_is_output) -> (time, back pointer)
+    states: dict[tuple[int, int, bool], tuple[float, tuple | None]] = {(0, 0, False): (0.0, None)}
+    for i in range(problem.blocks):
+        # per option: (option, memory moment without the prefix, bytes kept, seconds)
+        moves = [(o, up(problem.fixed[i] + problem.rebuilt_of(i, o)), up(problem.kept[i][o]),
+                  problem.time[i][o]) for o in problem.allowed(i)]
+        held_last = up(problem.held_last(i - 1)) if i else 0
+        carried = up(problem.output[i - 1]) if i else 0
+        extra = problem.extra_time(i - 1) if i else 0.0
+        # rounded to nearest, i + 2 terms may each be half a step low or high: let such
+        # states through (the exact check at the end decides)
+        room = limit if rounding is math.ceil else limit + (i + 2) / 2
+        nxt: dict[tuple[int, int, bool], tuple[float, tuple | None]] = {}
+        for state, (spent, back) in states.items():
+            prefix, held, last = state
+            used = prefix + (held + held_last if last else 0)
+            for o, moment, kept, seconds in moves:
+                if moment + used > room:
+                    continue
+                if o == OUTPUT:
+                    key = (prefix + kept, held + carried if last else 0, True)
+                    cost = spent + seconds + (extra if last else 0.0)
+                else:
+                    key = (prefix + kept, 0, False)
+                    cost = spent + seconds
+                old = nxt.get(key)
+                if old is None or cost < old[0]:
+                    nxt[key] = (cost, (o, state, back))
+        states = _pareto(nxt)
+        if not states:
+            return None
+    end = up(problem.end)
+    tail = up(problem.held_last(problem.blocks - 1)) if problem.blocks else 0
+    slack = 0 if rounding is math.ceil else (problem.blocks + 2) / 2
+    finals = [(t, key, back) for key, (t, back) in states.items()
+              if end + key[0] + (key[1] + tail if key[2] else 0) <= limit + slack]
+    if not finals:
+        return None
+    best: tuple | None = None  # (time, peak, choice): least time, then least peak, that fits
+    for t, _, back in sorted(finals, key=lambda f: f[0]):
+        if best is not None and t > best[0] * (1 + 1e-12) + 1e-15:
+            break
+        choice = _unwind(back)
+        peak, total = evaluate(problem, choice)
+        if peak <= budget and (best is None or (total, peak) < best[:2]):
+            best = (total, peak, choice)
+    return None if best is None else best[2]
+
+
+def _pareto(states: dict) -> dict:
+    """Drop states that another beats or ties on prefix, held bytes and time (same last flag)."""
+    out = {}
+    for last in (False, True):
+        group = sorted(((t, key[0], key[1], key, back) for key, (t, back) in states.items()
+                        if key[2] == last), key=lambda g: (g[0], g[1], g[2]))
+        # staircase of (prefix, held) seen so far: prefixes ascending, held strictly descending
+        prefixes: list[int] = []
+        helds: list[int] = []
+        for t, prefix, held, key, back in group:
+            k = bisect.bisect_right(prefixes, prefix)
+            if k and helds[k - 1] <= held:
+                continue
+            out[key] = (t, back)
+            end = k
+            while end < len(prefixes) and helds[end] >= held:
+                end += 1
+            prefixes[k:end] = [prefix]
+            helds[k:end] = [held]
+    return out
+
+
+def _unwind(back: tuple | None) -> tuple[int, ...]:
+    choice = []
+    while back is not None:
+        option, _, back = back
+        choice.append(option)
+    return tuple(reversed(choice))
+
+
+def solve_milp(problem: Problem, budget: float, *, time_limit: float = 10.0) -> Solution:
+    """Mixed-integer program (``scipy.optimize.milp``, HiGHS) over the same cost model.
+
+    Variables: ``x[i][o]`` (block ``i`` takes option ``o``), ``z[i]`` (``output`` blocks
+    ``i`` and ``i + 1``: the extra run) and ``u[j][i]`` (blocks ``j..i-1`` all ``output``:
+    their outputs are held in block ``i``'s backward).
+
+    Raises:
+        ImportError: scipy is not installed (``pip install 'remat[plan]'``).
+    """
+    try:
+        import numpy as np
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import lil_matrix
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "remat.plan: the MILP solver for non-chain models needs scipy; "
+            "pip install scipy (or remat[plan])"
+        ) from err
+    start = _time.perf_counter()
+    n, k = problem.blocks, len(OPTIONS)
+    x = {(i, o): i * k + o for i in range(n) for o in range(k)}
+    nvar = n * k
+    z = {}
+    for i in range(n - 1):
+        if problem.kept[i][OUTPUT] is not None and problem.kept[i + 1][OUTPUT] is not None:
+            z[i] = nvar
+            nvar += 1
+    u = {}
+    for i in range(1, n + 1):
+        for j in range(i - 1, -1, -1):
+            if problem.kept[j][OUTPUT] is None:
+                break
+            u[(j, i)] = nvar
+            nvar += 1
+    cost = np.zeros(nvar)
+    upper = np.ones(nvar)
+    for (i, o), v in x.items():
+        if problem.kept[i][o] is None:
+            upper[v] = 0
+        else:
+            cost[v] = problem.time[i][o]
+    for i, v in z.items():
+        cost[v] = problem.extra_time(i)
+    rows = n + n + 1 + len(z) + len(u)
+    a = lil_matrix((rows, nvar))
+    lo, hi = np.full(rows, -np.inf), np.zeros(rows)
+    r = 0
+    for i in range(n):  # one option each
+        for o in range(k):
+            a[r, x[i, o]] = 1
+        lo[r] = hi[r] = 1
+        r += 1
+    for i in range(n + 1):  # the memory moments
+        for j in range(i):
+            for o in range(k):
+                if problem.kept[j][o] is not None:
+                    a[r, x[j, o]] = problem.kept[j][o]
+        for j in range(i):
+            if (j, i) in u:
+                a[r, u[j, i]] = problem.held_last(j) if j == i - 1 else problem.output[j]
+        if i < n:
+            for o in problem.allowed(i):
+                a[r, x[i, o]] += problem.rebuilt_of(i, o)
+        hi[r] = budget - (problem.end if i == n else problem.fixed[i])
+        r += 1
+    for i, v in z.items():  # z >= x_i + x_{i+1} - 1
+        a[r, x[i, OUTPUT]] = a[r, x[i + 1, OUTPUT]] = 1
+        a[r, v] = -1
+        hi[r] = 1
+        r += 1
+    for (j, i), v in u.items():  # u >= sum x_{j..i-1} - (i-j-1)
+        for m in range(j, i):
+            a[r, x[m, OUTPUT]] = 1
+        a[r, v] = -1
+        hi[r] = i - j - 1
+        r += 1
+    if problem.base > budget:
+        raise _infeasible(problem, budget)
+    result = milp(cost, constraints=LinearConstraint(a.tocsr()[:r], lo[:r], hi[:r]),
+                  integrality=np.ones(nvar), bounds=Bounds(np.zeros(nvar), upper),
+                  options={"time_limit": time_limit})
+    if result.x is None:
+        raise _infeasible(problem, budget)
+    choice = tuple(max(range(k), key=lambda o, i=i: result.x[x[i, o]]) for i in range(n))
+    return _solution(problem, choice, "MILP (HiGHS)", start)
+
+
+def is_chain(problem: Problem) -> bool:
+    """True when every block allows ``output`` but perhaps the last (a plain chain)."""
+    return all(problem.kept[i][OUTPUT] is not None for i in range(problem.blocks - 1))
+
+
+def solve(problem: Problem, budget: float, *, resolution: float = 1.0,
+          solver: str = "auto") -> Solution:
+    """Least extra time with a predicted peak within ``budget``.
+
+    Args:
+        problem: the costs.
+        budget: peak bytes allowed.
+        resolution: memory granularity of the dynamic program, in bytes.
+        solver: ``"auto"`` (the dynamic program for chains, the MILP for other graphs),
+            ``"dp"`` (also exact on graphs: the cost model orders blocks), ``"milp"`` or ``"brute"``.
+
+    Raises:
+        BudgetError: no plan fits; ``floor_bytes`` is the smallest peak reachable.
+    """
+    if solver == "dp" or (solver == "auto" and is_chain(problem)):
+        return solve_chain(problem, budget, resolution=resolution)
+    if solver in ("auto", "milp"):
+        return solve_milp(problem, budget)
+    if solver == "brute":
+        return solve_brute_force(problem, budget)
+    raise ValueError(f"remat.plan: solver must be 'auto', 'dp', 'milp' or 'brute', got {solver!r}")
+
+
+def floor(problem: Problem) -> float:
+    """The smallest predicted peak any plan reaches (bisection on the dynamic program)."""
+    keep = evaluate(problem, [KEEP] * problem.blocks)[0]
+    high = max(keep, *(evaluate(problem, [o if problem.kept[i][o] is not None else KEEP
+                                          for i in range(problem.blocks)])[0]
+                       for o in range(len(OPTIONS))))
+    low = 0.0
+    resolution = max(1.0, high / 2 ** 20)
+    while high - low > resolution:
+        mid = (low + high) / 2
+        if _dp(problem, mid, resolution) is None:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def _infeasible(problem: Problem, budget: float) -> BudgetError:
+    least = floor(problem)
+    return BudgetError(
+        f"remat.plan: no plan fits a budget of {budget:,.0f} bytes; the smallest reachable "
+        f"predicted peak is {least:,.0f} bytes; raise the budget to at least that (or shrink the batch)",
+        budget_bytes=budget, floor_bytes=least,
+    )
+
+
+def _solution(problem: Problem, choice: Sequence[int], solver: str, start: float) -> Solution:
+    peak, total = evaluate(problem, choice)
+    return Solution(tuple(OPTIONS[c] for c in choice), peak, total, solver,
+                    _time.perf_counter() - start)

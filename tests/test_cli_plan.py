@@ -1,0 +1,55 @@
+"""`remat plan` on the command line: the table, the JSON plan, the Pareto plot, --max-batch."""
+
+from __future__ import annotations
+
+import pytest
+
+import remat
+from remat.cli import main
+from remat.cli.plan import largest_batch, mark_strategy
+from remat.models import gpt
+
+TINY = ["remat.models.gpt:gpt", "--arg", "layers=4", "--arg", "width=32", "--arg", "heads=4",
+        "--arg", "seq_len=32", "--arg", "vocab=64", "--input-shape", "8,32", "--input-dtype", "int64",
+        "--loss", "next-token"]
+
+
+def test_plan_command_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
+    path, png = tmp_path / "plan.json", tmp_path / "pareto.png"
+    code = main(["plan", *TINY, "--budget", "70%", "--json", str(path), "--plot", str(png),
+                 "--sweep", "3", "--repeat", "1"])
+    assert code == 0
+    out = capsys.readouterr().out
+    plan = remat.Plan.from_json(path.read_text())
+    assert all(name in out for name in plan.choices) and "within budget" in out
+    assert plan.measured_peak_bytes <= plan.budget_bytes
+    assert png.stat().st_size > 0
+
+
+def test_plan_command_reports_a_budget_below_the_floor(capsys):
+    assert main(["plan", *TINY, "--budget", "1000"]) == 1
+    assert "smallest reachable peak" in capsys.readouterr().err
+
+
+def test_anchor_strategies_mark_the_planned_blocks():
+    model = gpt(layers=4, width=32, heads=4, seq_len=32, vocab=64)
+    mark_strategy(model, "sqrt(n) segments")
+    specs = remat.marked_modules(model)
+    assert [specs[f"blocks.{i}"].output_recompute for i in range(4)] == [True, False, True, False]
+    remat.unmark(model)
+    mark_strategy(model, "selective policy")
+    assert {s.policy for s in remat.marked_modules(model).values()} == {remat.save_compute_intensive}
+    with pytest.raises(ValueError, match="unknown strategy"):
+        mark_strategy(model, "offload")
+
+
+def test_largest_batch_searches_by_doubling_then_bisection():
+    calls = []
+
+    def fits(batch: int) -> bool:
+        calls.append(batch)
+        return batch <= 37
+
+    assert largest_batch(fits, 4) == 37
+    assert largest_batch(lambda b: False, 4) == 0
+    assert len(calls) <= 12

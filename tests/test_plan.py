@@ -1,0 +1,211 @@
+"""remat.plan against the unmarked model: budgets held when measured, gradients bitwise equal."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+
+import pytest
+import torch
+
+import remat
+from remat.models import gpt, resnet
+from remat.models.unet import unet
+from remat.plan._plan import parse_budget, sweep
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+FRACTIONS = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4]
+
+
+def tiny_gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gpt(layers=4, width=32, heads=4, seq_len=32, vocab=64)
+
+
+def tiny_unet() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return unet(channels=(4, 8, 16), dropout=0.2)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(1))
+
+
+def images() -> torch.Tensor:
+    return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def grads(model: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    torch.manual_seed(123)  # dropout draws the same masks in both runs
+    model(x).float().pow(2).mean().backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def plans_over(model: torch.nn.Module, x: torch.Tensor, **kwargs) -> list:
+    return [p for p in sweep(model, x, budgets=FRACTIONS, floors=True, repeat=1, **kwargs)
+            if isinstance(p, remat.Plan)]
+
+
+@pytest.mark.parametrize("make, data", [(tiny_gpt, tokens), (tiny_unet, images)], ids=["gpt", "unet"])
+def test_budget_held_monotone_and_gradients_bitwise_equal(make, data):
+    model, x = make(), data()
+    plans = plans_over(model, x)
+    assert len(plans) >= 3
+    assert remat.marked_modules(model) == {}  # planning leaves the model unmarked
+    for p in plans:
+        assert p.measured_peak_bytes <= p.budget_bytes
+        assert p.predicted_peak_bytes <= p.budget_bytes
+    for high, low in itertools.pairwise(plans):  # budgets fall along the list
+        assert low.predicted_peak_bytes <= high.predicted_peak_bytes
+        assert low.predicted_extra_s >= high.predicted_extra_s
+    assert plans[0].choices == dict.fromkeys(plans[0].choices, "keep")
+    assert any(c != "keep" for c in plans[-1].choices.values())
+    expected = grads(make(), x)
+    for p in plans:
+        marked = make()
+        names = p.apply(marked)
+        assert sorted(remat.marked_modules(marked)) == sorted(names)
+        got = grads(marked, x)
+        assert all(torch.equal(got[n], expected[n]) for n in expected), p.choices
+
+
+def test_unet_is_planned_as_a_graph_and_gpt_as_a_chain():
+    pytest.importorskip("scipy")
+    u = remat.plan(tiny_unet(), images(), budget=0.7, repeat=1)
+    g = remat.plan(tiny_gpt(), tokens(), budget=0.7, repeat=1)
+    assert u.solver.startswith("MILP") and g.solver == "dynamic program"
+    assert list(u.choices) == ["down.0", "down.1", "down.2", "up.0", "up.1", "up.2"]
+
+
+def test_resnet_plan_holds_its_budget_measured_by_the_tracker():
+    torch.manual_seed(0)
+    net = resnet((1, 2), width=4, class_num=3)
+    x = torch.randn(16, 3, 32, 32)
+    p = remat.plan(net, x, budget=0.9, repeat=1)
+    p.apply(net)
+    with remat.memory.track(net, baseline=[x]) as tracker:
+        net(x).sum().backward()
+    no_marks = resnet((1, 2), width=4, class_num=3)
+    with remat.memory.track(no_marks, baseline=[x]) as plain:
+        no_marks(x).sum().backward()
+    assert tracker.peak_bytes < plain.peak_bytes  # (no optimizer here: the plan's budget has one)
+    assert p.measured_peak_bytes <= p.budget_bytes
+    assert len(p.decisions) == 3
+
+
+def test_json_round_trip_and_apply_to_a_fresh_model():
+    p = remat.plan(tiny_gpt(), tokens(), budget=0.7, repeat=1)
+    back = remat.Plan.from_json(p.to_json())
+    assert back == p and hash(back.decisions) == hash(p.decisions)
+    a, b = tiny_gpt(), tiny_gpt()
+    assert p.apply(a) == back.apply(b)
+    assert remat.marked_modules(a) == remat.marked_modules(b) != {}
+    table = str(p)
+    assert all(name in table for name in p.choices) and "predicted peak" in table
+    assert "within budget" in p.report()
+    with pytest.raises(ValueError, match="not a remat plan"):
+        remat.Plan.from_json('{"decisions": []}')
+
+
+def test_plan_on_fake_tensors_matches_the_real_model():
+    factory = functools.partial(gpt, layers=3, width=32, heads=4, seq_len=32, vocab=64)
+    p = remat.plan(factory, lambda: (torch.zeros(8, 32, dtype=torch.long),), budget=0.6)
+    assert p.timing.startswith("roofline")
+    real = factory()
+    p.apply(real)
+    report = remat.profile(real, torch.zeros(8, 32, dtype=torch.long), optimizer="adam", repeat=0)
+    assert report.peak_bytes == p.measured_peak_bytes <= p.budget_bytes
+
+
+@pytest.mark.parametrize("budget, error, match", [
+    ("6 parsecs", ValueError, "cannot read budget"),
+    (-5, ValueError, "positive"),
+    (1.5, ValueError, r"\(0, 1\]"),
+    ("0%", ValueError, r"\(0, 1\]"),
+    (True, TypeError, "budget must be"),
+    ([1], TypeError, "budget must be"),
+])
+def test_bad_budgets_are_refused(budget, error, match):
+    with pytest.raises(error, match=match):
+        remat.plan(torch.nn.Linear(2, 2), torch.randn(1, 2), budget=budget)
+
+
+def test_budget_strings():
+    assert parse_budget("6GiB") == (6 * 2**30, False)
+    assert parse_budget("512 MB") == (512e6, False)
+    assert parse_budget("80%") == (0.8, True)
+    assert parse_budget(1000) == (1000.0, False)
+
+
+def test_budget_below_the_floor_names_the_floor_and_changes_nothing():
+    model = tiny_gpt()
+    before = copy.deepcopy(model.state_dict())
+    p = remat.plan(model, tokens(), budget=0.7, repeat=1)
+    with pytest.raises(remat.BudgetError) as info:
+        remat.plan(model, tokens(), budget=p.floor_bytes // 2, repeat=1)
+    assert info.value.floor_bytes >= p.floor_bytes > info.value.budget_bytes
+    assert f"{info.value.floor_bytes:,.0f} bytes" in str(info.value)
+    assert remat.marked_modules(model) == {}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_unsupported_models_give_typed_errors():
+    with pytest.raises(TypeError, match="found no blocks"):
+        remat.plan(torch.nn.Linear(4, 4), torch.randn(2, 4), budget=0.9)
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            return self.blocks[1](self.blocks[0](self.blocks[0](x)))
+
+    with pytest.raises(TypeError, match="run more than once"):
+        remat.plan(Twice(), torch.randn(2, 4), budget=0.9)
+    marked = tiny_gpt()
+    marked.mark_blocks()
+    with pytest.raises(ValueError, match="already has recompute marks"):
+        remat.plan(marked, tokens(), budget=0.9)
+    with pytest.raises(ValueError, match="unknown option"):
+        remat.plan(tiny_gpt(), tokens(), budget=0.9, options=("keep", "offload"))
+
+
+def test_identical_blocks_composed_from_two_and_three_equal_the_whole_model():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.plan._cost import composed_costs, find_blocks, identical_container, measure_costs
+
+    with FakeTensorMode():
+        model = gpt(layers=5, width=32, heads=4, seq_len=16, vocab=64)
+        x = (torch.zeros(2, 16, dtype=torch.long),)
+        blocks = find_blocks(model)
+        container = identical_container(model, blocks)
+        assert container is model.blocks
+        kwargs = {"loss_fn": None, "optimizer": "adam", "fake": True, "device": "cpu",
+                  "options": ("keep", "recompute")}
+        whole = measure_costs(model, x, blocks, **kwargs)
+        composed = composed_costs(model, x, blocks, container, **kwargs)
+    assert len(model.blocks) == 5  # the container is whole again
+    assert composed.peaks == whole.peaks
+    assert composed.kept == whole.kept and composed.baseline_bytes == whole.baseline_bytes
+    assert identical_container(model, blocks[:3]) is None  # too few to gain anything
+
+
+def test_remat_compile_honours_every_option_of_a_plan():
+    import dataclasses
+
+    plan = remat.plan(tiny_gpt(), tokens(), budget=0.9, repeat=1)
+    forced = ("output", "output", "selective", "recompute")
+    plan = dataclasses.replace(plan, decisions=tuple(
+        dataclasses.replace(d, choice=c) for d, c in zip(plan.decisions, forced)))
+    x = tokens()
+    expected = grads(tiny_gpt(), x)
+    marked = tiny_gpt()
+    plan.apply(marked)
+    compiled = remat.compile(marked)
+    torch.manual_seed(123)
+    compiled(x).float().pow(2).mean().backward()
+    assert all(torch.equal(p.grad, expected[n]) for n, p in marked.named_parameters())

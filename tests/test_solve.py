@@ -1,0 +1,110 @@
+"""The planner's solvers against the brute-force reference on random small problems (no torch)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from remat.plan._solve import (
+    KEEP,
+    OUTPUT,
+    BudgetError,
+    Problem,
+    evaluate,
+    floor,
+    solve,
+    solve_brute_force,
+    solve_chain,
+    solve_milp,
+)
+
+
+def random_problem(rng: random.Random, n: int, *, chain: bool = True) -> Problem:
+    kept, time, rebuilt, output = [], [], [], []
+    for i in range(n):
+        act = rng.randint(4, 40)
+        out = rng.randint(1, 8)
+        t = rng.randint(1, 20)
+        allow_output = chain or rng.random() < 0.5 or i == n - 1
+        kept.append([act + out, out + rng.randint(0, 3), out + rng.randint(0, act // 2),
+                     rng.randint(0, 2) if allow_output else None])
+        time.append([0, t, rng.randint(0, t), t])
+        rebuilt.append(act + out + rng.randint(0, 10))
+        output.append(out)
+    fixed = [rng.randint(0, 30) for _ in range(n)]
+    return Problem(kept=kept, time=time, rebuilt=rebuilt, fixed=fixed, output=output,
+                   end=rng.randint(0, 20), chain_time=[rng.randint(1, 20) for _ in range(n)],
+                   last_held=[o + rng.randint(0, 10) for o in output])
+
+
+def budgets(problem: Problem, rng: random.Random, count: int = 4) -> list[float]:
+    low = floor(problem)
+    high = evaluate(problem, [KEEP] * problem.blocks)[0]
+    return [low, high, *(rng.uniform(low, high) for _ in range(count))]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dynamic_program_is_optimal_on_chains(seed):
+    rng = random.Random(seed)
+    problem = random_problem(rng, rng.randint(1, 6))
+    for budget in budgets(problem, rng):
+        exact = solve_brute_force(problem, budget)
+        found = solve_chain(problem, budget)
+        assert found.time == exact.time
+        assert found.peak <= budget
+        assert (found.peak, found.time) == evaluate(problem, [("keep", "recompute", "selective",
+                                                               "output").index(c) for c in found.choices])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_milp_is_optimal_on_graphs(seed):
+    pytest.importorskip("scipy")
+    rng = random.Random(100 + seed)
+    problem = random_problem(rng, rng.randint(2, 6), chain=False)
+    for budget in budgets(problem, rng, 2):
+        exact = solve_brute_force(problem, budget)
+        found = solve_milp(problem, budget)
+        assert found.time == pytest.approx(exact.time, abs=1e-6)
+        assert found.peak <= budget
+        assert solve_chain(problem, budget).time == exact.time
+
+
+def test_floor_is_the_least_peak_and_below_it_is_an_error():
+    rng = random.Random(7)
+    problem = random_problem(rng, 5)
+    low = floor(problem)
+    solve_brute_force(problem, low)
+    with pytest.raises(BudgetError) as info:
+        solve(problem, low - 1)
+    assert info.value.floor_bytes == low
+    assert f"{low:,.0f}" in str(info.value)
+    with pytest.raises(BudgetError):
+        solve_brute_force(problem, low - 1)
+
+
+def test_monotone_over_a_budget_sweep():
+    rng = random.Random(3)
+    problem = random_problem(rng, 6)
+    low, high = floor(problem), evaluate(problem, [KEEP] * 6)[0]
+    sweep = [high - (high - low) * k / 15 for k in range(16)]
+    plans = [solve(problem, b) for b in sweep]
+    assert [p.peak <= b for p, b in zip(plans, sweep)] == [True] * 16
+    assert all(a.peak >= b.peak and a.time <= b.time for a, b in itertools.pairwise(plans))
+    assert plans[0].time == 0 and plans[-1].time > 0
+
+
+def test_output_chains_hold_their_outputs_and_run_twice_but_last():
+    problem = Problem(kept=[[10, 2, 6, 0]] * 3, time=[[0, 5, 2, 5]] * 3, rebuilt=[10] * 3,
+                      fixed=[0] * 3, output=[2] * 3, end=0, chain_time=[4] * 3, last_held=[7] * 3)
+    peak, time = evaluate(problem, [OUTPUT, OUTPUT, OUTPUT])
+    assert time == 3 * 5 + 2 * 4
+    assert peak == 10 + 2 + 7  # block 2's backward holds block 0's output and block 1 rebuilt whole
+    assert evaluate(problem, [KEEP, OUTPUT, KEEP])[0] == 10 + 10 + 7  # after block 0 keeps 10
+    assert evaluate(problem, [KEEP] * 3) == (30, 0)
+
+
+def test_a_problem_with_inconsistent_lists_is_refused():
+    with pytest.raises(ValueError, match="Problem.time"):
+        Problem(kept=[[1, 1, 1, 1]], time=[], rebuilt=[1], fixed=[0], output=[1], end=0)
