@@ -223,6 +223,39 @@ def _tp_counts(rank: int) -> dict:
     return out
 
 
+class MLP(nn.Module):
+    """``down(gelu(up(x)))``: tensor-parallel, its output is the row-wise projection's all-reduce."""
+
+    def __init__(self, d: int = 16, hidden: int = 64) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _unwaited(rank: int) -> dict:
+    """Collectives left unwaited by a step (torch's work registry), per mark."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    registry = torch._C._distributed_c10d._get_work_registry_size
+    mesh = init_device_mesh("cpu", (WORLD,))
+    x = _input()
+    out = {}
+    for name, marks in (("unmarked", None), *((n, m) for n, m in TP_MARKS.items() if m is not None)):
+        torch.manual_seed(0)
+        model = nn.Sequential(MLP(), nn.LayerNorm(16), MLP())
+        if marks is not None:
+            remat.apply(model, MLP, **marks)
+        for mlp in (model[0], model[2]):
+            parallelize_module(mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        before = registry()
+        counts, grads = _step(model, x, steps=1)
+        out[name] = (registry() - before, counts, grads)
+    return out
+
+
 def _fsdp_counts(rank: int) -> dict:
     x = _input()
     out = {"reference": _reference(3, x)}
@@ -417,6 +450,7 @@ def _written_in_place(rank: int) -> dict:
 def main_group(rank: int) -> dict:
     return {
         "in_place": _written_in_place(rank),
+        "unwaited": _unwaited(rank),
         "profile": _profile_per_rank(rank),
         "diverging": _diverging_recomputation(rank),
         "tp": _tp_counts(rank),
@@ -500,6 +534,18 @@ def test_kept_collectives_serve_every_backward_pass_of_a_retained_graph(results)
         assert plain[0] == kept[0] == {"all_reduce": 2}
         assert plain[1] == kept[1] == {"all_reduce": 4}
         assert all(torch.equal(a, b) for a, b in zip(kept[2], plain[2]))
+
+
+def test_no_collective_is_left_unwaited_when_a_region_ends_in_an_all_reduce(results):
+    # a reentrant re-run's output (the all-reduce) is only differentiated, never read
+    for rank in range(WORLD):
+        unwaited = results[rank]["unwaited"]
+        plain = unwaited["unmarked"]
+        assert plain[0] == 0 and _backward(plain[1], "all_reduce") == [2]
+        assert _backward(unwaited["mp=True reentrant"][1], "all_reduce") == [4]  # re-issued
+        for name, (left, _, grads) in unwaited.items():
+            assert left == 0, (rank, name)
+            assert all(torch.equal(a, b) for a, b in zip(grads, plain[2])), name
 
 
 def test_tensor_parallel_gradients_equal_unmarked_and_single_process(results):
