@@ -237,7 +237,11 @@ class MLP(nn.Module):
 def _unwaited(rank: int) -> dict:
     """Collectives left unwaited by a step (torch's work registry), per mark."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     registry = torch._C._distributed_c10d._get_work_registry_size
     mesh = init_device_mesh("cpu", (WORLD,))
