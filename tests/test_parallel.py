@@ -352,6 +352,31 @@ def _memory(rank: int) -> dict:
     return out
 
 
+def _collective_temporaries(rank: int) -> dict:
+    """Tracker peak against the allocator's over single collectives: gloo's own buffers."""
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+    x = torch.randn(1 << 16)
+    gathered, scattered = torch.empty(WORLD * x.numel()), torch.empty(x.numel() // WORLD)
+    steps = {
+        "c10d all_gather": lambda: dist.all_gather_into_tensor(gathered, x),
+        "c10d reduce_scatter": lambda: dist.reduce_scatter_tensor(scattered, x),
+        "functional all_gather": lambda: funcol.all_gather_tensor(x, 0, group).wait().sum(),
+        "functional reduce_scatter": lambda: funcol.reduce_scatter_tensor(x, "sum", 0, group).wait().sum(),
+    }
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the older collective names
+        for name, step in steps.items():
+            step()
+            gc.collect()
+            with remat.memory.track(baseline=[x, gathered, scattered]) as tracker:
+                peak = _allocator_peak(step)
+            out[name] = (tracker.peak_increase, peak, x.numel() * x.element_size())
+    return out
+
+
 def _allocator_peak(step: object) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -462,6 +487,7 @@ def main_group(rank: int) -> dict:
         "partial": _fsdp_partial_mark(rank),
         "ddp": _ddp(rank),
         "memory": _memory(rank),
+        "temporaries": _collective_temporaries(rank),
         "graph": _graph_counts(rank),
     }
 
@@ -624,6 +650,14 @@ def test_tracked_peak_per_rank_agrees_with_the_allocator(results):
             assert abs(tracked - allocated) <= 0.01 * allocated, (rank, name, runs)
         assert memory["TP mp=False"][0][0] > memory["TP mp=True"][0][0]  # kept results cost memory
         assert memory["FSDP po=False"][0][0] > memory["FSDP po=True"][0][0]
+
+
+def test_tracked_peak_counts_the_buffers_gloo_allocates_inside_collectives(results):
+    # NOTE [Collective temporaries]: each rule checked against the allocator's events
+    for rank in range(WORLD):
+        for name, (tracked, allocated, input_bytes) in results[rank]["temporaries"].items():
+            assert allocated >= input_bytes // WORLD, (rank, name)  # the step allocates
+            assert abs(tracked - allocated) <= 0.01 * allocated, (rank, name, tracked, allocated)
 
 
 def test_graph_pass_keeps_collectives_out_of_backward(results):
