@@ -343,11 +343,10 @@ class MemoryTracker(TorchDispatchMode):
             self._change(rec, -rec.nbytes)
 
     def _resize(self, rec: _Record, nbytes: int) -> None:
+        # A storage that existed before the step and grows during it (FSDP2's unsharded
+        # parameters, freed to 0 bytes between uses) allocates during the step.
         delta, rec.nbytes = nbytes - rec.nbytes, nbytes
-        if rec.baseline:
-            self.baseline_bytes += delta
-        else:
-            self._change(rec, delta)
+        self._change(rec, delta)
 
     def _change(self, rec: _Record, delta: int) -> None:
         # A baseline storage freed during the step lowers the footprint below the start.
