@@ -319,20 +319,20 @@ def _ddp(rank: int) -> dict:
 def _memory(rank: int) -> dict:
     """Tracker peak against the CPU allocator's peak (profiler allocation events), per rank."""
     out = {}
-    d, hidden, rows = 64, 256, 8192
-    x = _input(d, rows)
-    for name, parallelize, marks in (
-        ("TP mp=False", _tensor_parallel, {"mp_comm_recompute": False}),
-        ("TP mp=True", _tensor_parallel, {"mp_comm_recompute": True}),
-        ("FSDP po=False", _fully_shard, {"parallel_optimizer_comm_recompute": False}),
-        ("FSDP po=True", _fully_shard, {"parallel_optimizer_comm_recompute": True}),
+    activations = (64, 256, 8192)  # (d, hidden, rows)
+    for name, parallelize, marks, (d, hidden, rows) in (
+        ("TP mp=False", _tensor_parallel, {"mp_comm_recompute": False}, activations),
+        ("TP mp=True", _tensor_parallel, {"mp_comm_recompute": True}, activations),
+        ("FSDP po=False", _fully_shard, {"parallel_optimizer_comm_recompute": False}, activations),
+        ("FSDP po=True", _fully_shard, {"parallel_optimizer_comm_recompute": True}, activations),
     ):
+        x = _input(d, rows)
         torch.manual_seed(0)
         model = nn.Sequential(*[MLPBlock(d, hidden) for _ in range(4)])
         remat.apply(model, MLPBlock, **marks)
         model = parallelize(model)
 
-        def step(model: nn.Module = model) -> None:
+        def step(model: nn.Module = model, x: torch.Tensor = x) -> None:
             model.zero_grad(set_to_none=True)
             model(x).square().sum().backward()
             model.zero_grad(set_to_none=True)
@@ -670,9 +670,10 @@ def test_tracked_peak_per_rank_agrees_with_the_allocator(results):
     for rank in range(WORLD):
         memory = results[rank]["memory"]
         for name, runs in memory.items():
-            # The tracker and the allocator watch the same step. The back end now and then
-            # allocates outside the dispatcher (tens of KiB, not every step): the step with
-            # the allocator's least peak is compared.
+            # The tracker and the allocator watch the same step. Gloo's worker thread frees
+            # some collective tensors when it drops the work, and the profiler does not record
+            # every such free (the allocator can only read high): the step with the
+            # allocator's least peak is compared.
             tracked, allocated = min(runs, key=lambda run: run[1])
             assert abs(tracked - allocated) <= 0.01 * allocated, (rank, name, runs)
         assert memory["TP mp=False"][0][0] > memory["TP mp=True"][0][0]  # kept results cost memory
