@@ -40,7 +40,10 @@ def test_total_kept_equals_saved_bytes(reports):
     # remat.memory.saved_bytes is an independent count of what a forward leaves for backward.
     for report, marked in zip(reports, (False, True)):
         model = _llama(marked)
-        assert report.total_kept == remat.memory.saved_bytes(lambda m=model: next_token_loss(m(TOKENS)))
+        saved = remat.memory.saved_bytes(lambda m=model: next_token_loss(m(TOKENS)))
+        # the profile also counts the random state each marked block keeps to replay
+        snapshots = sum(row.marked for row in report.rows) * torch.get_rng_state().nbytes
+        assert report.total_kept == saved + snapshots
 
 
 def test_marked_blocks_keep_only_their_output(reports):
@@ -48,7 +51,9 @@ def test_marked_blocks_keep_only_their_output(reports):
     for i in range(CONFIG.layers):
         name = f"blocks.{i}"
         assert after.row(name).marked and not before.row(name).marked
-        assert after.row(name).kept == after.row(name).output_bytes  # Cell.recompute keeps the output
+        # Cell.recompute keeps the output, and the random state to replay (allocated outside
+        # the dispatcher; remat's engine reports it)
+        assert after.row(name).kept == after.row(name).output_bytes + torch.get_rng_state().nbytes
         assert before.row(name).kept > after.row(name).kept
     assert after.total_kept < before.total_kept
 

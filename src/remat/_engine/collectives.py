@@ -25,6 +25,14 @@ raises :class:`~remat.RecomputeError` on every rank alike. A kept result
 written in place after forward (its version counter moved) is not handed
 out: that collective is issued again, as every rank runs the same write.
 
+A ``use_reentrant=True`` re-run hands its outputs only to the nested
+backward, which never reads their values: a collective whose result is a
+re-run output (a row-wise projection's all-reduce that ends a marked MLP) is
+never waited there. The re-run keeps the results of the collectives it issues
+(:func:`replaying` with ``wait_issued``) and waits them after the nested
+backward, so no collective is left unwaited (torch's work registry stays
+empty; gloo would report "unwaited collective calls" at exit).
+
 Ops on tensor subclasses (DTensor, ``AsyncCollectiveTensor``) are deferred
 to the subclass (``NotImplemented``), so the modes also see the collectives
 DTensor issues while it dispatches an operator.
@@ -88,7 +96,30 @@ class Record(TorchDispatchMode):
         return out
 
 
-class Replay(TorchDispatchMode):
+class Issued(TorchDispatchMode):
+    """Keep the results of the collectives a re-run issues, to wait them after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.results: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if defer_to_subclass(types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if is_collective(func):
+            self.results.append(out)
+        return out
+
+    def wait(self) -> None:
+        """Wait every collective issued while active (a no-op for those already waited)."""
+        results, self.results = self.results, []
+        for x in pytree.tree_leaves(results):
+            if isinstance(x, torch.Tensor):
+                torch.ops._c10d_functional.wait_tensor(x)
+
+
+class Replay(Issued):
     """Answer the collectives of a re-run with the results kept in forward."""
 
     def __init__(self, kept: list, name: str) -> None:
@@ -114,7 +145,9 @@ class Replay(TorchDispatchMode):
             )
         if not entry.intact():  # written in place since: every rank issues it again
             self.issued += 1
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            self.results.append(out)
+            return out
         return self._hand_out(func, entry, args, kwargs)
 
     @staticmethod
@@ -144,9 +177,15 @@ def recording(frame: Any) -> contextlib.AbstractContextManager:
     return Record(frame.kept_collectives)
 
 
-def replaying(frame: Any) -> contextlib.AbstractContextManager:
-    """While a region re-runs: hand out the kept results instead of issuing collectives."""
+def replaying(frame: Any, wait_issued: bool = False) -> Any:
+    """While a region re-runs: hand out the kept results instead of issuing collectives.
+
+    With ``wait_issued`` (a reentrant re-run), return a mode in any case while a
+    process group exists; call its ``wait()`` once the re-run's outputs are used.
+    """
     kept = getattr(frame, "kept_collectives", None)
-    if kept is None:
-        return contextlib.nullcontext()
-    return Replay(kept, frame.name)
+    if kept is not None:
+        return Replay(kept, frame.name)
+    if wait_issued and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return Issued()
+    return contextlib.nullcontext()

@@ -160,7 +160,8 @@ def _differentiate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
         else:
             wrts.append(x.detach().requires_grad_())
     feeds = [_feed(frame, i, x, w) for i, (x, w) in enumerate(zip(tensors, wrts))]
-    outs, out_grads = _pairs(frame, _rerun(frame, feeds), feeds, grads)
+    rerun, replay = _rerun(frame, feeds)
+    outs, out_grads = _pairs(frame, rerun, feeds, grads)
     wrt = [w for w in wrts if w is not None] + frame.params
     found: list = [None] * len(wrt)
     if outs and wrt:
@@ -170,6 +171,7 @@ def _differentiate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
                                                  create_graph=create_graph))
         finally:
             stop[0] = False
+    _wait_issued(replay)
     found.reverse()
     input_grads = [None if w is None else found.pop() for w in wrts]
     return (None, None, *input_grads, *reversed(found))
@@ -179,9 +181,11 @@ def _accumulate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
     """An opaque region in a ``backward`` call: parameters accumulate as torch's do."""
     leaves = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
     feeds = [_feed(frame, i, x, x) for i, x in enumerate(leaves)]
-    outs, out_grads = _pairs(frame, _rerun(frame, feeds), feeds, grads)
+    rerun, replay = _rerun(frame, feeds)
+    outs, out_grads = _pairs(frame, rerun, feeds, grads)
     if outs:
         torch.autograd.backward(outs, out_grads)
+    _wait_issued(replay)
     return (None, None, *[x.grad if x.requires_grad else None for x in leaves])
 
 
@@ -208,7 +212,8 @@ def _closure_stops(frame: Any) -> Any:
             handle.remove()
 
 
-def _rerun(frame: Any, inputs: list) -> tuple:
+def _rerun(frame: Any, inputs: list) -> tuple[tuple, Any]:
+    """Re-run the region; return its outputs and the mode that saw its collectives."""
     leaves = list(frame.leaves)
     for slot, x in zip(frame.tensor_slots, inputs):
         leaves[slot] = x
@@ -218,10 +223,20 @@ def _rerun(frame: Any, inputs: list) -> tuple:
         guard: Any = _WrittenArguments(frame, inputs)
     else:
         guard = StateGuard() if frame.guard else contextlib.nullcontext()
-    replay = _collectives.replaying(frame)  # NOTE [Kept collectives]
+    replay = _collectives.replaying(frame, wait_issued=True)  # NOTE [Kept collectives]
     with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard, replay:
         out = frame.fn(*args, **kwargs)
-    return out if isinstance(out, tuple) else (out,)
+    return (out if isinstance(out, tuple) else (out,)), replay
+
+
+def _wait_issued(replay: Any) -> None:
+    """Wait the collectives the re-run issued: the nested backward never reads its outputs.
+
+    NOTE [Kept collectives]; without this a re-run output that is an all-reduce's
+    result stays unwaited.
+    """
+    if isinstance(replay, _collectives.Issued):
+        replay.wait()
 
 
 class _WrittenArguments(StateGuard):

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from remat._engine.state import note_allocation
+
 
 class DefaultDeviceType:
     """The accelerator type a region records autocast state for when no argument is on one.
@@ -90,11 +92,7 @@ class Replay:
         preserve = self.cpu_rng is not None
         devices = self.devices if self.device_rng is not None else []
         with contextlib.ExitStack() as stack:
-            stack.enter_context(
-                torch.random.fork_rng(
-                    devices=devices, enabled=preserve, device_type=self.device_type
-                )
-            )
+            stack.enter_context(_fork_rng(devices, preserve, self.device_type))
             if preserve:
                 torch.set_rng_state(self.cpu_rng)
                 if self.device_rng is not None:
@@ -106,6 +104,24 @@ class Replay:
             if self.device_autocast is not None and self.device_type != "cpu":
                 stack.enter_context(torch.amp.autocast(self.device_type, **self.device_autocast))
             yield
+
+
+@contextlib.contextmanager
+def _fork_rng(devices: list[int], enabled: bool, device_type: str) -> Iterator[None]:
+    """``torch.random.fork_rng``, its CPU snapshot shown to the memory tools (``note_allocation``)."""
+    if not enabled:
+        yield
+        return
+    cpu = torch.get_rng_state()
+    note_allocation(cpu)
+    module = torch.get_device_module(device_type) if devices else None
+    states = [module.get_rng_state(d) for d in devices] if module is not None else []
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        for device, state in zip(devices, states):
+            module.set_rng_state(state, device)
 
 
 def capture(args: Any, preserve_rng_state: bool) -> Replay:
@@ -128,10 +144,13 @@ def capture(args: Any, preserve_rng_state: bool) -> Replay:
         initialized = bool(getattr(module, "_initialized", True))
         if preserve_rng_state and initialized:
             device_rng = [module.get_rng_state(i) for i in devices]
+    cpu_rng = torch.get_rng_state() if preserve_rng_state else None
+    if cpu_rng is not None:
+        note_allocation(cpu_rng)
     return Replay(
         device_type=device_type,
         devices=devices,
-        cpu_rng=torch.get_rng_state() if preserve_rng_state else None,
+        cpu_rng=cpu_rng,
         device_rng=device_rng,
         cpu_autocast=_autocast_state("cpu"),
         device_autocast=_autocast_state(device_type) if device_type != "cpu" else None,

@@ -46,3 +46,27 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         _local.recompute_depth -= 1
+
+
+def note_allocation(tensor: object) -> None:
+    """Tell the memory tools about a tensor the engine made outside the dispatcher.
+
+    The random-state snapshots a region keeps (``torch.get_rng_state()``) are
+    allocated without an operator, so a dispatch mode never sees them; the
+    trackers listening here (``remat.memory.track``) count them while they live.
+    """
+    for listener in list(getattr(_local, "allocation_listeners", ())):
+        listener(tensor)
+
+
+@contextlib.contextmanager
+def listening_to_allocations(listener: object) -> Iterator[None]:
+    """Call ``listener(tensor)`` for each :func:`note_allocation` in this thread while active."""
+    listeners = getattr(_local, "allocation_listeners", None)
+    if listeners is None:
+        listeners = _local.allocation_listeners = []
+    listeners.append(listener)
+    try:
+        yield
+    finally:
+        listeners.remove(listener)

@@ -51,6 +51,8 @@ def saved_bytes(step: Callable[[], Any]) -> int:
     once per storage, the bytes of every storage an operator allocated during
     it that is still alive once it has returned, except the storages of the
     tensors it returns. What is left is what autograd (and remat) keep for backward.
+    The random-state snapshots remat's regions keep are made without an operator
+    and are not counted here (``remat.memory.track`` counts them).
 
     Args:
         step: a function of no arguments; its return value is held while counting.

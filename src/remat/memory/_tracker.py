@@ -26,6 +26,32 @@ DTensor's sharding propagation makes are not memory. FSDP2 allocates and
 frees a unit's gathered parameters by resizing their storages, outside the
 dispatcher: while tracking, its ``alloc_storage``/``free_storage`` report
 each resize, so gathered parameters count while they exist.
+
+NOTE [Collective temporaries]
+Gloo (the CPU back end) allocates buffers inside its collective operators,
+below the dispatcher, so no mode sees them. The tracker applies a rule for
+each, checked against the CPU allocator's events (``tests/test_parallel.py``):
+
+===================================== ============== =============================
+operator seen                          buffer          alive
+===================================== ============== =============================
+``c10d._allgather_base_``              output's bytes  while the operator runs
+``_c10d_functional.all_gather_into_    input's bytes   while the operator runs
+tensor``
+``c10d._reduce_scatter_base_``         input's bytes   until the work is done
+``_c10d_functional.reduce_scatter_     input's bytes   until ``wait_tensor`` on its
+tensor``                                               output
+===================================== ============== =============================
+
+A reduce-scatter's clone of its input is handed back to the dispatcher when
+its work is waited (its result is copied out): the tracker recognises it
+then, as the first unknown storage of that size, and counts it until it
+dies. The gloo worker thread also holds a copy of an all-gather's output
+while it runs the collective; that thread's allocations are not the step's
+and are not counted (nor by the allocator figure the tests compare with,
+which follows the step's thread). The random-state snapshots a region keeps
+are made without an operator: the engine reports them
+(``remat._engine.state.note_allocation``) and they count while they live.
 """
 
 from __future__ import annotations
@@ -41,7 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
-from remat._engine.state import is_recomputing
+from remat._engine.state import is_recomputing, listening_to_allocations
 from remat.memory._report import format_bytes
 
 OUTSIDE = "(outside modules)"
@@ -104,6 +130,9 @@ class MemoryTracker(TorchDispatchMode):
         self._cuda = False
         self._fake_ok = False
         self._patches: list[tuple[Any, str, Any]] = []
+        self._pending: list[_Record] = []  # NOTE [Collective temporaries]
+        self._pending_by_output: dict[int, _Record] = {}
+        self._listening: Any = None
         for obj in (model, *baseline):
             self.add_baseline(obj)
 
@@ -183,6 +212,8 @@ class MemoryTracker(TorchDispatchMode):
         ]
         self._fake_ok = torch._guards.detect_fake_mode() is not None
         self._patch_fsdp()
+        self._listening = listening_to_allocations(self._see_noted)
+        self._listening.__enter__()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self._cuda = True
             torch.cuda.synchronize()
@@ -192,6 +223,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        if self._listening is not None:
+            self._listening.__exit__(None, None, None)
+            self._listening = None
         for module, name, original in self._patches:
             setattr(module, name, original)
         self._patches = []
@@ -210,10 +244,34 @@ class MemoryTracker(TorchDispatchMode):
             return NotImplemented  # NOTE [Memory per rank]: see the subclass's local operators
         for storage in _storages(tree_leaves((args, kwargs)), self._fake_ok):
             self._see_input(storage)
+        temporary = _temporary(func, args, kwargs) if func.namespace in _COLLECTIVE_NAMESPACES else None
+        held = None
+        if temporary is not None:  # NOTE [Collective temporaries]
+            nbytes, lifetime = temporary
+            phase = self._current_phase()
+            held = _Record(nbytes, self._current_module(phase), phase)
+            self._change(held, nbytes)
+            if lifetime == "work":
+                self._pending.append(held)
         out = func(*args, **(kwargs or {}))
         for storage in _storages(tree_leaves(out), self._fake_ok):
-            self._see_output(storage)
+            self._see_output(storage)  # allocated inside the operator, with its buffer
+        if held is not None:
+            if temporary[1] == "operator":
+                self._change(held, -held.nbytes)
+            elif temporary[1] == "wait" and isinstance(out, torch.Tensor):
+                self._pending_by_output[_key(out.untyped_storage())] = held
+        if self._pending_by_output and func._opname == "wait_tensor":
+            for storage in _storages(tree_leaves((args, kwargs))):
+                waited = self._pending_by_output.pop(_key(storage), None)
+                if waited is not None:
+                    self._change(waited, -waited.nbytes)
         return out
+
+    def _see_noted(self, tensor: torch.Tensor) -> None:
+        """A tensor the engine made outside the dispatcher (a random-state snapshot)."""
+        for storage in _storages([tensor], self._fake_ok):
+            self._see_output(storage)
 
     def _patch_fsdp(self) -> None:
         """NOTE [Memory per rank]: see FSDP2's storage resizes while tracking."""
@@ -247,6 +305,13 @@ class MemoryTracker(TorchDispatchMode):
     def _see_input(self, storage: torch.UntypedStorage) -> None:
         key = _key(storage)
         rec = self._records.get(key)
+        if rec is None and self._pending:  # a reduce-scatter's clone, handed back by its work
+            held = next((r for r in self._pending if r.nbytes == storage.nbytes()), None)
+            if held is not None:
+                self._pending.remove(held)
+                self._records[key] = held
+                self._watch(storage, key)
+                return
         if rec is None:
             rec = _Record(storage.nbytes(), "(baseline)", "baseline", baseline=True)
             self._records[key] = rec
@@ -278,11 +343,10 @@ class MemoryTracker(TorchDispatchMode):
             self._change(rec, -rec.nbytes)
 
     def _resize(self, rec: _Record, nbytes: int) -> None:
+        # A storage that existed before the step and grows during it (FSDP2's unsharded
+        # parameters, freed to 0 bytes between uses) allocates during the step.
         delta, rec.nbytes = nbytes - rec.nbytes, nbytes
-        if rec.baseline:
-            self.baseline_bytes += delta
-        else:
-            self._change(rec, delta)
+        self._change(rec, delta)
 
     def _change(self, rec: _Record, delta: int) -> None:
         # A baseline storage freed during the step lowers the footprint below the start.
@@ -338,6 +402,32 @@ class MemoryTracker(TorchDispatchMode):
             seen.add(id(node))
             self._node_module.setdefault(node._sequence_nr(), name)
             todo.extend(n for n, _ in node.next_functions)
+
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _temporary(func: Any, args: tuple, kwargs: Any) -> tuple[int, str] | None:
+    """``(bytes, lifetime)`` of the buffer gloo allocates inside ``func`` (NOTE [Collective temporaries])."""
+    name = func._opname
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors or tensors[0].device.type != "cpu" or is_traceable_wrapper_subclass(tensors[0]):
+        return None
+    if func.namespace == "c10d":
+        if name == "_allgather_base_":  # (output, input, group, ...)
+            return _nbytes(args[0]), "operator"
+        if name == "_reduce_scatter_base_":  # (output, input, group, ...)
+            return _nbytes(args[1]), "work"
+        return None
+    if name == "all_gather_into_tensor":  # (input, group_size, group_name)
+        return _nbytes(args[0]), "operator"
+    if name == "reduce_scatter_tensor":  # (input, op, group_size, group_name)
+        return _nbytes(args[0]), "wait"
+    return None
 
 
 def _key(storage: torch.UntypedStorage) -> int:
