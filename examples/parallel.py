@@ -105,52 +105,6 @@ def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).sin().mean()
 
 
-def allocator_peak(step) -> int:
-    """The CPU allocator's peak over ``step``, from the profiler's allocation events.
-
-    Counts what the step's thread allocates, freed by whichever thread frees it. The
-    profiler does not record every free made on gloo's worker thread (which releases
-    a collective's tensors when it drops the work): a block allocated again at an
-    address still counted as live was freed before, and is uncounted then.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events, threads = [], {}
-
-    def walk(node) -> None:
-        kind, fields = node.typed
-        if kind == torch._C._profiler._EventType.Allocation:
-            events.append((node.start_time_ns, node.start_tid, fields.ptr, fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        threads[root.start_tid] = threads.get(root.start_tid, 0) + 1
-        walk(root)
-    main = max(threads, key=threads.get)
-    live = peak = 0
-    mine: dict = {}
-    late: dict = {}
-    for _, thread, ptr, size in sorted(events):
-        if size > 0:
-            if ptr in mine:  # freed before, its free not recorded (yet)
-                live -= mine.pop(ptr)
-                late[ptr] = late.get(ptr, 0) + 1
-            if thread == main:
-                mine[ptr] = size
-                live += size
-        elif late.get(ptr):
-            late[ptr] -= 1
-        elif ptr in mine:
-            live -= mine.pop(ptr)
-        elif thread == main:  # allocated before the step
-            live += size
-        peak = max(peak, live)
-    return peak
-
-
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -176,7 +130,7 @@ def run(name: str, parallelize, marks, mesh, x: torch.Tensor, reference: list, o
         gc.disable()
         try:
             with remat.memory.track(model, baseline=[x]) as tracker:
-                peak = allocator_peak(step) if on_cpu else None
+                peak = remat.memory.allocator_peak(step) if on_cpu else None
         finally:
             gc.enable()
         runs.append((tracker.peak_increase, peak))

@@ -12,6 +12,7 @@ Example:
     True
 """
 
+from remat.memory._allocator import allocator_peak
 from remat.memory._plot import plot_timeline
 from remat.memory._report import ModuleRow, ProfileReport, format_bytes
 from remat.memory._saved import saved_bytes
@@ -22,6 +23,7 @@ __all__ = [
     "ModuleRow",
     "PeakReport",
     "ProfileReport",
+    "allocator_peak",
     "format_bytes",
     "plot_timeline",
     "saved_bytes",
