@@ -27,6 +27,13 @@ state updates]), which is exact unless the region read it before writing it:
 that is refused (:class:`_WrittenArguments`). When it requires grad the Function
 marks it dirty and returns it, so its later readers back-propagate through the
 region as they would through the in-place operator.
+The nested backward differentiates aliases of the parameters, not the parameters:
+the re-run finds each reached module's parameter slots (taken in forward,
+:func:`parameter_slots`) holding an alias, so a hook registered on a parameter
+(``param.register_hook``) runs once, when the Function hands the gradient on,
+and not also where the nested backward captures it. A parameter the re-run reads
+other than through its module (a list of weights kept aside) is differentiated
+as well, with its hooks silenced there (:func:`_hooks_off`).
 Only an opaque callable (no reached tensors known) still accumulates parameter
 gradients from its own backward, as torch's reentrant checkpoint does.
 The gradients a region's re-run sends to one tensor are summed inside the
@@ -160,19 +167,143 @@ def _differentiate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
         else:
             wrts.append(x.detach().requires_grad_())
     feeds = [_feed(frame, i, x, w) for i, (x, w) in enumerate(zip(tensors, wrts))]
-    outs, out_grads = _pairs(frame, _rerun(frame, feeds), feeds, grads)
-    wrt = [w for w in wrts if w is not None] + frame.params
-    found: list = [None] * len(wrt)
-    if outs and wrt:
-        try:
-            with _closure_stops(frame):
-                found = list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
-                                                 create_graph=create_graph))
-        finally:
-            stop[0] = False
+    # the aliases stay in place through the nested backward: a reentrant region nested in
+    # this one re-runs there, and must find (and alias in turn) the tensors it took as inputs
+    with _aliased_parameters(frame, create_graph, stop) as aliases:
+        outs, out_grads = _pairs(frame, _rerun(frame, feeds), feeds, grads)
+        # a parameter the re-run also read directly (not through its module: a list of
+        # weights kept aside, say) is differentiated too
+        direct = [p for p in frame.params if id(p) in aliases]
+        if create_graph and direct:
+            direct = _read_directly(outs, direct, frame.params)
+        wrt = [w for w in wrts if w is not None] + [aliases.get(id(p), p) for p in frame.params]
+        wrt += direct
+        found: list = [None] * len(wrt)
+        if outs and wrt:
+            try:
+                with _closure_stops(frame), _hooks_off(direct):
+                    found = list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
+                                                     create_graph=create_graph))
+            finally:
+                stop[0] = False
+    if direct:
+        extra = found[len(found) - len(direct):]
+        del found[len(found) - len(direct):]
+        at = {id(p): j for j, p in enumerate(direct)}
+        base = len(found) - len(frame.params)
+        for k, p in enumerate(frame.params):
+            g = extra[at[id(p)]] if id(p) in at else None
+            if g is not None:
+                found[base + k] = g if found[base + k] is None else found[base + k] + g
     found.reverse()
     input_grads = [None if w is None else found.pop() for w in wrts]
     return (None, None, *input_grads, *reversed(found))
+
+
+def _read_directly(outs: list, params: list, reached: list) -> list:
+    """Those of ``params`` the re-run's graph reaches other than through their aliases.
+
+    Under ``create_graph=True`` a parameter's alias leads to the parameter (through a
+    stopped :class:`_Boundary`), so asking the nested backward for the parameter itself
+    would call its gradient hooks with None; it is asked only when read directly.
+    """
+    ids = {id(p) for p in params}
+    stops = {p.grad_fn for p in reached if p.grad_fn is not None}
+    found: set[int] = set()
+    seen: set = set()
+    todo = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "_BoundaryBackward":
+            continue
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in ids:
+            found.add(id(variable))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return [p for p in params if id(p) in found]
+
+
+def parameter_slots(modules: list, params: list) -> list:
+    """Where the region's modules hold ``params``: (module, name, parameter), taken in forward.
+
+    NOTE [Reentrant gradients]: the backward re-runs the region with aliases in these
+    slots. Taken when the region runs forward, so a region nested in another reentrant
+    region (whose re-run sees the outer region's aliases) aliases the very tensors its
+    Function took as inputs, whenever its backward runs. Parameters that are tensor
+    subclasses (``DTensor`` under FSDP or tensor parallelism, whose wrappers swap
+    parameters themselves) are left out.
+    """
+    wanted = {id(p) for p in params if type(p) in (torch.nn.Parameter, torch.Tensor)}
+    slots: list = []
+    seen: set[int] = set()
+    todo = list(modules) if wanted else []
+    while todo:
+        module = todo.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        slots += [(module, name, p) for name, p in module._parameters.items()
+                  if p is not None and id(p) in wanted]
+        todo.extend(m for m in module._modules.values() if m is not None)
+    return slots
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _hooks_off(params: list) -> Any:
+    """Silence the gradient hooks of ``params`` while the nested backward captures there.
+
+    Their gradient goes back through the Function, where the hooks run (once).
+    """
+    saved = []
+    for p in params:
+        hooks = p._backward_hooks
+        if hooks:
+            saved.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.update(items)
+
+
+@contextlib.contextmanager
+def _aliased_parameters(frame: Any, create_graph: bool, stop: list) -> Any:
+    """Re-run the region's modules with aliases of their parameters (NOTE [Reentrant gradients]).
+
+    The nested ``torch.autograd.grad`` captures each gradient at the alias, so the
+    parameter's own gradient hooks (``register_hook``) run once, when the Function
+    returns the gradient to it, not also inside the nested backward. Under
+    ``create_graph=True`` the alias is a :class:`_Boundary` over the parameter, so the
+    returned gradient stays differentiable down to it. A parameter shared by several
+    modules gets one alias; every slot is restored afterwards.
+    """
+    aliases: dict[int, torch.Tensor] = {}
+    swapped: list = []
+    try:
+        for module, name, p in frame.slots:
+            alias = aliases.get(id(p))
+            if alias is None:
+                if create_graph:
+                    alias = _Boundary.apply(stop, p)
+                else:
+                    alias = torch.nn.Parameter(p.detach(), requires_grad=True)
+                aliases[id(p)] = alias
+            swapped.append((module, name, module._parameters.get(name, _MISSING)))
+            module._parameters[name] = alias
+        yield aliases
+    finally:
+        for module, name, before in reversed(swapped):
+            if before is _MISSING:
+                module._parameters.pop(name, None)
+            else:
+                module._parameters[name] = before
 
 
 def _accumulate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
