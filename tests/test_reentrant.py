@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import remat
+from tests import fuzz_models as fm
 from tests.helpers import assert_same
 
 
@@ -356,3 +357,78 @@ def test_parametrized_module_in_a_reentrant_region():
     assert got[1] == want[1]
     assert_same(want[0], got[0])
     assert isinstance(model[0].parametrizations.weight.original, nn.Parameter)  # restored
+
+
+# -- a region that writes its argument in place: a view, and a gradient penalty -----------
+class _WritesArgument(nn.Module):
+    """Writes its argument in place before reading it (legal without marks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("readers", [1, 2])
+@pytest.mark.parametrize("how", ["recompute", "checkpoint", "closure"])
+def test_region_writing_an_argument_that_is_a_view(how, readers):
+    """Fuzz case 50: the argument is a transpose of another tensor. Before the fix autograd
+    refused the Function ("If your Function modifies inplace an input that is a view of
+    another Tensor, your Function cannot return more than one Tensor"); now the base is
+    marked instead, and the base's later readers and the view's both differentiate through
+    the write, bitwise."""
+    torch.manual_seed(0)
+    model, x0 = _WritesArgument(), torch.randn(4, 3)
+
+    def run(forward, model):
+        x = x0.clone().requires_grad_()
+        base = x * 1.5
+        view = base.t()  # (3, 4), a view: the region writes it
+        out = forward(view)
+        loss = out.pow(2).sum() + (base * torch.arange(3.0)).sum() + view[0].sum() * 3
+        if readers == 2:
+            loss = loss + base.exp().sum()
+        loss.backward()
+        return _grads(model, x)
+
+    plain = copy.deepcopy(model)
+    assert_same(run(plain, plain), run(_marks(model)[how], model))
+
+
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("how", ["recompute", "checkpoint"])
+def test_gradient_penalty_through_a_region_writing_its_argument(how, view):
+    """Before the fix the second backward ran into the region's own Function (the written
+    argument's saved value leads there) and recursed without end (memory grew past 20 GB);
+    now it reaches the argument's history before the write, bitwise."""
+    with fm._memory_cap(2 << 30):  # a runaway recursion fails fast
+        torch.manual_seed(0)
+        model, x0, weights = _WritesArgument(), torch.randn(3, 4), torch.randn(3, 4)
+
+        def run(forward, model):
+            x = x0.clone().requires_grad_()
+            a = x * 1.5
+            arg = a.t().t() if view else a
+            out = forward(arg)
+            (gx,) = torch.autograd.grad((out * weights).sum() + a.sum(), x, create_graph=True)
+            gx.pow(2).sum().backward()
+            return _grads(model, x)
+
+        plain = copy.deepcopy(model)
+        assert_same(run(plain, plain), run(_marks(model)[how], model))
+
+
+def test_region_writing_an_argument_that_shares_memory_with_another_is_refused():
+    lin = nn.Linear(4, 4)
+
+    def f(base, view):
+        view.mul_(2)
+        return lin(base)
+
+    x = torch.randn(3, 4, requires_grad=True)
+    base = x * 1
+    with pytest.raises(remat.RecomputeError, match=r"changes in place argument 1, which shares memory"):
+        remat.checkpoint(f, base, base[:2], use_reentrant=True)
