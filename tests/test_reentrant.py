@@ -432,3 +432,52 @@ def test_region_writing_an_argument_that_shares_memory_with_another_is_refused()
     base = x * 1
     with pytest.raises(remat.RecomputeError, match=r"changes in place argument 1, which shares memory"):
         remat.checkpoint(f, base, base[:2], use_reentrant=True)
+
+
+# -- a tensor the region's module holds as an attribute (fuzz cases 45, 154, 395, 885) ----------
+class _Memo(nn.Module):
+    memo: torch.Tensor | None = None  # set by the caller before each call
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * self.memo
+
+
+class _MemoNet(nn.Module):
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self.a, self.b, self.calls = nn.Linear(4, 4), _Memo(), calls
+
+    def forward(self, x):
+        h = self.a(x)
+        for _ in range(self.calls):  # a new memo before each call: the re-run must read the old one
+            self.b.memo = torch.sigmoid(h)
+            h = self.b(h)
+        return h
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+@pytest.mark.parametrize("call", ["backward", "grad"])
+def test_tensor_held_as_a_module_attribute(call, calls):
+    """``self.memo``, a non-leaf tensor the module reads besides its argument: before the fix
+    the nested backward stopped there and its contribution to ``a.*`` and to the input was
+    lost, silently (both ``backward`` and ``torch.autograd.grad``). Now it is an input of the
+    Function (aliased in the re-run like a parameter), read as it was in forward."""
+    torch.manual_seed(0)
+    plain, x0 = _MemoNet(calls), torch.randn(3, 4)
+    marked = copy.deepcopy(plain)
+    remat.recompute_module(marked.b, use_reentrant=True)
+
+    def run(net):
+        x = x0.clone().requires_grad_()
+        loss = net(x).pow(2).sum()
+        params = [*net.parameters(), x]
+        if call == "grad":
+            return list(torch.autograd.grad(loss, params))
+        loss.backward()
+        return [p.grad for p in params]
+
+    assert_same(run(plain), run(marked))

@@ -72,6 +72,7 @@ from remat._engine.reach import quiet
 
 def apply(frame: Any, output: Any, tensors: list) -> Any:
     """Wrap a region's forward ``output`` in :class:`Reentrant`; return what the caller sees."""
+    _settle_slots(frame)
     frame.dirty = [i for i in sorted(frame.written) if tensors[i].requires_grad]
     _written_targets(frame, tensors)
     if frame.dirty and torch.is_grad_enabled():  # NOTE [Written arguments]
@@ -260,7 +261,7 @@ def _differentiate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
         outs, out_grads, bases = _pairs(frame, _rerun(frame, feeds), feeds, grads)
         # a parameter the re-run also read directly (not through its module: a list of
         # weights kept aside, say) is differentiated too
-        direct = [p for p in frame.params if id(p) in aliases]
+        direct = [p for p in frame.params if id(p) in aliases and p.is_leaf]
         if create_graph and direct:
             direct = _read_directly(outs, direct, frame.params)
         wrt = [w for w in wrts if w is not None] + [aliases.get(id(p), p) for p in frame.params]
@@ -314,7 +315,11 @@ def _read_directly(outs: list, params: list, reached: list) -> list:
 
 
 def parameter_slots(modules: list, params: list) -> list:
-    """Where the region's modules hold ``params``: (module, name, parameter), taken in forward.
+    """Where the region's modules hold ``params``, taken in forward: (dict, name, tensor).
+
+    The dict is a module's ``_parameters``, or its ``__dict__`` for a tensor it holds as
+    a plain attribute (``self.memo = h``, read in ``forward``): the re-run reads the
+    tensor the forward read, and its gradient goes back through the Function.
 
     NOTE [Reentrant gradients]: the backward re-runs the region with aliases in these
     slots. Taken when the region runs forward, so a region nested in another reentrant
@@ -332,13 +337,33 @@ def parameter_slots(modules: list, params: list) -> list:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        slots += [(module, name, p) for name, p in module._parameters.items()
+        slots += [(module._parameters, name, p) for name, p in module._parameters.items()
                   if p is not None and id(p) in wanted]
+        slots += [(module.__dict__, name, t) for name, t in module.__dict__.items()
+                  if isinstance(t, torch.Tensor) and id(t) in wanted]
         todo.extend(m for m in module._modules.values() if m is not None)
     return slots
 
 
 _MISSING = object()
+
+
+def _settle_slots(frame: Any) -> None:
+    """Drop the slots the forward itself filled anew (``self.memo = ...`` inside the region).
+
+    The re-run fills them again; a tensor held as an attribute only there (a stale one
+    from an earlier step, whose graph may be gone) is no input of the Function.
+    """
+    kept, changed = [], set()
+    for slot, name, t in frame.slots:
+        if slot.get(name, _MISSING) is t:
+            kept.append((slot, name, t))
+        elif not isinstance(t, torch.nn.Parameter):
+            changed.add(id(t))
+    changed -= {id(t) for _, _, t in kept}
+    frame.slots = kept
+    if changed:
+        frame.params = [p for p in frame.params if id(p) not in changed]
 
 
 @contextlib.contextmanager
@@ -374,23 +399,25 @@ def _aliased_parameters(frame: Any, create_graph: bool, stop: list) -> Any:
     aliases: dict[int, torch.Tensor] = {}
     swapped: list = []
     try:
-        for module, name, p in frame.slots:
+        for slot, name, p in frame.slots:
             alias = aliases.get(id(p))
             if alias is None:
                 if create_graph:
                     alias = _Boundary.apply(stop, p)
-                else:
+                elif isinstance(p, torch.nn.Parameter):
                     alias = torch.nn.Parameter(p.detach(), requires_grad=True)
+                else:
+                    alias = p.detach().requires_grad_()
                 aliases[id(p)] = alias
-            swapped.append((module, name, module._parameters.get(name, _MISSING)))
-            module._parameters[name] = alias
+            swapped.append((slot, name, slot.get(name, _MISSING)))
+            slot[name] = alias
         yield aliases
     finally:
-        for module, name, before in reversed(swapped):
+        for slot, name, before in reversed(swapped):
             if before is _MISSING:
-                module._parameters.pop(name, None)
+                slot.pop(name, None)
             else:
-                module._parameters[name] = before
+                slot[name] = before
 
 
 def _accumulate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
