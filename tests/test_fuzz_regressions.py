@@ -104,3 +104,41 @@ def test_marked_module_writing_its_input_inside_a_checkpoint(context):
     expected = _grads(base, lambda m: m(x))
     got = _grads(marked, lambda m: remat.checkpoint(m, x, use_reentrant=False, **kwargs))
     assert _same(expected, got)
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_torch_selective_contexts_run_by_remats_policy_engine(mutate):
+    """Fuzz case 1104: torch's ``create_selective_checkpoint_contexts`` as ``context_fn`` kept
+    torch's limits ("Trying to backward an extra time" on a second backward; "has been
+    mutated" after an in-place write to a kept output). remat now runs its policy function
+    in its own engine: both work and match the unmarked model, bitwise."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x0 = torch.randn(3, 4)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+
+    def run(marked):
+        model = copy.deepcopy(block)
+        x = x0.clone().requires_grad_()
+        if marked:
+            out = remat.checkpoint(model, x, use_reentrant=False, context_fn=context_fn)
+        else:
+            out = model(x)
+        if mutate:
+            out = out.mul_(2)  # a write to the output of a kept addmm
+        loss = out.pow(2).sum()
+        loss.backward(retain_graph=True)
+        first = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+        loss.backward()
+        return first + [p.grad for p in model.parameters()] + [x.grad]
+
+    want, got = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
