@@ -1,10 +1,7 @@
 """Minimal reproducers of failures the fuzz suite (tests/test_fuzz.py) found outside issue 10's list.
 
 Each compares with the unmarked model, bitwise; a typed error that the README documents
-(``fuzz_models.DOCUMENTED_ERRORS``) is a correct outcome too. Those not fixed on this
-branch are xfails named after their class in ``tests/fuzz_models.KNOWN_BROKEN``; the
-engine fixes merged on main (d412b05) make them pass (XPASS): then delete the marker and
-the ``KNOWN_BROKEN`` entry together.
+(``fuzz_models.DOCUMENTED_ERRORS``) is a correct outcome too.
 """
 
 from __future__ import annotations
@@ -17,12 +14,6 @@ from torch import nn
 
 import remat
 from tests import fuzz_models as fm
-
-NEW_A = pytest.mark.xfail(
-    strict=False,
-    reason="NEW-A: a region that writes its own input in place is rebuilt from the written "
-    "value (reentrant; nested regions) or fails in backward (saved-tensor hooks)",
-)
 
 
 class ReadsThenWritesInput(nn.Module):
@@ -74,7 +65,6 @@ def _same(a: list, b: list | None) -> bool:
     return b is None or (len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)))
 
 
-@NEW_A
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_region_that_reads_then_writes_its_input(use_reentrant):
     """Silent with use_reentrant=True (the re-run starts from the written input, so
@@ -89,7 +79,6 @@ def test_region_that_reads_then_writes_its_input(use_reentrant):
     assert _same(_grads(base, lambda m: m(x)), _grads(marked, lambda m: m(x)))
 
 
-@NEW_A
 @pytest.mark.parametrize("context", [False, True])
 def test_marked_module_writing_its_input_inside_a_checkpoint(context):
     """Fuzz case 1035, silent: the inner region's input, rebuilt by the outer region, is
