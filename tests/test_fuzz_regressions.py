@@ -1,10 +1,7 @@
 """Minimal reproducers of failures the fuzz suite (tests/test_fuzz.py) found outside issue 10's list.
 
 Each compares with the unmarked model, bitwise; a typed error that the README documents
-(``fuzz_models.DOCUMENTED_ERRORS``) is a correct outcome too. Those not fixed on this
-branch are xfails named after their class in ``tests/fuzz_models.KNOWN_BROKEN``; the
-engine fixes merged on main (d412b05) make them pass (XPASS): then delete the marker and
-the ``KNOWN_BROKEN`` entry together.
+(``fuzz_models.DOCUMENTED_ERRORS``) is a correct outcome too.
 """
 
 from __future__ import annotations
@@ -17,12 +14,6 @@ from torch import nn
 
 import remat
 from tests import fuzz_models as fm
-
-NEW_A = pytest.mark.xfail(
-    strict=False,
-    reason="NEW-A: a region that writes its own input in place is rebuilt from the written "
-    "value (reentrant; nested regions) or fails in backward (saved-tensor hooks)",
-)
 
 
 class ReadsThenWritesInput(nn.Module):
@@ -74,7 +65,6 @@ def _same(a: list, b: list | None) -> bool:
     return b is None or (len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)))
 
 
-@NEW_A
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_region_that_reads_then_writes_its_input(use_reentrant):
     """Silent with use_reentrant=True (the re-run starts from the written input, so
@@ -89,7 +79,6 @@ def test_region_that_reads_then_writes_its_input(use_reentrant):
     assert _same(_grads(base, lambda m: m(x)), _grads(marked, lambda m: m(x)))
 
 
-@NEW_A
 @pytest.mark.parametrize("context", [False, True])
 def test_marked_module_writing_its_input_inside_a_checkpoint(context):
     """Fuzz case 1035, silent: the inner region's input, rebuilt by the outer region, is
@@ -104,3 +93,41 @@ def test_marked_module_writing_its_input_inside_a_checkpoint(context):
     expected = _grads(base, lambda m: m(x))
     got = _grads(marked, lambda m: remat.checkpoint(m, x, use_reentrant=False, **kwargs))
     assert _same(expected, got)
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_torch_selective_contexts_run_by_remats_policy_engine(mutate):
+    """Fuzz case 1104: torch's ``create_selective_checkpoint_contexts`` as ``context_fn`` kept
+    torch's limits ("Trying to backward an extra time" on a second backward; "has been
+    mutated" after an in-place write to a kept output). remat now runs its policy function
+    in its own engine: both work and match the unmarked model, bitwise."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x0 = torch.randn(3, 4)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+
+    def run(marked):
+        model = copy.deepcopy(block)
+        x = x0.clone().requires_grad_()
+        if marked:
+            out = remat.checkpoint(model, x, use_reentrant=False, context_fn=context_fn)
+        else:
+            out = model(x)
+        if mutate:
+            out = out.mul_(2)  # a write to the output of a kept addmm
+        loss = out.pow(2).sum()
+        loss.backward(retain_graph=True)
+        first = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+        loss.backward()
+        return first + [p.grad for p in model.parameters()] + [x.grad]
+
+    want, got = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

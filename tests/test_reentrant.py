@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import remat
+from tests import fuzz_models as fm
 from tests.helpers import assert_same
 
 
@@ -254,3 +255,229 @@ def test_gradients_bitwise_unless_read_twice_inside_and_also_outside(outside):
         torch.testing.assert_close(got[-1], want[-1], rtol=1e-6, atol=1e-7)
     else:
         assert torch.equal(got[-1], want[-1])
+
+
+# -- a parameter's own gradient hooks run once (fuzz: 383 of 1200 cases) -------------------
+class _Nested(nn.Module):
+    """A reentrant region inside a reentrant region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(remat.checkpoint(self.inner, x, use_reentrant=True)))
+
+
+class _KeepsWeightsAside(nn.Module):
+    """Reads its parameters through a list (as ``nn.RNNBase._flat_weights`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.flat = [self.lin.weight]
+
+    def forward(self, x):
+        return self.lin(x) + x[:, :3] @ self.flat[0][:, :3]
+
+
+def _hooked(model: nn.Module) -> list:
+    """Scale every parameter's gradient by a hook (applied twice: a wrong gradient); count calls."""
+    calls = [0] * len(list(model.parameters()))
+
+    def hook(g, i):
+        calls[i] += 1
+        return g * 0.5
+
+    for i, p in enumerate(model.parameters()):
+        p.register_hook(lambda g, i=i: hook(g, i))
+    return calls
+
+
+@pytest.mark.parametrize("call", ["backward", "grad", "penalty"])
+@pytest.mark.parametrize("how", ["recompute", "checkpoint", "closure", "nested", "aside"])
+def test_parameter_gradient_hooks_run_once(how, call):
+    """The nested backward captures each gradient at an alias of the parameter, not at the
+    parameter itself, so ``param.register_hook`` runs once per backward, as without marks.
+    Before the fix it ran twice (inside the nested backward and again when the Function
+    returned the gradient): a hook that scales the gradient was applied twice."""
+    torch.manual_seed(0)
+    model = {"nested": _Nested, "aside": _KeepsWeightsAside}.get(how, _mlp)()
+    x0, weights = torch.randn(5, 4), torch.randn(5, 3)
+
+    def run(model, forward):  # a linear loss: the penalty is bitwise (see the test above)
+        calls = _hooked(model)
+        x = x0.clone().requires_grad_()
+        loss = (forward(x) * weights).sum()
+        params = list(model.parameters())
+        if call == "backward":
+            loss.backward()
+            grads = _grads(model, x)
+        elif call == "grad":
+            grads = list(torch.autograd.grad(loss, [x, *params]))
+        else:
+            (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+            gx.pow(2).sum().backward()
+            grads = _grads(model, x)
+        return grads, calls
+
+    plain = copy.deepcopy(model)
+    want, want_calls = run(plain, plain)
+    if how in ("nested", "aside"):
+        forward = lambda x: remat.checkpoint(model, x, use_reentrant=True)
+    else:
+        forward = _marks(model)[how]
+    got, got_calls = run(model, forward)
+    assert got_calls == want_calls
+    assert_same(want, got)
+
+
+def test_parametrized_module_in_a_reentrant_region():
+    """A parametrization reads its original parameter through its own module: aliased too."""
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(0, 1)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    parametrize.register_parametrization(model[0], "weight", Symmetric())
+    x0 = torch.randn(5, 4)
+
+    def run(model, forward):
+        calls = _hooked(model)
+        x = x0.clone().requires_grad_()
+        forward(x).pow(2).sum().backward()
+        return _grads(model, x), calls
+
+    plain = copy.deepcopy(model)
+    want = run(plain, plain)
+    got = run(model, lambda x: remat.checkpoint(model, x, use_reentrant=True))
+    assert got[1] == want[1]
+    assert_same(want[0], got[0])
+    assert isinstance(model[0].parametrizations.weight.original, nn.Parameter)  # restored
+
+
+# -- a region that writes its argument in place: a view, and a gradient penalty -----------
+class _WritesArgument(nn.Module):
+    """Writes its argument in place before reading it (legal without marks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("readers", [1, 2])
+@pytest.mark.parametrize("how", ["recompute", "checkpoint", "closure"])
+def test_region_writing_an_argument_that_is_a_view(how, readers):
+    """Fuzz case 50: the argument is a transpose of another tensor. Before the fix autograd
+    refused the Function ("If your Function modifies inplace an input that is a view of
+    another Tensor, your Function cannot return more than one Tensor"); now the base is
+    marked instead, and the base's later readers and the view's both differentiate through
+    the write, bitwise."""
+    torch.manual_seed(0)
+    model, x0 = _WritesArgument(), torch.randn(4, 3)
+
+    def run(forward, model):
+        x = x0.clone().requires_grad_()
+        base = x * 1.5
+        view = base.t()  # (3, 4), a view: the region writes it
+        out = forward(view)
+        loss = out.pow(2).sum() + (base * torch.arange(3.0)).sum() + view[0].sum() * 3
+        if readers == 2:
+            loss = loss + base.exp().sum()
+        loss.backward()
+        return _grads(model, x)
+
+    plain = copy.deepcopy(model)
+    assert_same(run(plain, plain), run(_marks(model)[how], model))
+
+
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("how", ["recompute", "checkpoint"])
+def test_gradient_penalty_through_a_region_writing_its_argument(how, view):
+    """Before the fix the second backward ran into the region's own Function (the written
+    argument's saved value leads there) and recursed without end (memory grew past 20 GB);
+    now it reaches the argument's history before the write, bitwise."""
+    with fm._memory_cap(2 << 30):  # a runaway recursion fails fast
+        torch.manual_seed(0)
+        model, x0, weights = _WritesArgument(), torch.randn(3, 4), torch.randn(3, 4)
+
+        def run(forward, model):
+            x = x0.clone().requires_grad_()
+            a = x * 1.5
+            arg = a.t().t() if view else a
+            out = forward(arg)
+            (gx,) = torch.autograd.grad((out * weights).sum() + a.sum(), x, create_graph=True)
+            gx.pow(2).sum().backward()
+            return _grads(model, x)
+
+        plain = copy.deepcopy(model)
+        assert_same(run(plain, plain), run(_marks(model)[how], model))
+
+
+def test_region_writing_an_argument_that_shares_memory_with_another_is_refused():
+    lin = nn.Linear(4, 4)
+
+    def f(base, view):
+        view.mul_(2)
+        return lin(base)
+
+    x = torch.randn(3, 4, requires_grad=True)
+    base = x * 1
+    with pytest.raises(remat.RecomputeError, match=r"changes in place argument 1, which shares memory"):
+        remat.checkpoint(f, base, base[:2], use_reentrant=True)
+
+
+# -- a tensor the region's module holds as an attribute (fuzz cases 45, 154, 395, 885) ----------
+class _Memo(nn.Module):
+    memo: torch.Tensor | None = None  # set by the caller before each call
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * self.memo
+
+
+class _MemoNet(nn.Module):
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self.a, self.b, self.calls = nn.Linear(4, 4), _Memo(), calls
+
+    def forward(self, x):
+        h = self.a(x)
+        for _ in range(self.calls):  # a new memo before each call: the re-run must read the old one
+            self.b.memo = torch.sigmoid(h)
+            h = self.b(h)
+        return h
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+@pytest.mark.parametrize("call", ["backward", "grad"])
+def test_tensor_held_as_a_module_attribute(call, calls):
+    """``self.memo``, a non-leaf tensor the module reads besides its argument: before the fix
+    the nested backward stopped there and its contribution to ``a.*`` and to the input was
+    lost, silently (both ``backward`` and ``torch.autograd.grad``). Now it is an input of the
+    Function (aliased in the re-run like a parameter), read as it was in forward."""
+    torch.manual_seed(0)
+    plain, x0 = _MemoNet(calls), torch.randn(3, 4)
+    marked = copy.deepcopy(plain)
+    remat.recompute_module(marked.b, use_reentrant=True)
+
+    def run(net):
+        x = x0.clone().requires_grad_()
+        loss = net(x).pow(2).sum()
+        params = [*net.parameters(), x]
+        if call == "grad":
+            return list(torch.autograd.grad(loss, params))
+        loss.backward()
+        return [p.grad for p in params]
+
+    assert_same(run(plain), run(marked))

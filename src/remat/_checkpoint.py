@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
+from remat import _selective
 from remat._engine import flags as _flags
 from remat._engine import region as _region
 from remat._engine.flags import (
@@ -162,7 +163,7 @@ def checkpoint(
         determinism_check=determinism_check,
         debug=bool(debug),
     )
-    contexts = None if default_context else context_fn
+    contexts = None if default_context else _selective.adopt_torch_contexts(context_fn)
     return _region.run(function, args, kwargs, spec, name=_region_name(function), context_fn=contexts)
 
 

@@ -180,3 +180,22 @@ def create_selective_checkpoint_contexts(
 
     name = getattr(policy_fn, "__qualname__", None) or type(policy_fn).__name__
     return _selective.modes(_selective.CallPolicy(decide, name=name))
+
+
+def adopt_torch_contexts(context_fn: Callable) -> Callable:
+    """``context_fn``, with torch's selective-checkpoint contexts run by remat's policy engine.
+
+    ``functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
+    policy_fn)`` passed as ``context_fn`` keeps torch's limits (a second backward, an
+    in-place write to a kept output, both refused); remat reads its policy function and
+    builds :func:`create_selective_checkpoint_contexts` from it instead, so it keeps
+    the same operators and runs both. Any other pair is used as it is.
+    """
+    def contexts() -> tuple:
+        pair = context_fn()
+        first = pair[0] if isinstance(pair, tuple) and len(pair) == 2 else None
+        if isinstance(first, _torch_checkpoint._CachingTorchDispatchMode):
+            return create_selective_checkpoint_contexts(first.policy_fn)
+        return pair
+
+    return contexts

@@ -87,8 +87,9 @@ def state_tensors(reached: tuple[list, list], inputs: list) -> list:
 def differentiable(reached: tuple[list, list] | None) -> list:
     """The tensors requiring grad that a region reaches besides its arguments.
 
-    Parameters of the reached modules and tensors read through a closure (leaves
-    or not, an argument too when the closure also reads it), each once. A
+    Parameters of the reached modules, tensors they hold as plain attributes, and
+    tensors read through a closure (leaves or not, an argument too when the closure
+    also reads it), each once. A
     reentrant region takes them as inputs of its ``autograd.Function`` (NOTE
     [Reentrant gradients]).
     """
@@ -97,10 +98,23 @@ def differentiable(reached: tuple[list, list] | None) -> list:
     modules, tensors = reached
     taken: set[int] = set()
     out = []
-    for t in [p for m in modules for p in m.parameters()] + tensors:
+    for t in [p for m in modules for p in m.parameters()] + tensor_attributes(modules) + tensors:
         if t.requires_grad and id(t) not in taken:
             taken.add(id(t))
             out.append(t)
+    return out
+
+
+def tensor_attributes(modules: list) -> list:
+    """Tensors the modules (and their submodules) hold as plain attributes (``self.memo = h``)."""
+    out, seen, todo = [], set(), list(modules)
+    while todo:
+        module = todo.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        out += [v for v in module.__dict__.values() if isinstance(v, torch.Tensor)]
+        todo.extend(m for m in module._modules.values() if m is not None)
     return out
 
 

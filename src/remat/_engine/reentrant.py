@@ -21,12 +21,30 @@ differentiable down to the real inputs (a gradient penalty), while the nested
 ``torch.autograd.grad`` still stops there. A tensor read through the closure
 cannot be stopped at: if the nested backward runs on past it (it was computed
 from the region's own parameters), the region is refused (:func:`_closure_stops`).
+
+NOTE [Written arguments]
 An argument the forward wrote in place is re-run from a copy of its new value
 (the saved one is never written again) with the write dropped (NOTE [No double
 state updates]), which is exact unless the region read it before writing it:
 that is refused (:class:`_WrittenArguments`). When it requires grad the Function
 marks it dirty and returns it, so its later readers back-propagate through the
-region as they would through the in-place operator.
+region as they would through the in-place operator. Autograd lets a Function
+that writes a view return nothing else, so for a view its base is marked and
+returned instead (an extra input): the view's new value gets its slice of the
+base's gradient, and the base gets the rest with that slice zeroed, as autograd's
+``CopySlices`` does for an in-place operator on a view. Under
+``create_graph=True`` the written argument's gradient must stay differentiable
+down to its history before the write, which marking it dirty replaced: a
+:class:`_Link` taken in forward keeps that history (without memory of its own),
+and the re-run's argument is a :class:`_Boundary` over it (without it the second
+backward ran into the region's own Function, endlessly).
+The nested backward differentiates aliases of the parameters, not the parameters:
+the re-run finds each reached module's parameter slots (taken in forward,
+:func:`parameter_slots`) holding an alias, so a hook registered on a parameter
+(``param.register_hook``) runs once, when the Function hands the gradient on,
+and not also where the nested backward captures it. A parameter the re-run reads
+other than through its module (a list of weights kept aside) is differentiated
+as well, with its hooks silenced there (:func:`_hooks_off`).
 Only an opaque callable (no reached tensors known) still accumulates parameter
 gradients from its own backward, as torch's reentrant checkpoint does.
 The gradients a region's re-run sends to one tensor are summed inside the
@@ -54,21 +72,57 @@ from remat._engine.reach import quiet
 
 def apply(frame: Any, output: Any, tensors: list) -> Any:
     """Wrap a region's forward ``output`` in :class:`Reentrant`; return what the caller sees."""
+    _settle_slots(frame)
     frame.dirty = [i for i in sorted(frame.written) if tensors[i].requires_grad]
+    _written_targets(frame, tensors)
+    if frame.dirty and torch.is_grad_enabled():  # NOTE [Written arguments]
+        frame.links = {i: _Link.apply(tensors[i]) for i in frame.dirty}
     frame.pending = output
-    result = Reentrant.apply(frame, len(tensors), *tensors, *frame.params)
-    if not frame.dirty:
+    bases = frame.bases
+    frame.bases = None  # tensors the frame must not hold: the Function's outputs lead to it
+    result = Reentrant.apply(frame, len(tensors), *tensors, *frame.params, *bases)
+    frame.targets = None
+    if not frame.n_targets:
         return result
-    result = result[:len(result) - len(frame.dirty)]
+    result = result[:len(result) - frame.n_targets]
     return result if isinstance(output, tuple) else result[0]
+
+
+def _written_targets(frame: Any, tensors: list) -> None:
+    """What the Function marks dirty for the arguments the forward wrote (NOTE [Written arguments]).
+
+    An argument that is not a view is marked itself; for a view, its base is (autograd
+    lets a Function that writes a view return nothing else): the base becomes an extra
+    input of the Function (``frame.bases``) unless it is an argument too.
+    """
+    frame.targets, frame.target_of, frame.bases, frame.views = [], {}, [], {}
+    for i in frame.dirty:
+        x = tensors[i]
+        target = x._base if x._is_view() else x
+        if any(target is t for t in frame.targets) or (
+                target is not x and any(target is t for t in tensors)):
+            raise RecomputeError(
+                f"remat: region '{frame.name}' (use_reentrant=True) changes in place argument {i}, "
+                f"which shares memory with another argument it takes or changes; the reentrant "
+                f"implementation cannot split their gradients; pass one of them, or use "
+                f"use_reentrant=False"
+            )
+        frame.target_of[i] = len(frame.targets)
+        frame.targets.append(target)
+        if target is not x:
+            frame.views[i] = (len(frame.bases), tuple(target.shape), target.stride(),
+                              tuple(x.shape), x.stride(), x.storage_offset() - target.storage_offset())
+            frame.bases.append(target)
+    frame.n_targets, frame.n_bases = len(frame.targets), len(frame.bases)
 
 
 class Reentrant(torch.autograd.Function):
     """``use_reentrant=True``: the forward ran without grad; backward re-runs the region.
 
     Its inputs: the region's tensor arguments, then the tensors it reaches
-    (NOTE [Reentrant gradients]). Its outputs: the region's, then the arguments
-    the forward wrote in place (marked dirty).
+    (NOTE [Reentrant gradients]), then the bases of arguments it wrote that are views.
+    Its outputs: the region's, then the arguments (or their bases) the forward wrote
+    in place, marked dirty (NOTE [Written arguments]).
     """
 
     @staticmethod
@@ -77,10 +131,9 @@ class Reentrant(torch.autograd.Function):
         ctx.save_for_backward(*tensors[:n_inputs])
         out, frame.pending = frame.pending, None
         outs = tuple(_not_a_view(o) for o in (out if isinstance(out, tuple) else (out,)))
-        if frame.dirty:
-            dirty = [tensors[i] for i in frame.dirty]
-            ctx.mark_dirty(*dirty)
-            return (*outs, *dirty)
+        if frame.targets:
+            ctx.mark_dirty(*frame.targets)
+            return (*outs, *frame.targets)
         return outs if isinstance(out, tuple) else outs[0]
 
     @staticmethod
@@ -115,16 +168,36 @@ class Reentrant(torch.autograd.Function):
 
 
 class _Boundary(torch.autograd.Function):
-    """An argument of a re-run under ``create_graph=True``: the nested backward stops here."""
+    """An argument of a re-run under ``create_graph=True``: the nested backward stops here.
+
+    With ``value``, the argument's value is ``value`` and its gradient goes to ``x``
+    (a :class:`_Link`: NOTE [Written arguments]).
+    """
 
     @staticmethod
-    def forward(ctx: Any, stop: list, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, stop: list, x: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
         ctx.stop = stop
-        return x.view_as(x)
+        return x.view_as(x) if value is None else value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any, *_: Any) -> Any:
+        return None, (None if ctx.stop[0] else grad), None
+
+
+class _Link(torch.autograd.Function):
+    """Holds a written argument's history as it was before the write (NOTE [Written arguments]).
+
+    Its output has the argument's shape and no memory of its own (an expanded
+    scalar); a gradient sent to it goes to the argument's history.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(()).expand(x.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return None, (None if ctx.stop[0] else grad)
+        return grad
 
 
 def _not_a_view(x: Any) -> Any:
@@ -140,11 +213,31 @@ def _feed(frame: Any, i: int, x: torch.Tensor, wrt: torch.Tensor | None) -> torc
         return feed.clone()
 
 
-def _pairs(frame: Any, outs: tuple, feeds: list, grads: tuple) -> tuple[list, list]:
-    n = len(grads) - len(frame.dirty)
+def _pairs(frame: Any, outs: tuple, feeds: list, grads: tuple) -> tuple[list, list, list]:
+    """The re-run's outputs and the gradients they get; the gradients of the written bases.
+
+    NOTE [Written arguments]: a written view's new value gets its slice of its base's
+    gradient; the base itself gets the rest (the slice zeroed: the region overwrote it).
+    """
+    n = len(grads) - frame.n_targets
     pairs = [(o, g) for o, g in zip(outs, grads[:n]) if isinstance(o, torch.Tensor) and o.requires_grad]
-    pairs += [(feeds[i], g) for i, g in zip(frame.dirty, grads[n:]) if feeds[i].requires_grad]
-    return [o for o, _ in pairs], [g for _, g in pairs]
+    bases: list = [None] * frame.n_bases
+    slices = []
+    for i in frame.dirty:
+        g = grads[n + frame.target_of[i]]
+        if i in frame.views:
+            k, base_shape, base_stride, shape, stride, offset = frame.views[i]
+            whole = g.new_empty_strided(base_shape, base_stride)
+            whole.copy_(g)  # as autograd's CopySlices does
+            part = whole.as_strided(shape, stride, offset)
+            g = part.clone()
+            slices.append(part)
+            bases[k] = whole
+        if feeds[i].requires_grad:
+            pairs.append((feeds[i], g))
+    for part in slices:
+        part.zero_()
+    return [o for o, _ in pairs], [g for _, g in pairs], bases
 
 
 def _differentiate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
@@ -152,29 +245,181 @@ def _differentiate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
     create_graph = torch.is_grad_enabled()
     stop = [True]
     wrts: list = []
-    for x in tensors:
+    for i, x in enumerate(tensors):
         if not x.requires_grad:
             wrts.append(None)
+        elif create_graph and i in frame.target_of:  # NOTE [Written arguments]
+            wrts.append(_Boundary.apply(stop, frame.links[i], x.detach()))
         elif create_graph:
             wrts.append(_Boundary.apply(stop, x))
         else:
             wrts.append(x.detach().requires_grad_())
     feeds = [_feed(frame, i, x, w) for i, (x, w) in enumerate(zip(tensors, wrts))]
-    rerun, replay = _rerun(frame, feeds)
-    outs, out_grads = _pairs(frame, rerun, feeds, grads)
-    wrt = [w for w in wrts if w is not None] + frame.params
-    found: list = [None] * len(wrt)
-    if outs and wrt:
-        try:
-            with _closure_stops(frame):
-                found = list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
-                                                 create_graph=create_graph))
-        finally:
-            stop[0] = False
+    # the aliases stay in place through the nested backward: a reentrant region nested in
+    # this one re-runs there, and must find (and alias in turn) the tensors it took as inputs
+    with _aliased_parameters(frame, create_graph, stop) as aliases:
+        rerun, replay = _rerun(frame, feeds)
+        outs, out_grads, bases = _pairs(frame, rerun, feeds, grads)
+        # a parameter the re-run also read directly (not through its module: a list of
+        # weights kept aside, say) is differentiated too
+        direct = [p for p in frame.params if id(p) in aliases and p.is_leaf]
+        if create_graph and direct:
+            direct = _read_directly(outs, direct, frame.params)
+        wrt = [w for w in wrts if w is not None] + [aliases.get(id(p), p) for p in frame.params]
+        wrt += direct
+        found: list = [None] * len(wrt)
+        if outs and wrt:
+            try:
+                with _closure_stops(frame), _hooks_off(direct):
+                    found = list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
+                                                     create_graph=create_graph))
+            finally:
+                stop[0] = False
     _wait_issued(replay)
+    if direct:
+        extra = found[len(found) - len(direct):]
+        del found[len(found) - len(direct):]
+        at = {id(p): j for j, p in enumerate(direct)}
+        base = len(found) - len(frame.params)
+        for k, p in enumerate(frame.params):
+            g = extra[at[id(p)]] if id(p) in at else None
+            if g is not None:
+                found[base + k] = g if found[base + k] is None else found[base + k] + g
     found.reverse()
     input_grads = [None if w is None else found.pop() for w in wrts]
-    return (None, None, *input_grads, *reversed(found))
+    return (None, None, *input_grads, *reversed(found), *bases)
+
+
+def _read_directly(outs: list, params: list, reached: list) -> list:
+    """Those of ``params`` the re-run's graph reaches other than through their aliases.
+
+    Under ``create_graph=True`` a parameter's alias leads to the parameter (through a
+    stopped :class:`_Boundary`), so asking the nested backward for the parameter itself
+    would call its gradient hooks with None; it is asked only when read directly.
+    """
+    ids = {id(p) for p in params}
+    stops = {p.grad_fn for p in reached if p.grad_fn is not None}
+    found: set[int] = set()
+    seen: set = set()
+    todo = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "_BoundaryBackward":
+            continue
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in ids:
+            found.add(id(variable))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return [p for p in params if id(p) in found]
+
+
+def parameter_slots(modules: list, params: list) -> list:
+    """Where the region's modules hold ``params``, taken in forward: (dict, name, tensor).
+
+    The dict is a module's ``_parameters``, or its ``__dict__`` for a tensor it holds as
+    a plain attribute (``self.memo = h``, read in ``forward``): the re-run reads the
+    tensor the forward read, and its gradient goes back through the Function.
+
+    NOTE [Reentrant gradients]: the backward re-runs the region with aliases in these
+    slots. Taken when the region runs forward, so a region nested in another reentrant
+    region (whose re-run sees the outer region's aliases) aliases the very tensors its
+    Function took as inputs, whenever its backward runs. Parameters that are tensor
+    subclasses (``DTensor`` under FSDP or tensor parallelism, whose wrappers swap
+    parameters themselves) are left out.
+    """
+    wanted = {id(p) for p in params if type(p) in (torch.nn.Parameter, torch.Tensor)}
+    slots: list = []
+    seen: set[int] = set()
+    todo = list(modules) if wanted else []
+    while todo:
+        module = todo.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        slots += [(module._parameters, name, p) for name, p in module._parameters.items()
+                  if p is not None and id(p) in wanted]
+        slots += [(module.__dict__, name, t) for name, t in module.__dict__.items()
+                  if isinstance(t, torch.Tensor) and id(t) in wanted]
+        todo.extend(m for m in module._modules.values() if m is not None)
+    return slots
+
+
+_MISSING = object()
+
+
+def _settle_slots(frame: Any) -> None:
+    """Drop the slots the forward itself filled anew (``self.memo = ...`` inside the region).
+
+    The re-run fills them again; a tensor held as an attribute only there (a stale one
+    from an earlier step, whose graph may be gone) is no input of the Function.
+    """
+    kept, changed = [], set()
+    for slot, name, t in frame.slots:
+        if slot.get(name, _MISSING) is t:
+            kept.append((slot, name, t))
+        elif not isinstance(t, torch.nn.Parameter):
+            changed.add(id(t))
+    changed -= {id(t) for _, _, t in kept}
+    frame.slots = kept
+    if changed:
+        frame.params = [p for p in frame.params if id(p) not in changed]
+
+
+@contextlib.contextmanager
+def _hooks_off(params: list) -> Any:
+    """Silence the gradient hooks of ``params`` while the nested backward captures there.
+
+    Their gradient goes back through the Function, where the hooks run (once).
+    """
+    saved = []
+    for p in params:
+        hooks = p._backward_hooks
+        if hooks:
+            saved.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.update(items)
+
+
+@contextlib.contextmanager
+def _aliased_parameters(frame: Any, create_graph: bool, stop: list) -> Any:
+    """Re-run the region's modules with aliases of their parameters (NOTE [Reentrant gradients]).
+
+    The nested ``torch.autograd.grad`` captures each gradient at the alias, so the
+    parameter's own gradient hooks (``register_hook``) run once, when the Function
+    returns the gradient to it, not also inside the nested backward. Under
+    ``create_graph=True`` the alias is a :class:`_Boundary` over the parameter, so the
+    returned gradient stays differentiable down to it. A parameter shared by several
+    modules gets one alias; every slot is restored afterwards.
+    """
+    aliases: dict[int, torch.Tensor] = {}
+    swapped: list = []
+    try:
+        for slot, name, p in frame.slots:
+            alias = aliases.get(id(p))
+            if alias is None:
+                if create_graph:
+                    alias = _Boundary.apply(stop, p)
+                elif isinstance(p, torch.nn.Parameter):
+                    alias = torch.nn.Parameter(p.detach(), requires_grad=True)
+                else:
+                    alias = p.detach().requires_grad_()
+                aliases[id(p)] = alias
+            swapped.append((slot, name, slot.get(name, _MISSING)))
+            slot[name] = alias
+        yield aliases
+    finally:
+        for slot, name, before in reversed(swapped):
+            if before is _MISSING:
+                slot.pop(name, None)
+            else:
+                slot[name] = before
 
 
 def _accumulate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
@@ -182,11 +427,11 @@ def _accumulate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
     leaves = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
     feeds = [_feed(frame, i, x, x) for i, x in enumerate(leaves)]
     rerun, replay = _rerun(frame, feeds)
-    outs, out_grads = _pairs(frame, rerun, feeds, grads)
+    outs, out_grads, bases = _pairs(frame, rerun, feeds, grads)
     if outs:
         torch.autograd.backward(outs, out_grads)
     _wait_issued(replay)
-    return (None, None, *[x.grad if x.requires_grad else None for x in leaves])
+    return (None, None, *[x.grad if x.requires_grad else None for x in leaves], *bases)
 
 
 @contextlib.contextmanager

@@ -188,6 +188,7 @@ class _Frame:
             self.versions = [x._version for x in tensors]
             self.written: set[int] = set()
             self.params = differentiable(reached)  # NOTE [Reentrant gradients]
+            self.slots = _reentrant.parameter_slots(self.modules, self.params)
             self.opaque = reached is None
         else:
             self._save_inputs(tensors)
