@@ -254,6 +254,8 @@ def main() -> int:
     parser.add_argument("--no-70b", action="store_true", help="skip the 70B fake-tensor plan")
     parser.add_argument("--models", default="gpt,llama,resnet50,unet", help="models of 'held'")
     parser.add_argument("--anchor-models", default="gpt,resnet50", help="models of 'anchors'")
+    parser.add_argument("--max-batch-budgets", default="160MiB,400MiB",
+                        help="budgets of 'maxbatch' (comma-separated)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -267,7 +269,7 @@ def main() -> int:
     if "anchors" in sections:
         result["anchors"] = [anchors(n, *chosen[n], pairs=5) for n in args.anchor_models.split(",")]
     if "maxbatch" in sections:
-        result["max_batch"] = max_batch("160MiB")
+        result["max_batch"] = {b: max_batch(b) for b in args.max_batch_budgets.split(",")}
     if "speed" in sections:
         result["speed"] = speed(not args.no_70b)
     os.makedirs(args.out, exist_ok=True)

@@ -68,10 +68,13 @@ class BlockCosts:
         end = self.peaks["keep"] - sum(keep_kept)
         base = max((p for o, p in self.peaks.items() if self.phases.get(o) == "optimizer"), default=0)
         time_of = [[0.0, f, s, f] for f, s in zip(self.forward_s, self.selective_s)]
-        # block moments only (the end of forward set to nothing)
+        # What follows the last block (a head, a loss) runs backward with the gradients of
+        # the parameters outside blocks and the blocks' kept bytes; a final chain is rebuilt there.
+        tail = fixed[-1] + self.output_bytes[-1] if n else end
+        # block moments only
         rough = Problem(kept=self.kept, time=time_of, rebuilt=keep_kept, fixed=fixed,
                         output=self.output_bytes, end=-float("inf"), chain_time=self.forward_s,
-                        last_held=keep_kept)
+                        last_held=keep_kept, tail=-float("inf"))
         # Each option's uniform run tells what its backward holds beyond the rough model
         # (gradient temporaries, the rebuilt output of a cell mark): added for that option.
         gaps = [0.0] * len(OPTIONS)
@@ -83,7 +86,7 @@ class BlockCosts:
         return Problem(kept=self.kept, time=time_of,
                        rebuilt=[[k + g for g in gaps] for k in keep_kept],
                        fixed=fixed, output=self.output_bytes, end=end, chain_time=self.forward_s,
-                       base=base, last_held=keep_kept)
+                       base=base, last_held=keep_kept, tail=tail)
 
 
 def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, torch.nn.Module]]:
