@@ -209,3 +209,17 @@ def test_remat_compile_honours_every_option_of_a_plan():
     torch.manual_seed(123)
     compiled(x).float().pow(2).mean().backward()
     assert all(torch.equal(p.grad, expected[n]) for n, p in marked.named_parameters())
+
+
+def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
+    from remat.memory.profile import measure
+    from remat.plan._cost import measure_peak
+
+    net, x = tiny_gpt(), tokens()
+    for block in list(net.blocks)[::2]:
+        remat.recompute_module(block)
+    full = measure(net, (x,), loss_fn=None, optimizer="adam")
+    assert max(full.phase_peaks.values()) == full.peak_bytes and "optimizer" in full.phase_peaks
+    short = measure_peak(net, (x,), loss_fn=None, optimizer="adam", fake=False,
+                         optimizer_peak=full.phase_peaks["optimizer"])
+    assert short == full.peak_bytes

@@ -58,6 +58,7 @@ class BlockCosts:
     step_s: float | None = None
     timed: str = "measured"
     transient_bytes: list = field(default_factory=list)
+    optimizer_peak: int | None = None
 
     def problem(self) -> Problem:
         """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks."""
@@ -295,16 +296,21 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
         other_grad_bytes=all_grads - sum(grads),
         peaks={o: r.peak_bytes for o, r in reports.items()},
         phases={o: r.peak_phase for o, r in reports.items()}, step_s=step, timed=timed,
+        optimizer_peak=reports["keep"].phase_peaks.get("optimizer"),
     )
 
 
 def measure_peak(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | None,
-                 optimizer: OptimizerLike, fake: bool) -> int:
-    """Peak bytes of one step of ``model`` as marked (the model's state is restored after)."""
+                 optimizer: OptimizerLike, fake: bool, optimizer_peak: int | None = None) -> int:
+    """Peak bytes of one step of ``model`` as marked (the model's state is restored after).
+
+    With ``optimizer_peak`` (the optimizer phase's peak, which no mark changes) the
+    optimizer's step is not run again: the peak is the larger of that and the rest's."""
     state = None if fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
-        return measure(model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer,
-                       estimated=fake, api=API).peak_bytes
+        report = measure(model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer,
+                         estimated=fake, api=API, optimizer_step=optimizer_peak is None)
+        return max(report.peak_bytes, optimizer_peak or 0)
     finally:
         if state is not None:
             model.load_state_dict(state)
@@ -382,6 +388,8 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
         chain=spread(three.chain), baseline_bytes=int(grow(two.baseline_bytes, three.baseline_bytes)),
         other_grad_bytes=three.other_grad_bytes,
         peaks={o: int(grow(two.peaks[o], p)) for o, p in three.peaks.items()},
+        optimizer_peak=(None if three.optimizer_peak is None
+                        else int(grow(two.optimizer_peak, three.optimizer_peak))),
         phases=three.phases,
         step_s=grow(two.step_s, three.step_s) if two.step_s is not None else None,
         timed=three.timed + f"; {n} identical blocks composed from runs with 2 and 3",

@@ -385,7 +385,8 @@ def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, bu
             break
         say(f"measuring the plan for {format_bytes(budget)}")
         measured = _measure_choices(model, inputs, costs.names, solution.choices, fake=fake,
-                                    loss_fn=loss_fn, optimizer=optimizer)
+                                    loss_fn=loss_fn, optimizer=optimizer,
+                                    optimizer_peak=costs.optimizer_peak)
         if measured <= budget:
             break
         over.append(measured)
@@ -399,13 +400,15 @@ def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, bu
 
 
 def _measure_choices(model: torch.nn.Module, inputs: tuple, names: list, choices: Sequence[str], *,
-                     fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike) -> int:
+                     fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike,
+                     optimizer_peak: int | None = None) -> int:
     modules = dict(model.named_modules())
     marked = [(modules[n], c) for n, c in zip(names, choices) if c != "keep"]
     for module, choice in marked:
         recompute_module(module, **MARKS[choice])
     try:
-        return measure_peak(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake)
+        return measure_peak(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake,
+                            optimizer_peak=optimizer_peak)
     finally:
         for module, _ in marked:
             unmark_module(module)
