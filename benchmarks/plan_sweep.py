@@ -226,8 +226,8 @@ def versus_compile(name: str, build, inputs, loss_fn, fractions=(1.0, 0.5, 0.2, 
         peaks[plan_label] = measured
         plans[plan_label] = "".join(c[0] for c in plan.choices.values())
     times: dict[str, list] = {k: [] for k in configs}
-    for k in configs:  # warm-up
-        step(configs[k])
+    for target in configs.values():  # warm-up
+        step(target)
     for r in range(rounds):
         order = list(configs) if r % 2 == 0 else list(reversed(configs))
         for k in order:
