@@ -103,7 +103,12 @@ def test_json_round_trip_and_apply_to_a_fresh_model():
     assert p.apply(a) == back.apply(b)
     assert remat.marked_modules(a) == remat.marked_modules(b) != {}
     table = str(p)
-    assert all(name in table for name in p.choices) and "predicted peak" in table
+    assert "predicted peak" in table
+    # one row per block, or per run of identical ones ("blocks.0..3 (4)"): every block counted once
+    rows = table.splitlines()[3:]
+    assert sum(int(r.split("(")[1].split(")")[0]) if ") " in r.split("  ")[0] + " " else 1
+               for r in rows) == len(p.decisions)
+    assert all(r.split()[0].split("..")[0] in p.choices for r in rows)
     assert "within budget" in p.report()
     with pytest.raises(ValueError, match="not a remat plan"):
         remat.Plan.from_json('{"decisions": []}')
@@ -223,3 +228,22 @@ def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
     short = measure_peak(net, (x,), loss_fn=None, optimizer="adam", fake=False,
                          optimizer_peak=full.phase_peaks["optimizer"])
     assert short == full.peak_bytes
+
+
+def test_option_times_are_calibrated_by_each_option_timed_run():
+    from remat.plan._cost import BlockCosts
+    from remat.plan._solve import OPTIONS, evaluate
+
+    def costs(steps: dict) -> BlockCosts:
+        return BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0]] * 2,
+                          forward_s=[1.0, 1.0], selective_s=[0.5, 0.5], output_bytes=[2, 2],
+                          grad_bytes=[1, 1], chain=[True, True], baseline_bytes=10, other_grad_bytes=0,
+                          peaks=dict.fromkeys(OPTIONS, 40), option_step_s=steps)
+
+    plain = costs({}).problem()
+    steps = {"keep": 10.0, "recompute": 13.0, "selective": 10.5, "output": 14.5}
+    tuned = costs(steps).problem()
+    for o, option in enumerate(OPTIONS[1:], 1):
+        uniform = [o, o]
+        assert evaluate(plain, uniform)[1] != steps[option] - steps["keep"]
+        assert evaluate(tuned, uniform)[1] == pytest.approx(steps[option] - steps["keep"])
