@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import sys
 
 import pytest
 import torch
@@ -247,3 +248,22 @@ def test_option_times_are_calibrated_by_each_option_timed_run():
         uniform = [o, o]
         assert evaluate(plain, uniform)[1] != steps[option] - steps["keep"]
         assert evaluate(tuned, uniform)[1] == pytest.approx(steps[option] - steps["keep"])
+
+
+def test_when_every_solved_plan_measures_over_a_uniform_measured_plan_is_chosen(monkeypatch):
+    front = sys.modules[sweep.__module__]
+
+    net, x = tiny_gpt(), tokens()
+    honest = remat.plan(net, x, budget=0.7, repeat=1)
+    monkeypatch.setattr(front, "_measure_choices", lambda *a, **k: 10 * honest.no_recompute_peak_bytes)
+    p = remat.plan(net, x, budget=0.7, repeat=1)
+    assert p.solver == "uniform fallback" and len(set(p.choices.values())) == 1
+    assert p.measured_peak_bytes <= p.budget_bytes
+    uniform = tiny_gpt()
+    p.apply(uniform)
+    with remat.memory.track(uniform, baseline=[x]) as marked:
+        uniform(x).sum().backward()
+    with remat.memory.track(tiny_gpt(), baseline=[x]) as plain:
+        m = tiny_gpt()
+        m(x).sum().backward()
+    assert marked.peak_bytes < plain.peak_bytes
