@@ -145,7 +145,7 @@ def anchors(name: str, build, inputs, loss_fn, pairs: int) -> dict:
     setup.loss_fn, setup.optimizer = loss_fn, "adam"
     per_block = setup.measure(lambda m: mark_strategy(m, "per-block checkpointing"))
     plan = sweep(setup.build(), *inputs, budgets=[per_block["peak_bytes"]], loss_fn=loss_fn,
-                 repeat=1, floors=True)[0]
+                 repeat=3, floors=True)[0]  # each option's timed run calibrates its times
     if isinstance(plan, Exception):
         print(f"[anchors {name}] no plan at per-block's peak: {plan}")
         return {"model": name, "error": str(plan)}
@@ -347,6 +347,7 @@ def main() -> int:
     parser.add_argument("--no-70b", action="store_true", help="skip the 70B fake-tensor plan")
     parser.add_argument("--models", default="gpt,llama,resnet50,unet", help="models of 'held'")
     parser.add_argument("--anchor-models", default="gpt,resnet50", help="models of 'anchors'")
+    parser.add_argument("--pairs", type=int, default=5, help="timed pairs per configuration in 'anchors'")
     parser.add_argument("--compile-models", default="gpt", help="models of 'compile'")
     parser.add_argument("--max-batch-budgets", default="160MiB,400MiB",
                         help="budgets of 'maxbatch' (comma-separated)")
@@ -361,7 +362,7 @@ def main() -> int:
     if "optimality" in sections:
         result["optimality"] = optimality(12 if args.quick else 30)
     if "anchors" in sections:
-        result["anchors"] = [anchors(n, *chosen[n], pairs=5) for n in args.anchor_models.split(",")]
+        result["anchors"] = [anchors(n, *chosen[n], pairs=args.pairs) for n in args.anchor_models.split(",")]
     if "compile" in sections:
         result["versus_compile"] = [versus_compile(n, *chosen[n]) for n in args.compile_models.split(",")]
     if "maxbatch" in sections:
