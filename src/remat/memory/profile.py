@@ -64,15 +64,7 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    # untracked: the multi-tensor kernels make the same state in far fewer operator calls
-    saved = [(group, group.get("foreach")) for group in optimizer.param_groups if "foreach" in group]
-    for group, _ in saved:
-        group["foreach"] = True
-    try:
-        optimizer.step()
-    finally:
-        for group, value in saved:
-            group["foreach"] = value
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
