@@ -145,7 +145,7 @@ def anchors(name: str, build, inputs, loss_fn, pairs: int) -> dict:
     setup.loss_fn, setup.optimizer = loss_fn, "adam"
     per_block = setup.measure(lambda m: mark_strategy(m, "per-block checkpointing"))
     plan = sweep(setup.build(), *inputs, budgets=[per_block["peak_bytes"]], loss_fn=loss_fn,
-                 repeat=1, floors=True)[0]
+                 repeat=3, floors=True)[0]  # each option's timed run calibrates its times
     if isinstance(plan, Exception):
         print(f"[anchors {name}] no plan at per-block's peak: {plan}")
         return {"model": name, "error": str(plan)}
@@ -159,6 +159,99 @@ def anchors(name: str, build, inputs, loss_fn, pairs: int) -> dict:
           f"plan: peak {planned['peak_bytes']:,} overhead {planned['overhead']:+.3f} "
           f"(predicted {plan.predicted_overhead:+.3f}) -> ratio {ratio}")
     return out
+
+
+def versus_compile(name: str, build, inputs, loss_fn, fractions=(1.0, 0.5, 0.2, 0.05), rounds: int = 7) -> dict:
+    """The plan against torch.compile's ``activation_memory_budget`` (backend aot_eager, whose
+    min-cut partitioner honours it) on one model, side by side: every configuration's peak from
+    allocator events (torch.profiler; the tracker cannot see into compiled code) over one forward
+    and backward, step times in interleaved rounds (median and quartiles)."""
+    import copy
+
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from remat._graph._compare import allocation_peak
+
+    torch._dynamo.config.cache_size_limit = 64
+    loss_fn = loss_fn or (lambda out: out.sum())
+    torch.manual_seed(0)
+    base = build()
+    configs: dict[str, tuple] = {"eager, no recompute": (base, base)}
+
+    def backend_for(fraction: float):
+        def backend(gm, example_inputs):
+            with functorch_config.patch(activation_memory_budget=fraction):
+                return aot_eager(gm, example_inputs)
+        return backend
+
+    def step(target) -> None:
+        module, forward = target
+        loss_fn(forward(*inputs)).backward()
+        module.zero_grad(set_to_none=True)
+
+    peaks = {}
+    for fraction in fractions:
+        model = copy.deepcopy(base)
+        label = f"torch.compile, activation_memory_budget={fraction}"
+        configs[label] = (model, torch.compile(model, backend=backend_for(fraction)))
+        step(configs[label])  # compiles (the partition reads the budget then)
+        peaks[label] = allocation_peak(lambda t=configs[label]: step(t))
+    step(configs["eager, no recompute"])
+    peaks["eager, no recompute"] = allocation_peak(lambda: step(configs["eager, no recompute"]))
+    baseline = sum(p.numel() * p.element_size() for p in base.parameters()) + sum(
+        t.numel() * t.element_size() for t in inputs)
+    plans = {}
+    for fraction in fractions:
+        label = f"torch.compile, activation_memory_budget={fraction}"
+        target = peaks[label]
+        budget = target + baseline
+        for _ in range(4):  # the tracker's peak and the allocator's differ by a little: re-plan
+            plan = sweep(base, *inputs, budgets=[int(budget)], loss_fn=loss_fn, optimizer=None,
+                         repeat=1, floors=True)[0]
+            if isinstance(plan, Exception):
+                break
+            model = copy.deepcopy(base)
+            plan.apply(model)
+            measured = allocation_peak(lambda m=model: step((m, m)))
+            if measured <= target:
+                break
+            budget -= measured - target
+        if isinstance(plan, Exception) or measured > target:
+            print(f"[vs compile {name}] no plan within {label}'s peak {target:,}")
+            continue
+        plan_label = f"remat.plan at the peak of budget={fraction}"
+        configs[plan_label] = (model, model)
+        peaks[plan_label] = measured
+        plans[plan_label] = "".join(c[0] for c in plan.choices.values())
+    times: dict[str, list] = {k: [] for k in configs}
+    for target in configs.values():  # warm-up
+        step(target)
+    for r in range(rounds):
+        order = list(configs) if r % 2 == 0 else list(reversed(configs))
+        for k in order:
+            start = time.perf_counter()
+            step(configs[k])
+            times[k].append(time.perf_counter() - start)
+    rows = {}
+    for k in configs:
+        q1, q2, q3 = statistics.quantiles(times[k], n=4, method="inclusive")
+        rows[k] = {"peak_bytes": peaks[k], "median_ms": q2 * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
+                   "choices": plans.get(k)}
+        print(f"[vs compile {name}] {k:<48} peak {peaks[k]:>12,}  step {q2 * 1e3:8.1f} ms "
+              f"[{q1 * 1e3:.1f}, {q3 * 1e3:.1f}] {plans.get(k) or ''}")
+    verdicts = []
+    for fraction in fractions:
+        c = f"torch.compile, activation_memory_budget={fraction}"
+        p = f"remat.plan at the peak of budget={fraction}"
+        if p in rows:
+            verdicts.append({"budget": fraction, "peak_ratio": rows[p]["peak_bytes"] / rows[c]["peak_bytes"],
+                             "time_ratio": rows[p]["median_ms"] / rows[c]["median_ms"]})
+    for v in verdicts:
+        print(f"[vs compile {name}] budget {v['budget']}: plan/compiled peak {v['peak_ratio']:.3f}, "
+              f"step time {v['time_ratio']:.3f}")
+    return {"model": name, "rounds": rounds, "rows": rows, "verdicts": verdicts}
 
 
 def max_batch(budget: str) -> dict:
@@ -250,10 +343,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer trials")
     parser.add_argument("--budgets", type=int, default=10)
-    parser.add_argument("--sections", default="held,optimality,anchors,maxbatch,speed")
+    parser.add_argument("--sections", default="held,optimality,anchors,compile,maxbatch,speed")
     parser.add_argument("--no-70b", action="store_true", help="skip the 70B fake-tensor plan")
     parser.add_argument("--models", default="gpt,llama,resnet50,unet", help="models of 'held'")
     parser.add_argument("--anchor-models", default="gpt,resnet50", help="models of 'anchors'")
+    parser.add_argument("--pairs", type=int, default=5, help="timed pairs per configuration in 'anchors'")
+    parser.add_argument("--compile-models", default="gpt", help="models of 'compile'")
+    parser.add_argument("--max-batch-budgets", default="160MiB,400MiB",
+                        help="budgets of 'maxbatch' (comma-separated)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -265,9 +362,11 @@ def main() -> int:
     if "optimality" in sections:
         result["optimality"] = optimality(12 if args.quick else 30)
     if "anchors" in sections:
-        result["anchors"] = [anchors(n, *chosen[n], pairs=5) for n in args.anchor_models.split(",")]
+        result["anchors"] = [anchors(n, *chosen[n], pairs=args.pairs) for n in args.anchor_models.split(",")]
+    if "compile" in sections:
+        result["versus_compile"] = [versus_compile(n, *chosen[n]) for n in args.compile_models.split(",")]
     if "maxbatch" in sections:
-        result["max_batch"] = max_batch("160MiB")
+        result["max_batch"] = {b: max_batch(b) for b in args.max_batch_budgets.split(",")}
     if "speed" in sections:
         result["speed"] = speed(not args.no_70b)
     os.makedirs(args.out, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import sys
 
 import pytest
 import torch
@@ -103,7 +104,12 @@ def test_json_round_trip_and_apply_to_a_fresh_model():
     assert p.apply(a) == back.apply(b)
     assert remat.marked_modules(a) == remat.marked_modules(b) != {}
     table = str(p)
-    assert all(name in table for name in p.choices) and "predicted peak" in table
+    assert "predicted peak" in table
+    # one row per block, or per run of identical ones ("blocks.0..3 (4)"): every block counted once
+    rows = table.splitlines()[3:]
+    assert sum(int(r.split("(")[1].split(")")[0]) if ") " in r.split("  ")[0] + " " else 1
+               for r in rows) == len(p.decisions)
+    assert all(r.split()[0].split("..")[0] in p.choices for r in rows)
     assert "within budget" in p.report()
     with pytest.raises(ValueError, match="not a remat plan"):
         remat.Plan.from_json('{"decisions": []}')
@@ -209,3 +215,55 @@ def test_remat_compile_honours_every_option_of_a_plan():
     torch.manual_seed(123)
     compiled(x).float().pow(2).mean().backward()
     assert all(torch.equal(p.grad, expected[n]) for n, p in marked.named_parameters())
+
+
+def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
+    from remat.memory.profile import measure
+    from remat.plan._cost import measure_peak
+
+    net, x = tiny_gpt(), tokens()
+    for block in list(net.blocks)[::2]:
+        remat.recompute_module(block)
+    full = measure(net, (x,), loss_fn=None, optimizer="adam")
+    assert max(full.phase_peaks.values()) == full.peak_bytes and "optimizer" in full.phase_peaks
+    short = measure_peak(net, (x,), loss_fn=None, optimizer="adam", fake=False,
+                         optimizer_peak=full.phase_peaks["optimizer"])
+    assert short == full.peak_bytes
+
+
+def test_option_times_are_calibrated_by_each_option_timed_run():
+    from remat.plan._cost import BlockCosts
+    from remat.plan._solve import OPTIONS, evaluate
+
+    def costs(steps: dict) -> BlockCosts:
+        return BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0]] * 2,
+                          forward_s=[1.0, 1.0], selective_s=[0.5, 0.5], output_bytes=[2, 2],
+                          grad_bytes=[1, 1], chain=[True, True], baseline_bytes=10, other_grad_bytes=0,
+                          peaks=dict.fromkeys(OPTIONS, 40), option_step_s=steps)
+
+    plain = costs({}).problem()
+    steps = {"keep": 10.0, "recompute": 13.0, "selective": 10.5, "output": 14.5}
+    tuned = costs(steps).problem()
+    for o, option in enumerate(OPTIONS[1:], 1):
+        uniform = [o, o]
+        assert evaluate(plain, uniform)[1] != steps[option] - steps["keep"]
+        assert evaluate(tuned, uniform)[1] == pytest.approx(steps[option] - steps["keep"])
+
+
+def test_when_every_solved_plan_measures_over_a_uniform_measured_plan_is_chosen(monkeypatch):
+    front = sys.modules[sweep.__module__]
+
+    net, x = tiny_gpt(), tokens()
+    honest = remat.plan(net, x, budget=0.7, repeat=1)
+    monkeypatch.setattr(front, "_measure_choices", lambda *a, **k: 10 * honest.no_recompute_peak_bytes)
+    p = remat.plan(net, x, budget=0.7, repeat=1)
+    assert p.solver == "uniform fallback" and len(set(p.choices.values())) == 1
+    assert p.measured_peak_bytes <= p.budget_bytes
+    uniform = tiny_gpt()
+    p.apply(uniform)
+    with remat.memory.track(uniform, baseline=[x]) as marked:
+        uniform(x).sum().backward()
+    with remat.memory.track(tiny_gpt(), baseline=[x]) as plain:
+        m = tiny_gpt()
+        m(x).sum().backward()
+    assert marked.peak_bytes < plain.peak_bytes

@@ -36,7 +36,8 @@ def random_problem(rng: random.Random, n: int, *, chain: bool = True) -> Problem
     fixed = [rng.randint(0, 30) for _ in range(n)]
     return Problem(kept=kept, time=time, rebuilt=rebuilt, fixed=fixed, output=output,
                    end=rng.randint(0, 20), chain_time=[rng.randint(1, 20) for _ in range(n)],
-                   last_held=[o + rng.randint(0, 10) for o in output])
+                   last_held=[o + rng.randint(0, 10) for o in output],
+                   tail=rng.choice([None, rng.randint(0, 20)]))
 
 
 def budgets(problem: Problem, rng: random.Random, count: int = 4) -> list[float]:
@@ -108,3 +109,16 @@ def test_output_chains_hold_their_outputs_and_run_twice_but_last():
 def test_a_problem_with_inconsistent_lists_is_refused():
     with pytest.raises(ValueError, match="Problem.time"):
         Problem(kept=[[1, 1, 1, 1]], time=[], rebuilt=[1], fixed=[0], output=[1], end=0)
+
+
+def test_a_final_chain_is_rebuilt_after_the_end_of_forward_not_at_it():
+    # the loss's temporaries (end) and the rebuilt final chain (tail) are not alive together
+    kwargs = {"kept": [[10, 2, 6, 0]] * 3, "time": [[0, 1, 1, 1]] * 3, "rebuilt": [10] * 3,
+              "fixed": [0] * 3, "output": [2] * 3, "end": 50}
+    together, apart = Problem(**kwargs), Problem(**kwargs, tail=5)
+    chain = [OUTPUT] * 3
+    assert evaluate(together, chain)[0] == 50 + 2 + 2 + 2
+    assert evaluate(apart, chain)[0] == max(50, 5 + 2 + 2 + 2) == 50
+    assert solve_chain(apart, 50).choices == solve_brute_force(apart, 50).choices == ("output",) * 3
+    with pytest.raises(BudgetError):
+        solve_chain(together, 50)

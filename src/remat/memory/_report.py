@@ -81,6 +81,8 @@ class ProfileReport:
     step_ms: float | None = None
     seconds: float = 0.0
     timeline: list = field(default_factory=list)
+    #: the highest footprint (bytes) reached in each phase (``"forward"``, ``"backward"``, ...)
+    phase_peaks: dict = field(default_factory=dict)
 
     def row(self, name: str) -> ModuleRow:
         """Return the row of module ``name``; raise ``KeyError`` naming the known ones."""

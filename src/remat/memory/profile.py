@@ -130,11 +130,13 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
             loss_fn: Callable | None = None,
             optimizer: OptimizerLike = None, output_recompute: bool = False, repeat: int = 0,
             label: str = "", device: str = "", estimated: bool = False,
-            api: str = "remat.profile") -> ProfileReport:
+            api: str = "remat.profile", optimizer_step: bool = True) -> ProfileReport:
     """Run one training step of ``model`` on ``inputs`` under the tracker; return the report.
 
     Shared by :func:`profile` (real tensors, ``repeat`` timed runs) and
-    :func:`remat.estimate` (fake tensors, no timing).
+    :func:`remat.estimate` (fake tensors, no timing). ``optimizer_step=False`` leaves
+    out the optimizer's step (its state still counts): the planner, which knows that
+    phase's peak, verifies a plan's forward and backward only.
     """
     start = time.perf_counter()
     batch = batch or {}
@@ -149,7 +151,7 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
         kept = tracker.live_by_module(exclude=[loss])
         loss.backward()
         del loss
-        if opt is not None:
+        if opt is not None and optimizer_step:
             with tracker.phase("optimizer"):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -169,7 +171,15 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
         optimizer_bytes=optimizer_bytes, peak_by_phase=peak.by_phase,
         peak_by_module=dict(list(peak.by_module.items())[:20]), step_ms=step_ms,
         seconds=time.perf_counter() - start, timeline=downsample(tracker.timeline),
+        phase_peaks=_phase_peaks(tracker),
     )
+
+
+def _phase_peaks(tracker: Any) -> dict:
+    highest: dict[str, int] = {}
+    for live, phase in tracker.timeline:
+        highest[phase] = max(highest.get(phase, live), live)
+    return {phase: tracker.baseline_bytes + live for phase, live in highest.items()}
 
 
 def _state_tensors(opt: torch.optim.Optimizer | None) -> list:

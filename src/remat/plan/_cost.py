@@ -58,6 +58,9 @@ class BlockCosts:
     step_s: float | None = None
     timed: str = "measured"
     transient_bytes: list = field(default_factory=list)
+    optimizer_peak: int | None = None
+    option_step_s: dict = field(default_factory=dict)
+    time_scale: list = field(default_factory=list)
 
     def problem(self) -> Problem:
         """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks."""
@@ -68,10 +71,32 @@ class BlockCosts:
         end = self.peaks["keep"] - sum(keep_kept)
         base = max((p for o, p in self.peaks.items() if self.phases.get(o) == "optimizer"), default=0)
         time_of = [[0.0, f, s, f] for f, s in zip(self.forward_s, self.selective_s)]
-        # block moments only (the end of forward set to nothing)
+        chain_time = list(self.forward_s)
+        # Calibration: each option's uniform run was timed too; its measured extra time over
+        # the unmarked step, against the sum of forward times, scales that option's times
+        # (a re-run costs more than its forward: the engine's hooks, the policy's dispatch
+        # mode, the gradients' temporaries).
+        scale = [1.0] * len(OPTIONS)
+        keep_s = self.option_step_s.get("keep")
+        for o in range(1, len(OPTIONS)):
+            step_s = self.option_step_s.get(OPTIONS[o])
+            if keep_s is None or step_s is None:
+                continue
+            choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
+            raw = sum(time_of[i][c] for i, c in enumerate(choice)) + (
+                sum(chain_time[i] for i in range(n - 1) if choice[i] == choice[i + 1] == OUTPUT))
+            if raw > 0:
+                scale[o] = min(4.0, max(0.5, (step_s - keep_s) / raw))
+        self.time_scale = scale
+        time_of = [[t * scale[o] for o, t in enumerate(row)] for row in time_of]
+        chain_time = [t * scale[OUTPUT] for t in chain_time]
+        # What follows the last block (a head, a loss) runs backward with the gradients of
+        # the parameters outside blocks and the blocks' kept bytes; a final chain is rebuilt there.
+        tail = fixed[-1] + self.output_bytes[-1] if n else end
+        # block moments only
         rough = Problem(kept=self.kept, time=time_of, rebuilt=keep_kept, fixed=fixed,
-                        output=self.output_bytes, end=-float("inf"), chain_time=self.forward_s,
-                        last_held=keep_kept)
+                        output=self.output_bytes, end=-float("inf"), chain_time=chain_time,
+                        last_held=keep_kept, tail=-float("inf"))
         # Each option's uniform run tells what its backward holds beyond the rough model
         # (gradient temporaries, the rebuilt output of a cell mark): added for that option.
         gaps = [0.0] * len(OPTIONS)
@@ -82,8 +107,8 @@ class BlockCosts:
         self.transient_bytes = gaps
         return Problem(kept=self.kept, time=time_of,
                        rebuilt=[[k + g for g in gaps] for k in keep_kept],
-                       fixed=fixed, output=self.output_bytes, end=end, chain_time=self.forward_s,
-                       base=base, last_held=keep_kept)
+                       fixed=fixed, output=self.output_bytes, end=end, chain_time=chain_time,
+                       base=base, last_held=keep_kept, tail=tail)
 
 
 def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, torch.nn.Module]]:
@@ -255,7 +280,7 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
                 recompute_module(m, **MARKS[option])
             try:
                 reports[option] = measure(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
-                                          repeat=0 if fake or option != "keep" else repeat,
+                                          repeat=0 if fake else repeat,
                                           estimated=fake, api=API)
             finally:
                 for m in marked:
@@ -279,7 +304,7 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
     else:
         forward = [(keep[name].forward_ms or 0.0) / 1e3 for name, _ in blocks]
         step = (reports["keep"].step_ms or 0.0) / 1e3
-        timed = "measured"
+        timed = "measured, each option scaled by its own timed run"
     share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in idx]
     grads = [sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
              for _, m in blocks]
@@ -292,16 +317,22 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
         other_grad_bytes=all_grads - sum(grads),
         peaks={o: r.peak_bytes for o, r in reports.items()},
         phases={o: r.peak_phase for o, r in reports.items()}, step_s=step, timed=timed,
+        optimizer_peak=reports["keep"].phase_peaks.get("optimizer"),
+        option_step_s={} if fake else {o: (r.step_ms or 0.0) / 1e3 for o, r in reports.items()},
     )
 
 
 def measure_peak(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | None,
-                 optimizer: OptimizerLike, fake: bool) -> int:
-    """Peak bytes of one step of ``model`` as marked (the model's state is restored after)."""
+                 optimizer: OptimizerLike, fake: bool, optimizer_peak: int | None = None) -> int:
+    """Peak bytes of one step of ``model`` as marked (the model's state is restored after).
+
+    With ``optimizer_peak`` (the optimizer phase's peak, which no mark changes) the
+    optimizer's step is not run again: the peak is the larger of that and the rest's."""
     state = None if fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
-        return measure(model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer,
-                       estimated=fake, api=API).peak_bytes
+        report = measure(model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer,
+                         estimated=fake, api=API, optimizer_step=optimizer_peak is None)
+        return max(report.peak_bytes, optimizer_peak or 0)
     finally:
         if state is not None:
             model.load_state_dict(state)
@@ -379,6 +410,8 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
         chain=spread(three.chain), baseline_bytes=int(grow(two.baseline_bytes, three.baseline_bytes)),
         other_grad_bytes=three.other_grad_bytes,
         peaks={o: int(grow(two.peaks[o], p)) for o, p in three.peaks.items()},
+        optimizer_peak=(None if three.optimizer_peak is None
+                        else int(grow(two.optimizer_peak, three.optimizer_peak))),
         phases=three.phases,
         step_s=grow(two.step_s, three.step_s) if two.step_s is not None else None,
         timed=three.timed + f"; {n} identical blocks composed from runs with 2 and 3",

@@ -369,6 +369,10 @@ def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, bu
         try:
             solution = solve(problem, target, resolution=max(1.0, target / 8192), solver=solver)
         except BudgetError:
+            uniform = _uniform(costs, problem, budget) if over else None
+            if uniform is not None:  # the cost model erred near its floor: a measured uniform plan
+                solution, measured = uniform
+                break
             if over:
                 raise BudgetError(
                     f"{API}: no plan measured within a budget of {format_bytes(budget)} ({budget:,.0f} "
@@ -385,27 +389,49 @@ def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, bu
             break
         say(f"measuring the plan for {format_bytes(budget)}")
         measured = _measure_choices(model, inputs, costs.names, solution.choices, fake=fake,
-                                    loss_fn=loss_fn, optimizer=optimizer)
+                                    loss_fn=loss_fn, optimizer=optimizer,
+                                    optimizer_peak=costs.optimizer_peak)
         if measured <= budget:
             break
         over.append(measured)
         target -= measured - budget
     else:
-        raise BudgetError(
-            f"{API}: no plan measured within a budget of {format_bytes(budget)} "
-            f"({budget:,.0f} bytes); the last plan measured {format_bytes(measured)}; raise the budget",
-            budget_bytes=budget, floor_bytes=measured)
+        uniform = _uniform(costs, problem, budget)
+        if uniform is None:
+            raise BudgetError(
+                f"{API}: no plan measured within a budget of {format_bytes(budget)} "
+                f"({budget:,.0f} bytes); the last plan measured {format_bytes(measured)}; raise the budget",
+                budget_bytes=budget, floor_bytes=measured)
+        solution, measured = uniform
     return _make(costs, problem, solution, budget, least, measured)
 
 
+def _uniform(costs: Any, problem: Problem, budget: float) -> tuple | None:
+    """The fastest plan marking every block alike whose measured peak (from the cost
+    model's runs) fits ``budget``, with that peak; None if none fits."""
+    from remat.plan._solve import Solution, evaluate
+
+    best = None
+    for o, option in enumerate(OPTIONS):
+        measured = costs.peaks.get(option, float("inf"))
+        if measured > budget or any(problem.kept[i][o] is None for i in range(problem.blocks)):
+            continue  # (the run marked every block alike; a plan that cannot is another plan)
+        extra = evaluate(problem, [o] * problem.blocks)[1]
+        if best is None or extra < best[0].time:
+            best = (Solution((option,) * problem.blocks, measured, extra, "uniform fallback"), measured)
+    return best
+
+
 def _measure_choices(model: torch.nn.Module, inputs: tuple, names: list, choices: Sequence[str], *,
-                     fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike) -> int:
+                     fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike,
+                     optimizer_peak: int | None = None) -> int:
     modules = dict(model.named_modules())
     marked = [(modules[n], c) for n, c in zip(names, choices) if c != "keep"]
     for module, choice in marked:
         recompute_module(module, **MARKS[choice])
     try:
-        return measure_peak(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake)
+        return measure_peak(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake,
+                            optimizer_peak=optimizer_peak)
     finally:
         for module, _ in marked:
             unmark_module(module)

@@ -13,7 +13,10 @@ A step's peak is the largest of these moments (bytes):
   gradients already made), ``rebuilt[i]`` what the block's own backward holds
   (its activations, rebuilt or kept, and its gradient temporaries), ``held(i)``
   the outputs of the ``output`` chain that ends just before ``i``, rebuilt together;
-* the end of forward: ``end + sum(kept[j][c_j]) + held(n)``.
+* the end of forward: ``end + sum(kept[j][c_j])``;
+* the backward of what follows the last block (a head, a loss): ``tail + sum(kept[j][c_j])
+  + held(n)``, ``held(n)`` the outputs of an ``output`` chain ending at the last block,
+  rebuilt there (``tail`` None: the end of forward holds them, ``end + ... + held(n)``).
 
 The extra time is ``sum(time[i][c_i])`` plus ``chain_time[i]`` for each ``output``
 block followed by another ``output`` block (it runs once more to hand its output on).
@@ -77,6 +80,8 @@ class Problem:
         base: a peak no choice changes (e.g. the optimizer step's).
         last_held: bytes the last ``output`` block of a chain holds while the next block's
             backward rebuilds it: it is re-run whole (default: ``output[i]``).
+        tail: bytes alive besides the blocks' in the backward of what follows the last
+            block, where a chain ending at the last block is rebuilt (None: at the end of forward).
     """
 
     kept: Sequence[Sequence[float | None]]
@@ -88,6 +93,7 @@ class Problem:
     chain_time: Sequence[float] | None = None
     base: float = 0.0
     last_held: Sequence[float] | None = None
+    tail: float | None = None
 
     def __post_init__(self) -> None:
         n = len(self.kept)
@@ -120,6 +126,13 @@ class Problem:
         """Options block ``i`` may take."""
         return [o for o in range(len(OPTIONS)) if self.kept[i][o] is not None]
 
+    def last_moment(self, kept: float, chain: float) -> float:
+        """The end of forward and the backward after the last block, with ``kept`` bytes
+        kept by the blocks and ``chain`` bytes of a final ``output`` chain rebuilt."""
+        if self.tail is None:
+            return self.end + kept + chain
+        return max(self.end + kept, self.tail + kept + chain)
+
 
 @dataclass(frozen=True)
 class Solution:
@@ -150,7 +163,7 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> tuple[float, float]:
         held = (held + problem.output[i - 1] if last else 0.0) if c == OUTPUT else 0.0
     n = len(choice)
     chain = held + problem.held_last(n - 1) if n and choice[-1] == OUTPUT else 0.0
-    peak = max(peak, problem.end + prefix + chain, problem.base)
+    peak = max(peak, problem.last_moment(prefix, chain), problem.base)
     return peak, total
 
 
@@ -234,10 +247,12 @@ def _dp_rounded(problem: Problem, budget: float, resolution: float,
         if not states:
             return None
     end = up(problem.end)
+    after = end if problem.tail is None else up(problem.tail)
     tail = up(problem.held_last(problem.blocks - 1)) if problem.blocks else 0
     slack = 0 if rounding is math.ceil else (problem.blocks + 2) / 2
     finals = [(t, key, back) for key, (t, back) in states.items()
-              if end + key[0] + (key[1] + tail if key[2] else 0) <= limit + slack]
+              if end + key[0] <= limit + slack
+              and after + key[0] + (key[1] + tail if key[2] else 0) <= limit + slack]
     if not finals:
         return None
     best: tuple | None = None  # (time, peak, choice): least time, then least peak, that fits
@@ -325,7 +340,7 @@ def solve_milp(problem: Problem, budget: float, *, time_limit: float = 10.0) -> 
             cost[v] = problem.time[i][o]
     for i, v in z.items():
         cost[v] = problem.extra_time(i)
-    rows = n + n + 1 + len(z) + len(u)
+    rows = n + n + 2 + len(z) + len(u)
     a = lil_matrix((rows, nvar))
     lo, hi = np.full(rows, -np.inf), np.zeros(rows)
     r = 0
@@ -334,18 +349,23 @@ def solve_milp(problem: Problem, budget: float, *, time_limit: float = 10.0) -> 
             a[r, x[i, o]] = 1
         lo[r] = hi[r] = 1
         r += 1
-    for i in range(n + 1):  # the memory moments
+    # the memory moments: each block's backward, the end of forward, the backward after
+    # the last block (without a tail, the last two are one)
+    moments = [*range(n + 1)] + ([n + 1] if problem.tail is not None else [])
+    for m in moments:
+        i = min(m, n)
         for j in range(i):
             for o in range(k):
                 if problem.kept[j][o] is not None:
                     a[r, x[j, o]] = problem.kept[j][o]
-        for j in range(i):
-            if (j, i) in u:
-                a[r, u[j, i]] = problem.held_last(j) if j == i - 1 else problem.output[j]
+        if m != n or problem.tail is None:
+            for j in range(i):
+                if (j, i) in u:
+                    a[r, u[j, i]] = problem.held_last(j) if j == i - 1 else problem.output[j]
         if i < n:
             for o in problem.allowed(i):
                 a[r, x[i, o]] += problem.rebuilt_of(i, o)
-        hi[r] = budget - (problem.end if i == n else problem.fixed[i])
+        hi[r] = budget - (problem.fixed[i] if m < n else problem.end if m == n else problem.tail)
         r += 1
     for i, v in z.items():  # z >= x_i + x_{i+1} - 1
         a[r, x[i, OUTPUT]] = a[r, x[i + 1, OUTPUT]] = 1
