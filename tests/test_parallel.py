@@ -339,7 +339,7 @@ def _memory(rank: int) -> dict:
 
         step()
         runs = []
-        for _ in range(3):  # the tracker and the allocator watch the same steps
+        for _ in range(6):  # the tracker and the allocator watch the same steps
             gc.collect()  # no collection of older garbage in the middle of a step
             gc.disable()
             try:
