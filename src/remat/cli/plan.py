@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-from remat.cli.profile import load_factory, make_inputs, parse_kwargs, parse_shape
+from remat.cli.profile import (
+    add_model_arguments,
+    load_factory,
+    make_inputs,
+    parse_kwargs,
+    parse_shape,
+)
 
 API = "remat plan"
 #: The anchors the planner is compared with, in plot order.
@@ -29,12 +35,7 @@ def add_parser(subparsers: Any) -> None:
     """Register ``remat plan`` on the ``remat`` command line."""
     parser = subparsers.add_parser("plan", help="choose what to recompute for a memory budget",
                                    description=__doc__.splitlines()[0])
-    parser.add_argument("factory", help="model factory as module:function, e.g. remat.models.gpt:gpt")
-    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="keyword argument for the factory (a Python literal), repeatable")
-    parser.add_argument("--input-shape", action="append", default=[], metavar="N,N,...",
-                        help="shape of one positional input, repeatable")
-    parser.add_argument("--input-dtype", default="float32", help="dtype of the inputs (int64: token ids)")
+    add_model_arguments(parser, "remat.models.gpt:gpt")
     parser.add_argument("--loss", choices=("sum", "next-token"), default="sum",
                         help="loss on the output: sum, or next-token cross-entropy for logits")
     parser.add_argument("--optimizer", default="adam", help="adam, adamw, sgd or none")

@@ -24,16 +24,21 @@ import torch
 API = "remat profile"
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``remat profile`` on the ``remat`` command line."""
-    parser = subparsers.add_parser("profile", help="per-module memory and time of a training step",
-                                   description=__doc__.splitlines()[0])
-    parser.add_argument("factory", help="model factory as module:function, e.g. remat.models.resnet:resnet50")
+def add_model_arguments(parser: Any, example: str) -> None:
+    """The arguments that say which model and inputs: shared by ``remat profile`` and ``remat plan``."""
+    parser.add_argument("factory", help=f"model factory as module:function, e.g. {example}")
     parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                         help="keyword argument for the factory (a Python literal), repeatable")
     parser.add_argument("--input-shape", action="append", default=[], metavar="N,N,...",
                         help="shape of one positional input, repeatable (default: none)")
     parser.add_argument("--input-dtype", default="float32", help="dtype of the inputs (int64: token ids)")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``remat profile`` on the ``remat`` command line."""
+    parser = subparsers.add_parser("profile", help="per-module memory and time of a training step",
+                                   description=__doc__.splitlines()[0])
+    add_model_arguments(parser, "remat.models.resnet:resnet50")
     parser.add_argument("--marks", action="append", default=[], metavar="WHICH",
                         help="modules to recompute: 'blocks' (the model's mark_blocks(), else the "
                              "repeated block remat.apply(where='blocks') finds), a class "
