@@ -339,19 +339,6 @@ def measure_peak(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | N
             model.zero_grad(set_to_none=True)
 
 
-def time_step(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | None, repeat: int = 3) -> float:
-    """Fastest forward+backward of ``model`` (seconds) over ``repeat`` runs after a warm-up."""
-    loss_fn = loss_fn or default_loss
-    best = float("inf")
-    for k in range(repeat + 1):
-        start = time.perf_counter()
-        loss_fn(model(*inputs)).backward()
-        if k:
-            best = min(best, time.perf_counter() - start)
-    model.zero_grad(set_to_none=True)
-    return best
-
-
 def identical_container(model: torch.nn.Module, blocks: list) -> torch.nn.Module | None:
     """The container holding ``blocks`` when they are all its children, of one class and one set
     of parameter shapes (so a shorter container runs a shorter model); else None."""
