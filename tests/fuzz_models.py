@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fnmatch
 import gc
 import random
 import re
@@ -36,6 +37,7 @@ from torch import nn
 
 import remat
 from remat import ops
+from remat._blocks import find_blocks
 
 D = 8  # feature width of every block
 
@@ -389,7 +391,19 @@ def build(desc: dict) -> FuzzNet:
         setattr(model.get_submodule(dst), attr, getattr(model.get_submodule(src), attr))
     for path in desc["frozen"]:
         model.get_submodule(path).requires_grad_(False)
+    for path in desc.get("pre_hooks", []):  # rewrites the block's input (run once, marked or not)
+        model.get_submodule(path).register_forward_pre_hook(_halve_input)
+    for path in desc.get("forward_hooks", []):  # rewrites the block's output
+        model.get_submodule(path).register_forward_hook(_scale_output)
     return model
+
+
+def _halve_input(module: nn.Module, args: tuple) -> tuple:
+    return (args[0] * 0.5, *args[1:])
+
+
+def _scale_output(module: nn.Module, args: tuple, output: Any) -> Any:
+    return output * 1.5 if isinstance(output, torch.Tensor) else None
 
 
 # --- marks ----------------------------------------------------------------------
@@ -524,6 +538,36 @@ def _apply_chain(model, mark):
             _apply_call(model, {"path": path, "api": "recompute", "opts": {"output_recompute": True}})
 
 
+def _draw_blocks(r, modules):
+    """``remat.apply(model, where="blocks", every=N)``, when the model has repeated blocks."""
+    found = [n for n, _ in find_blocks(modules[""])]
+    if not found:
+        return None
+    return {"kind": "blocks", "paths": found, "every": r.choice((1, 2)), "opts": _options(r)}
+
+
+def _apply_blocks(model, mark):
+    remat.apply(model, where="blocks", every=mark["every"], **_mark_options(mark["opts"]))
+
+
+def _draw_name(r, modules):
+    """``remat.apply(model, where=<a block class name, or a glob over paths>)``."""
+    blocks = {n: m for n, m in modules.items() if isinstance(m, Block)}
+    if r.random() < 0.5:
+        where = type(r.choice(sorted(blocks.items()))[1]).__name__
+        paths = [n for n, m in blocks.items() if type(m).__name__ == where]
+    else:
+        where = f"stages.*.blocks.{r.randrange(2)}"
+        paths = [n for n in blocks if fnmatch.fnmatchcase(n, where)]
+    if not paths:
+        return None
+    return {"kind": "name", "where": where, "paths": paths, "opts": _options(r)}
+
+
+def _apply_name(model, mark):
+    remat.apply(model, where=mark["where"], **_mark_options(mark["opts"]))
+
+
 MARKS: dict[str, MarkKind] = {
     "cell": MarkKind(3.0, _draw_cell, _apply_cell),
     "module": MarkKind(1.5, _draw_module, _apply_module),
@@ -531,6 +575,8 @@ MARKS: dict[str, MarkKind] = {
     "primitive": MarkKind(1.0, _draw_primitive, _apply_primitive),
     "call": MarkKind(2.5, _draw_call, _apply_call),
     "chain": MarkKind(0.7, _draw_chain, _apply_chain),
+    "blocks": MarkKind(1.0, _draw_blocks, _apply_blocks),
+    "name": MarkKind(0.8, _draw_name, _apply_name),
 }
 
 
@@ -610,6 +656,9 @@ def draw_desc(r: random.Random, seed: int) -> dict:
         for j in range(len(s)):
             if r.random() < 0.1:
                 desc["frozen"].append(f"stages.{i}.blocks.{j}")
+    blocks = [f"stages.{i}.blocks.{j}" for i, s in enumerate(stages) for j in range(len(s))]
+    desc["pre_hooks"] = [b for b in blocks if r.random() < 0.1]
+    desc["forward_hooks"] = [b for b in blocks if r.random() < 0.1]
     return desc
 
 
@@ -957,13 +1006,15 @@ def _run_case(case: Case) -> Result:
             except Exception as err:  # noqa: BLE001 - the unmarked model fails: not a remat case
                 return Result(case.seed, "invalid", f"{phase}: baseline raised {type(err).__name__}: {err}")
             snap = _snapshot(marked)
+            failure = None
             try:
                 got = step(marked)
             except Exception as err:  # noqa: BLE001 - every error is judged below
-                where = _documented(err)
-                first = str(err).splitlines()[0] if str(err) else ""
+                failure = (_documented(err), type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            if failure is not None:  # judged once the error (and the frames it holds) is gone
+                where, name, first = failure
                 if where is None:
-                    return Result(case.seed, "crash", f"{phase}: {type(err).__name__}: {first}")
+                    return Result(case.seed, "crash", f"{phase}: {name}: {first}")
                 changed = _unchanged(marked, snap) or _engine_clean()
                 if changed:
                     return Result(case.seed, "crash", f"{phase}: documented error ({where}) but {changed}")
