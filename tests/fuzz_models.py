@@ -1027,6 +1027,9 @@ def _run_case(case: Case) -> Result:
                 tolerated += n
                 _resync(base, marked)
             del expected, got
+        for m in marked.model.modules():  # the model's own reference to a step's tensor
+            if isinstance(m, Closure):
+                m.memo = None
         left = _engine_clean()
         if left:
             return Result(case.seed, "leak", left, tolerated)
