@@ -125,7 +125,7 @@ def run(name: str, parallelize, marks, mesh, x: torch.Tensor, reference: list, o
     grads = [full(p.grad) for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     runs = []
-    for _ in range(6):  # the first also counts allocating .grad; the least of the others
+    for _ in range(6):
         gc.collect()  # no collection of older garbage in the middle of the step
         gc.disable()
         try:
@@ -134,11 +134,12 @@ def run(name: str, parallelize, marks, mesh, x: torch.Tensor, reference: list, o
         finally:
             gc.enable()
         runs.append((tracker.peak_increase, peak))
-    # Gloo's worker thread releases a collective's tensors when it drops the work, a
-    # little earlier or later from step to step, so a step's peak varies; the profiler
-    # misses some of those frees (the allocator figure can only read too high). Both
+    # The first measured step also allocates the gradients' storages (set to None before
+    # it). The profiler misses a free that gloo's worker thread makes (NOTE [Frees on
+    # gloo's worker thread]), so a step's allocator figure can only read high: both
     # figures are from the step with the allocator's least peak.
-    tracked, allocated = min(runs[1:], key=lambda r: r[1]) if on_cpu else (max(r[0] for r in runs[1:]), None)
+    runs = runs[1:]
+    tracked, allocated = min(runs, key=lambda r: r[1]) if on_cpu else (max(r[0] for r in runs), None)
     equal = all(torch.equal(g, r) for g, r in zip(grads, reference))
     scale = max(r.abs().max().item() for r in reference)
     diff = max((g - r).abs().max().item() for g, r in zip(grads, reference)) / scale
