@@ -135,8 +135,8 @@ def run(name: str, parallelize, marks, mesh, x: torch.Tensor, reference: list, o
             gc.enable()
         runs.append((tracker.peak_increase, peak))
     # The first measured step also allocates the gradients' storages (set to None before
-    # it). The profiler misses a free that gloo's worker thread makes (NOTE [Frees on
-    # gloo's worker thread]), so a step's allocator figure can only read high: both
+    # it). A free made on one of gloo's threads goes unrecorded now and then (NOTE [Frees
+    # on gloo's worker thread]), so a step's allocator figure can only read high: both
     # figures are from the step with the allocator's least peak.
     runs = runs[1:]
     tracked, allocated = min(runs, key=lambda r: r[1]) if on_cpu else (max(r[0] for r in runs), None)

@@ -32,16 +32,28 @@ Gloo (the CPU back end) allocates buffers inside its collective operators,
 below the dispatcher, so no mode sees them. The tracker applies a rule for
 each, checked against the CPU allocator's events (``tests/test_parallel.py``):
 
-===================================== ============== =============================
-operator seen                          buffer          alive
-===================================== ============== =============================
-``c10d._allgather_base_``              output's bytes  while the operator runs
-``_c10d_functional.all_gather_into_    input's bytes   while the operator runs
+======================================= =================== ===========================
+operator seen                            buffer              alive
+======================================= =================== ===========================
+``c10d._allgather_base_``                output's bytes      while the operator runs
+``c10d.allgather_into_tensor_           inputs x first      while the operator runs
+coalesced_``                             input's bytes
+``_c10d_functional.all_gather_into_     input's bytes       while the operator runs
 tensor``
-``c10d._reduce_scatter_base_``         input's bytes   until the work is done
-``_c10d_functional.reduce_scatter_     input's bytes   until ``wait_tensor`` on its
-tensor``                                               output
-===================================== ============== =============================
+``_c10d_functional.all_gather_into_     output's bytes      while the operator runs
+tensor_out``
+``_c10d_functional.all_gather_into_     inputs x first      while the operator runs
+tensor_coalesced``                       input's bytes
+``c10d._reduce_scatter_base_``,          a clone of each     until the work is done
+``c10d.reduce_scatter_tensor_            input
+coalesced_``
+``_c10d_functional.reduce_scatter_      a clone of each     until ``wait_tensor`` on
+tensor`` (and ``_coalesced``)           input               every output
+======================================= =================== ===========================
+
+(Gloo's coalesced all-gather makes a flat tensor shaped like its list of output
+chunks, as many rows as inputs of the first input's size; its reduce-scatter
+clones every input and scatters from the clones when its work is waited.)
 
 A reduce-scatter's clone of its input is handed back to the dispatcher when
 its work is waited (its result is copied out): the tracker recognises it
@@ -131,7 +143,7 @@ class MemoryTracker(TorchDispatchMode):
         self._fake_ok = False
         self._patches: list[tuple[Any, str, Any]] = []
         self._pending: list[_Record] = []  # NOTE [Collective temporaries]
-        self._pending_by_output: dict[int, _Record] = {}
+        self._pending_by_output: dict[int, _Waits] = {}
         self._listening: Any = None
         for obj in (model, *baseline):
             self.add_baseline(obj)
@@ -245,27 +257,34 @@ class MemoryTracker(TorchDispatchMode):
         for storage in _storages(tree_leaves((args, kwargs)), self._fake_ok):
             self._see_input(storage)
         temporary = _temporary(func, args, kwargs) if func.namespace in _COLLECTIVE_NAMESPACES else None
-        held = None
+        held: list[_Record] = []
         if temporary is not None:  # NOTE [Collective temporaries]
-            nbytes, lifetime = temporary
+            sizes, lifetime = temporary
             phase = self._current_phase()
-            held = _Record(nbytes, self._current_module(phase), phase)
-            self._change(held, nbytes)
+            for nbytes in sizes:
+                held.append(_Record(nbytes, self._current_module(phase), phase))
+                self._change(held[-1], nbytes)
             if lifetime == "work":
-                self._pending.append(held)
+                self._pending.extend(held)
         out = func(*args, **(kwargs or {}))
         for storage in _storages(tree_leaves(out), self._fake_ok):
             self._see_output(storage)  # allocated inside the operator, with its buffer
-        if held is not None:
+        if held:
             if temporary[1] == "operator":
-                self._change(held, -held.nbytes)
-            elif temporary[1] == "wait" and isinstance(out, torch.Tensor):
-                self._pending_by_output[_key(out.untyped_storage())] = held
+                for rec in held:
+                    self._change(rec, -rec.nbytes)
+            elif temporary[1] == "wait":
+                waits = _Waits(held, {_key(s) for s in _storages(tree_leaves(out))})
+                for key in waits.outputs:
+                    self._pending_by_output[key] = waits
         if self._pending_by_output and func._opname == "wait_tensor":
             for storage in _storages(tree_leaves((args, kwargs))):
-                waited = self._pending_by_output.pop(_key(storage), None)
-                if waited is not None:
-                    self._change(waited, -waited.nbytes)
+                waits = self._pending_by_output.pop(_key(storage), None)
+                if waits is not None:
+                    waits.outputs.discard(_key(storage))
+                    if not waits.outputs:  # every output waited: the work and its clones are gone
+                        for rec in waits.records:
+                            self._change(rec, -rec.nbytes)
         return out
 
     def _see_noted(self, tensor: torch.Tensor) -> None:
@@ -411,22 +430,43 @@ def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _temporary(func: Any, args: tuple, kwargs: Any) -> tuple[int, str] | None:
-    """``(bytes, lifetime)`` of the buffer gloo allocates inside ``func`` (NOTE [Collective temporaries])."""
+@dataclass
+class _Waits:
+    """The buffers a functional reduce-scatter holds until each of its outputs is waited."""
+
+    records: list[_Record]
+    outputs: set[int]
+
+
+def _temporary(func: Any, args: tuple, kwargs: Any) -> tuple[list[int], str] | None:
+    """``(bytes of each buffer, lifetime)`` gloo allocates inside ``func`` (NOTE [Collective temporaries])."""
     name = func._opname
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if not tensors or tensors[0].device.type != "cpu" or is_traceable_wrapper_subclass(tensors[0]):
+    first = args[0] if args else None
+    tensors = list(first) if isinstance(first, (list, tuple)) else [first]
+    if len(args) > 1 and func.namespace == "c10d" and isinstance(args[1], (list, tuple)):
+        tensors = list(args[1])  # (outputs, inputs, ...): look at the inputs
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    if tensors[0].device.type != "cpu" or is_traceable_wrapper_subclass(tensors[0]):
         return None
     if func.namespace == "c10d":
         if name == "_allgather_base_":  # (output, input, group, ...)
-            return _nbytes(args[0]), "operator"
+            return [_nbytes(args[0])], "operator"
+        if name == "allgather_into_tensor_coalesced_":  # (outputs, inputs, group, ...)
+            return [len(tensors) * _nbytes(tensors[0])], "operator"
         if name == "_reduce_scatter_base_":  # (output, input, group, ...)
-            return _nbytes(args[1]), "work"
+            return [_nbytes(args[1])], "work"
+        if name == "reduce_scatter_tensor_coalesced_":  # (outputs, inputs, group, ...)
+            return [_nbytes(t) for t in tensors], "work"
         return None
     if name == "all_gather_into_tensor":  # (input, group_size, group_name)
-        return _nbytes(args[0]), "operator"
-    if name == "reduce_scatter_tensor":  # (input, op, group_size, group_name)
-        return _nbytes(args[0]), "wait"
+        return [_nbytes(first)], "operator"
+    if name == "all_gather_into_tensor_out":  # (input, group_size, group_name, *, out)
+        return [_nbytes((kwargs or {}).get("out"))], "operator"
+    if name == "all_gather_into_tensor_coalesced":  # (inputs, group_size, group_name)
+        return [len(tensors) * _nbytes(tensors[0])], "operator"
+    if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):  # (input(s), op, ...)
+        return [_nbytes(t) for t in tensors], "wait"
     return None
 
 
