@@ -539,6 +539,17 @@ def _coalesced_kept(rank: int) -> dict:
     return out
 
 
+FUZZ_CASES = int(os.environ.get("REMAT_FUZZ_PARALLEL_CASES", "40"))
+
+
+def _fuzz(rank: int) -> list:
+    from tests import fuzz_parallel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a mark covering part of an FSDP unit
+        return fuzz_parallel.run_cases(range(FUZZ_CASES))
+
+
 def main_group(rank: int) -> dict:
     return {
         "in_place": _written_in_place(rank),
@@ -554,6 +565,7 @@ def main_group(rank: int) -> dict:
         "temporaries": _collective_temporaries(rank),
         "dropped": _dropped_results(rank),
         "graph": _graph_counts(rank),
+        "fuzz": _fuzz(rank),
     }
 
 
@@ -771,6 +783,30 @@ def test_kept_coalesced_collectives_are_handed_to_the_recomputation(results):
             assert _backward(runs["{'mp_comm_recompute': True}"][0], op) == [2, 2], op
         for marks, (_, grads) in runs.items():
             assert all(torch.equal(a, b) for a, b in zip(grads, plain[1])), marks
+
+
+def test_random_parallel_models_under_random_marks_train_bitwise_like_unmarked(results):
+    # tests/fuzz_parallel.py: TP and FSDP2 chains, random cell and operator marks, 2 SGD steps
+    for rank in range(WORLD):
+        cases = results[rank]["fuzz"]
+        assert len(cases) == FUZZ_CASES
+        bad = [c for c in cases if c["verdict"] != "ok"]
+        assert not bad, bad[:3]
+        for c in cases:
+            case = c["case"]
+            collective = [m for k, m in zip(case["kinds"], case["marks"])
+                          if m is not None and k != "plain"]
+            plain_backward = [b for _, b in c["plain"]]
+            marked_backward = [b for _, b in c["marked"]]
+            if case["parallel"] == "tp" and all(m.get("mp_comm_recompute") is False for m in collective):
+                assert marked_backward == plain_backward, case  # kept: none issued again
+            reissuing = [m for k, m in zip(case["kinds"], case["marks"])
+                         if k == "scaled" and m is not None and m.get("mp_comm_recompute", True)]
+            if case["parallel"] == "tp" and reissuing:
+                # a "scaled" block's all-reduces feed tensors its backward needs: its re-run
+                # issues them again (blocks ending in their all-reduce stop before it)
+                assert sum(sum(b.values()) for b in marked_backward) > sum(
+                    sum(b.values()) for b in plain_backward), case
 
 
 def test_profile_reports_parameters_per_rank(results):
