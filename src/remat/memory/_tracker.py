@@ -21,8 +21,11 @@ NOTE [Memory per rank]
 Under ``torch.distributed`` the tracker counts what this rank holds. An
 operator on a tensor subclass (DTensor, ``AsyncCollectiveTensor``) is handed
 to the subclass first, so the tracker sees the local operators it runs and
-counts a DTensor by its local shard, not by its global size; the fake tensors
-DTensor's sharding propagation makes are not memory. FSDP2 allocates and
+counts a DTensor by its local shard, not by its global size. The fake tensors
+of global shape DTensor's sharding propagation makes are not memory: in a real
+run they belong to no fake mode the tracker counts, and in a fake run
+(:func:`remat.estimate` with ``world_size``) they would be the run's own fake
+tensors, so the tracker looks away while DTensor propagates. FSDP2 allocates and
 frees a unit's gathered parameters by resizing their storages, outside the
 dispatcher: while tracking, its ``alloc_storage``/``free_storage`` report
 each resize, so gathered parameters count while they exist.
@@ -49,7 +52,10 @@ then, as the first unknown storage of that size, and counts it until it
 dies. The gloo worker thread also holds a copy of an all-gather's output
 while it runs the collective; that thread's allocations are not the step's
 and are not counted (nor by the allocator figure the tests compare with,
-which follows the step's thread). The random-state snapshots a region keeps
+which follows the step's thread). A fake process group (a fake run) hands no
+clone back: on fake tensors the reduce-scatter's buffer is released when the
+operator returns, which is when a real synchronous reduce-scatter (FSDP2's)
+releases it, as its call waits the work at once. The random-state snapshots a region keeps
 are made without an operator: the engine reports them
 (``remat._engine.state.note_allocation``) and they count while they live.
 """
@@ -133,6 +139,7 @@ class MemoryTracker(TorchDispatchMode):
         self._pending: list[_Record] = []  # NOTE [Collective temporaries]
         self._pending_by_output: dict[int, _Record] = {}
         self._listening: Any = None
+        self._quiet = 0  # inside DTensor's sharding propagation (NOTE [Memory per rank])
         for obj in (model, *baseline):
             self.add_baseline(obj)
 
@@ -212,6 +219,7 @@ class MemoryTracker(TorchDispatchMode):
         ]
         self._fake_ok = torch._guards.detect_fake_mode() is not None
         self._patch_fsdp()
+        self._patch_sharding_propagation()
         self._listening = listening_to_allocations(self._see_noted)
         self._listening.__enter__()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -242,6 +250,8 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         if any(getattr(t, "__tensor_flatten__", None) is not None for t in types):
             return NotImplemented  # NOTE [Memory per rank]: see the subclass's local operators
+        if self._quiet:  # DTensor's sharding propagation: fake tensors of global shape
+            return func(*args, **(kwargs or {}))
         for storage in _storages(tree_leaves((args, kwargs)), self._fake_ok):
             self._see_input(storage)
         temporary = _temporary(func, args, kwargs) if func.namespace in _COLLECTIVE_NAMESPACES else None
@@ -251,7 +261,9 @@ class MemoryTracker(TorchDispatchMode):
             phase = self._current_phase()
             held = _Record(nbytes, self._current_module(phase), phase)
             self._change(held, nbytes)
-            if lifetime == "work":
+            if lifetime == "work" and isinstance(args[1], torch._subclasses.fake_tensor.FakeTensor):
+                temporary = nbytes, "operator"  # a fake group hands no clone back
+            elif lifetime == "work":
                 self._pending.append(held)
         out = func(*args, **(kwargs or {}))
         for storage in _storages(tree_leaves(out), self._fake_ok):
@@ -292,6 +304,26 @@ class MemoryTracker(TorchDispatchMode):
                 if module is not None and getattr(module, name, None) is original:
                     self._patches.append((module, name, original))
                     setattr(module, name, resized)
+
+    def _patch_sharding_propagation(self) -> None:
+        """NOTE [Memory per rank]: DTensor's sharding propagation is not memory."""
+        import sys
+
+        module = sys.modules.get("torch.distributed.tensor._sharding_prop")
+        name = "_propagate_tensor_meta_non_cached"
+        original = getattr(getattr(module, "ShardingPropagator", None), name, None)
+        if original is None:
+            return
+
+        def quiet(propagator: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            self._quiet += 1
+            try:
+                return _original(propagator, *args, **kwargs)
+            finally:
+                self._quiet -= 1
+
+        self._patches.append((module.ShardingPropagator, name, original))
+        setattr(module.ShardingPropagator, name, quiet)
 
     def _see_resize(self, storage: torch.UntypedStorage) -> None:
         rec = self._records.get(_key(storage))
