@@ -264,6 +264,16 @@ def test_estimate_of_a_rank_equals_the_real_rank(real, name):
         assert f"rank {rank} of {WORLD}" in report.table()
 
 
+def test_dtensor_sharding_propagation_is_not_counted():
+    # DTensor propagates shardings on fake tensors of global shape, once per operator and
+    # shapes (then cached): in an estimate they were the estimate's own fake tensors
+    parallelize, hidden, _ = SCENARIOS["TP"]
+    rows = ROWS + 8  # shapes no other test runs: nothing cached yet
+    first, second = [remat.estimate(functools.partial(make, hidden), (rows, D), loss_fn=loss_of,
+                                    world_size=WORLD, parallelize=parallelize) for _ in range(2)]
+    assert first.peak_bytes == second.peak_bytes
+
+
 def test_ranks_differ_where_a_dimension_does_not_divide(real):
     first, second = estimated("FSDP", rank=0), estimated("FSDP", rank=1)
     assert first.param_bytes > second.param_bytes  # 255 rows: 128 on rank 0, 127 on rank 1
