@@ -303,13 +303,13 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
 
         One rank of 2, each block a unit of ``fully_shard`` (FSDP2), planned on fake tensors:
 
-        >>> import functools
         >>> from torch.distributed.fsdp import fully_shard
+        >>> def make():
+        ...     return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256),
+        ...         torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(4)])
         >>> def shard(model, mesh):
         ...     for block in model:
         ...         fully_shard(block, mesh=mesh)
-        >>> make = functools.partial(torch.nn.Sequential, *[torch.nn.Sequential(
-        ...     torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(4)])
         >>> p = remat.plan(make, (512, 64), budget=0.8, world_size=2, parallelize=shard)
         >>> (p.world_size, p.measured_peak_bytes <= p.budget_bytes)
         (2, True)
