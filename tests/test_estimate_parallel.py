@@ -336,18 +336,44 @@ def test_a_billion_parameter_llama_on_8_ranks_holds_an_eighth_of_its_parameters(
         whole = sum(p.numel() for p in Llama(config).parameters())
     assert 0.9e9 < whole < 1.1e9
 
-    def shard(model: nn.Module, mesh: object) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-
     report = remat.estimate(config, torch.zeros(1, 256, dtype=torch.long), loss_fn=next_token_loss,
-                            optimizer="adam", marks="blocks", world_size=8, parallelize=shard)
+                            optimizer="adam", marks="blocks", world_size=8, parallelize=_shard_llama)
     assert report.param_bytes * 8 == whole * 4
     assert report.optimizer_bytes >= 2 * report.param_bytes
     assert report.world_size == 8 and not dist.is_initialized()
+
+
+def _shard_llama(model: nn.Module, mesh: object) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def test_a_rank_plan_composes_identical_blocks_from_runs_with_three_and_four():
+    # Units holding more parameters than activations: during a block's backward FSDP2 holds
+    # it and its gathered neighbour, so the step grows linearly from 3 blocks, not from 2.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.memory.estimate import Ranks
+    from remat.models.llama import Llama, LlamaConfig, next_token_loss
+    from remat.plan._cost import Builder, composed_costs, find_blocks, identical_container
+
+    config = LlamaConfig(layers=6, width=512, heads=4, hidden=1408, vocab=8000)
+    ranks = Ranks(8, _shard_llama, 0)
+    with ranks.group(), FakeTensorMode():
+        template = Llama(config)
+        blocks = find_blocks(template)
+        build = Builder(make=functools.partial(Llama, config), finish=lambda m: ranks.apply(m, "cpu"))
+        costs = composed_costs(template, (torch.zeros(1, 64, dtype=torch.long),), blocks,
+                               identical_container(template, blocks), loss_fn=next_token_loss,
+                               optimizer="adam", fake=True, device="cpu", options=("keep",), build=build)
+    whole = remat.estimate(config, torch.zeros(1, 64, dtype=torch.long), loss_fn=next_token_loss,
+                           world_size=8, parallelize=_shard_llama)
+    assert costs.peaks["keep"] == whole.peak_bytes
+    assert costs.baseline_bytes == whole.baseline_bytes
+    assert "composed from runs with 3 and 4" in costs.timed
 
 
 # --- errors: typed, named, and nothing left behind ------------------------------------------------
@@ -379,6 +405,10 @@ def test_bad_arguments_name_the_api_and_the_fix():
 
 
 def test_the_fake_group_is_destroyed_after_an_error():
+    import sys
+
+    hook = sys.excepthook
+
     def fails(model: nn.Module, mesh: object) -> None:
         assert dist.get_world_size() == 2 and dist.get_backend() == "fake"
         raise RuntimeError("parallelize failed")
@@ -395,6 +425,7 @@ def test_the_fake_group_is_destroyed_after_an_error():
     assert not dist.is_initialized()
     report = remat.estimate(_tiny, (4, D), world_size=2, parallelize=fully_shard_blocks)  # again
     assert report.world_size == 2 and not dist.is_initialized()
+    assert sys.excepthook is hook  # the group's rank prefix on uncaught errors is gone too
 
 
 def test_a_real_process_group_is_left_alone():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -197,6 +198,7 @@ class Ranks:
                 f"without one (before dist.init_process_group, or after dist.destroy_process_group)")
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
+        hook = sys.excepthook  # init_process_group prefixes uncaught errors with the rank
         dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
         try:
             with _RealCollectives():
@@ -205,6 +207,7 @@ class Ranks:
             self._meshes.clear()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            sys.excepthook = hook
 
     def apply(self, model: torch.nn.Module, device: str) -> torch.nn.Module:
         """Hand ``model`` (marked) to ``parallelize`` with a 1-D mesh of the ranks on ``device``."""

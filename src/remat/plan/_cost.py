@@ -439,25 +439,32 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
     """Measure the model with 2 and with 3 of its ``n`` identical blocks and compose the costs of
     all ``n``: per block, the first, a middle one repeated, the last; every step-wide figure
     (baseline, peaks, step time) grows linearly with the number of blocks. None when the model
-    does not run a shorter container as a shorter model."""
+    does not run a shorter container as a shorter model, or is no longer than the runs.
+
+    A rank's plan (``build``) composes from 3 and 4 blocks: FSDP2 gathers a unit's neighbours
+    ahead of it in forward and in backward, so a step grows linearly only once some block has
+    blocks on both sides (NOTE [Planning a rank])."""
     n = len(blocks)
     measured = {}
     build = kwargs.pop("build", None)
+    small, large = (2, 3) if build is None else (3, 4)
+    if n <= large:
+        return None
     where = next(name for name, m in model.named_modules() if m is container)
-    for count in (2, 3):
+    for count in (small, large):
         with _truncated(container, count):
             try:
                 measured[count] = measure_costs(model, inputs, blocks[:count], **kwargs,
                                                 build=None if build is None else build.cut(where, count))
             except (TypeError, IndexError):  # the forward does not iterate over the container
                 return None
-    two, three = measured[2], measured[3]
+    two, three = measured[small], measured[large]
 
     def grow(a: float, b: float) -> float:
-        return b + (n - 3) * (b - a)
+        return b + (n - large) * (b - a)
 
     def spread(values: list) -> list:
-        return [values[0], *[values[1]] * (n - 2), values[2]]
+        return [values[0], *[values[1]] * (n - 2), values[-1]]
 
     return BlockCosts(
         names=[name for name, _ in blocks], types=spread(three.types), kept=spread(three.kept),
@@ -470,5 +477,5 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
                         else int(grow(two.optimizer_peak, three.optimizer_peak))),
         phases=three.phases,
         step_s=grow(two.step_s, three.step_s) if two.step_s is not None else None,
-        timed=three.timed + f"; {n} identical blocks composed from runs with 2 and 3",
+        timed=three.timed + f"; {n} identical blocks composed from runs with {small} and {large}",
     )
