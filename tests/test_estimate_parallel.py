@@ -166,7 +166,7 @@ def estimated(name: str, rank: int = 0, marks: object = None) -> remat.memory.Pr
 # --- what the real ranks run ---------------------------------------------------------------
 
 
-def _real_steps(model: nn.Module) -> dict:
+def _real_steps(model: nn.Module, x: torch.Tensor | None = None, loss: object = loss_of) -> dict:
     """Steps of Adam under the tracker: its peak per step, and the rank's parameter bytes.
 
     (``tests/test_parallel.py`` checks the tracker against the CPU allocator per rank.) As
@@ -174,7 +174,8 @@ def _real_steps(model: nn.Module) -> dict:
     thread]): a result it holds a little longer is not the step's."""
     from remat.memory._allocator import _LetWorkersRelease
 
-    x = torch.randn(ROWS, D, generator=torch.Generator().manual_seed(1))
+    if x is None:
+        x = torch.randn(ROWS, D, generator=torch.Generator().manual_seed(1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     for p in model.parameters():  # the optimizer's state exists before a steady step
         p.grad = torch.zeros_like(p)
@@ -182,7 +183,7 @@ def _real_steps(model: nn.Module) -> dict:
     optimizer.zero_grad(set_to_none=True)
 
     def step() -> None:
-        loss_of(model(x)).backward()
+        loss(model(x)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -217,7 +218,31 @@ def real_group(rank: int, plans: dict) -> dict:
     model = tensor_parallel(make(TP_HIDDEN), mesh)
     report = remat.profile(model, torch.randn(8, D), repeat=0)
     out["profile"] = (report.rank, report.world_size, report.param_bytes)
+    out["llama"] = _llama_tensor_parallel(mesh)
     return out
+
+
+LLAMA = {"layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "hidden": 128, "vocab": 256}
+TOKENS = (2, 32)
+
+
+def _llama_tensor_parallel(mesh: object) -> dict:
+    """remat.models.llama.tensor_parallel on a real rank: gradients against one process, and
+    the rank's steps under the tracker (blocks marked)."""
+    from remat.models.llama import LlamaConfig, llama, next_token_loss, tensor_parallel as shard
+
+    tokens = torch.randint(0, LLAMA["vocab"], TOKENS, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for parallel in (False, True):
+        torch.manual_seed(0)
+        model = llama(LlamaConfig(**LLAMA))
+        if parallel:
+            shard(model, mesh)
+        next_token_loss(model(tokens)).backward()
+        grads.append([p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                      for p in model.parameters()])
+    model = llama(LlamaConfig(**LLAMA), recompute=True)
+    return {"grads": grads, **_real_steps(shard(model, mesh), tokens, next_token_loss)}
 
 
 # --- the assertions -------------------------------------------------------------------------
@@ -302,6 +327,20 @@ def test_parameters_of_a_rank_are_its_share():
             assert rank.param_bytes == (one.param_bytes - replicated) // WORLD + replicated
         assert rank.param_bytes < 0.55 * one.param_bytes
         assert rank.optimizer_bytes < 0.55 * one.optimizer_bytes
+
+
+def test_llama_tensor_parallel_is_the_same_model_and_its_estimate_the_real_rank(real):
+    from remat.models.llama import LlamaConfig, next_token_loss, tensor_parallel as shard
+
+    for rank in range(WORLD):
+        llama = real[rank]["llama"]
+        for one, parallel in zip(*llama["grads"]):  # row-wise layers sum in another order
+            torch.testing.assert_close(parallel, one, rtol=1e-4, atol=1e-5)
+        report = remat.estimate(LlamaConfig(**LLAMA), torch.zeros(TOKENS, dtype=torch.long),
+                                loss_fn=next_token_loss, marks="blocks",
+                                world_size=WORLD, parallelize=shard, rank=rank)
+        assert report.peak_bytes == _settled(llama["runs"])
+        assert report.param_bytes == llama["params"]
 
 
 def test_profile_on_a_real_rank_says_which(real):
