@@ -17,6 +17,7 @@ import os
 import queue as queue_module
 import socket
 import traceback
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -44,13 +45,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, port: int, body: str, args: tuple, queue: mp.Queue) -> None:
+def _entry(rank: int, port: int, body: str, inbox: mp.Queue, queue: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     try:
-        result = globals()[body](rank, *args)
+        result = globals()[body](rank, inbox)
     except BaseException:
         queue.put((rank, _pack({"error": traceback.format_exc()})))
         raise
@@ -66,18 +67,23 @@ def _pack(value: object) -> bytes:
     return buffer.getvalue()
 
 
-def _spawn(body: str, args: tuple = (), deadline: float = DEADLINE_S) -> tuple[dict, list]:
-    """Run ``body(rank, *args)`` on 2 gloo ranks; return ``({rank: result}, exit codes)``."""
+def _spawn(body: str, feed: Callable[[], object], deadline: float = DEADLINE_S) -> tuple[dict, list]:
+    """Run ``body(rank, inbox)`` on 2 gloo ranks, and ``feed()`` here meanwhile, whose value
+    each rank's ``inbox`` then gets; return ``({rank: result}, exit codes)``."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    inboxes = [ctx.Queue() for _ in range(WORLD)]
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, body, args, queue), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, port, body, inboxes[r], queue), daemon=True)
              for r in range(WORLD)]
     for p in procs:
         p.start()
     results: dict = {}
     start = datetime.datetime.now()
     try:
+        fed = feed()  # while the ranks start (an error here kills them)
+        for inbox in inboxes:
+            inbox.put(fed)
         while len(results) < WORLD:
             left = deadline - (datetime.datetime.now() - start).total_seconds()
             if left <= 0:
@@ -120,7 +126,11 @@ def make(hidden: int) -> nn.Sequential:
 
 
 def tensor_parallel(model: nn.Sequential, mesh: object) -> nn.Sequential:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     for block in model:
         parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -200,9 +210,11 @@ def _real_steps(model: nn.Module, x: torch.Tensor | None = None, loss: object = 
     return {"runs": runs, "params": sum(local_nbytes(p) for p in model.parameters())}
 
 
-def real_group(rank: int, plans: dict) -> dict:
+def real_group(rank: int, inbox: mp.Queue) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    gc.collect()
+    gc.freeze()  # what the imports made is never garbage: each step's collection skips it
     mesh = init_device_mesh("cpu", (WORLD,))
     out = {}
     for name, (parallelize, hidden, options) in SCENARIOS.items():
@@ -210,6 +222,7 @@ def real_group(rank: int, plans: dict) -> dict:
         if options is not None:
             remat.apply(model, MLPBlock, **options)
         out[name] = _real_steps(parallelize(model, mesh))
+    plans = inbox.get(timeout=DEADLINE_S)  # made meanwhile by the test process
     for name, text in plans.items():  # a rank's plan, made on a fake group, run for real
         parallelize, hidden, _ = SCENARIOS[name]
         model = make(hidden)
@@ -229,7 +242,8 @@ TOKENS = (2, 32)
 def _llama_tensor_parallel(mesh: object) -> dict:
     """remat.models.llama.tensor_parallel on a real rank: gradients against one process, and
     the rank's steps under the tracker (blocks marked)."""
-    from remat.models.llama import LlamaConfig, llama, next_token_loss, tensor_parallel as shard
+    from remat.models.llama import LlamaConfig, llama, next_token_loss
+    from remat.models.llama import tensor_parallel as shard
 
     tokens = torch.randint(0, LLAMA["vocab"], TOKENS, generator=torch.Generator().manual_seed(2))
     grads = []
@@ -249,24 +263,34 @@ def _llama_tensor_parallel(mesh: object) -> dict:
 
 
 @pytest.fixture(scope="module")
-def plans() -> dict:
-    """A plan per rank for 60% of each parallelism's no-recompute peak, made on a fake group."""
-    out = {}
-    for name in ("TP", "FSDP"):
-        parallelize, hidden, _ = SCENARIOS[name]
-        out[name] = remat.plan(functools.partial(make, hidden), (ROWS, D), budget=0.6, loss_fn=loss_of,
-                               world_size=WORLD, parallelize=parallelize)
-    return out
+def group() -> dict:
+    """The real ranks' results, and the plans they ran: a plan per rank for 60% of each
+    parallelism's no-recompute peak, made here on a fake group while the ranks start."""
+    plans = {}
 
+    def make_plans() -> dict:
+        for name in ("TP", "FSDP"):
+            parallelize, hidden, _ = SCENARIOS[name]
+            plans[name] = remat.plan(functools.partial(make, hidden), (ROWS, D), budget=0.6,
+                                     loss_fn=loss_of, world_size=WORLD, parallelize=parallelize)
+        return {name: p.to_json() for name, p in plans.items()}
 
-@pytest.fixture(scope="module")
-def real(plans: dict) -> dict:
-    out, codes = _spawn("real_group", ({name: p.to_json() for name, p in plans.items()},))
+    out, codes = _spawn("real_group", make_plans)
     for rank in range(WORLD):
         assert rank in out, f"rank {rank} returned nothing (exit codes {codes})"
         assert "error" not in out[rank], out[rank]["error"]
     assert codes == [0] * WORLD
-    return out
+    return {"real": out, "plans": plans}
+
+
+@pytest.fixture(scope="module")
+def real(group: dict) -> dict:
+    return group["real"]
+
+
+@pytest.fixture(scope="module")
+def plans(group: dict) -> dict:
+    return group["plans"]
 
 
 def _settled(runs: list[int]) -> int:
@@ -330,7 +354,8 @@ def test_parameters_of_a_rank_are_its_share():
 
 
 def test_llama_tensor_parallel_is_the_same_model_and_its_estimate_the_real_rank(real):
-    from remat.models.llama import LlamaConfig, next_token_loss, tensor_parallel as shard
+    from remat.models.llama import LlamaConfig, next_token_loss
+    from remat.models.llama import tensor_parallel as shard
 
     for rank in range(WORLD):
         llama = real[rank]["llama"]
