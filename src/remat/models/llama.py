@@ -237,7 +237,11 @@ def tensor_parallel(model: Llama, mesh: Any) -> Llama:
         >>> rank.param_bytes < one.param_bytes
         True
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     api = "remat.models.llama.tensor_parallel"
     if not isinstance(model, Llama):
