@@ -415,29 +415,60 @@ def _shard_llama(model: nn.Module, mesh: object) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def test_a_rank_plan_composes_identical_blocks_from_runs_with_three_and_four():
-    # Units holding more parameters than activations: during a block's backward FSDP2 holds
-    # it and its gathered neighbour, so the step grows linearly from 3 blocks, not from 2.
+def _rank_costs(config: object, parallelize: object, world: int, seq: int, whole: bool = False) -> object:
+    """The cost model of a rank's plan (option "keep"): composed, or of the whole model."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.memory.estimate import Ranks
-    from remat.models.llama import Llama, LlamaConfig, next_token_loss
-    from remat.plan._cost import Builder, composed_costs, find_blocks, identical_container
+    from remat.models.llama import Llama, next_token_loss
+    from remat.plan._cost import (
+        Builder,
+        composed_costs,
+        find_blocks,
+        identical_container,
+        measure_costs,
+    )
 
-    config = LlamaConfig(layers=6, width=512, heads=4, hidden=1408, vocab=8000)
-    ranks = Ranks(8, _shard_llama, 0)
+    ranks = Ranks(world, parallelize, 0)
     with ranks.group(), FakeTensorMode():
         template = Llama(config)
         blocks = find_blocks(template)
         build = Builder(make=functools.partial(Llama, config), finish=lambda m: ranks.apply(m, "cpu"))
-        costs = composed_costs(template, (torch.zeros(1, 64, dtype=torch.long),), blocks,
-                               identical_container(template, blocks), loss_fn=next_token_loss,
-                               optimizer="adam", fake=True, device="cpu", options=("keep",), build=build)
+        kwargs = {"loss_fn": next_token_loss, "optimizer": "adam", "fake": True, "device": "cpu",
+                  "options": ("keep",), "build": build}
+        tokens = (torch.zeros(1, seq, dtype=torch.long),)
+        if whole:
+            return measure_costs(template, tokens, blocks, **kwargs)
+        return composed_costs(template, tokens, blocks, identical_container(template, blocks), **kwargs)
+
+
+def test_a_rank_plan_composes_identical_blocks_from_runs_with_three_and_four():
+    # Units holding more parameters than activations: during a block's backward FSDP2 holds
+    # it and its gathered neighbour, so the step grows linearly from 3 blocks, not from 2.
+    from remat.models.llama import LlamaConfig, next_token_loss
+
+    config = LlamaConfig(layers=6, width=512, heads=4, hidden=1408, vocab=8000)
+    costs = _rank_costs(config, _shard_llama, 8, 64)
     whole = remat.estimate(config, torch.zeros(1, 64, dtype=torch.long), loss_fn=next_token_loss,
                            world_size=8, parallelize=_shard_llama)
     assert costs.peaks["keep"] == whole.peak_bytes
     assert costs.baseline_bytes == whole.baseline_bytes
     assert "composed from runs with 3 and 4" in costs.timed
+
+
+def test_a_composed_rank_plan_grows_each_phase_at_its_own_rate():
+    # Tensor parallelism replicates the embedding and the head: with 3 and 4 blocks the peak
+    # is the optimizer's step (their Adam state), with 10 the backward pass (the blocks').
+    from remat.models.llama import LlamaConfig, next_token_loss, tensor_parallel
+
+    config = LlamaConfig(layers=10, width=256, heads=8, hidden=704, vocab=16000)
+    costs = _rank_costs(config, tensor_parallel, 8, 256)
+    whole = remat.estimate(config, torch.zeros(1, 256, dtype=torch.long), loss_fn=next_token_loss,
+                           world_size=8, parallelize=tensor_parallel)
+    assert (costs.peaks["keep"], costs.phases["keep"]) == (whole.peak_bytes, "backward")
+    # times from the rank's own operators: DTensor's sharding propagation, which runs once
+    # per shape (here in the run with 3 blocks, not with 4), is not this rank's work
+    assert costs.step_s == pytest.approx(_rank_costs(config, tensor_parallel, 8, 256, whole=True).step_s)
 
 
 # --- errors: typed, named, and nothing left behind ------------------------------------------------

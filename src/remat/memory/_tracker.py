@@ -307,23 +307,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def _patch_sharding_propagation(self) -> None:
         """NOTE [Memory per rank]: DTensor's sharding propagation is not memory."""
-        import sys
+        self._patches.extend(look_away_from_sharding_propagation(self._propagating))
 
-        module = sys.modules.get("torch.distributed.tensor._sharding_prop")
-        name = "_propagate_tensor_meta_non_cached"
-        original = getattr(getattr(module, "ShardingPropagator", None), name, None)
-        if original is None:
-            return
-
-        def quiet(propagator: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            self._quiet += 1
-            try:
-                return _original(propagator, *args, **kwargs)
-            finally:
-                self._quiet -= 1
-
-        self._patches.append((module.ShardingPropagator, name, original))
-        setattr(module.ShardingPropagator, name, quiet)
+    def _propagating(self, depth: int) -> None:
+        self._quiet += depth
 
     def _see_resize(self, storage: torch.UntypedStorage) -> None:
         rec = self._records.get(_key(storage))
@@ -460,6 +447,30 @@ def _temporary(func: Any, args: tuple, kwargs: Any) -> tuple[int, str] | None:
     if name == "reduce_scatter_tensor":  # (input, op, group_size, group_name)
         return _nbytes(args[0]), "wait"
     return None
+
+
+def look_away_from_sharding_propagation(count: Any) -> list[tuple[Any, str, Any]]:
+    """Make DTensor's sharding propagation call ``count(1)`` on entry and ``count(-1)`` on
+    exit, so a dispatch mode can tell its operators (fake tensors of global shape, made to
+    learn output shapes: neither this rank's memory nor its work) from the step's. Returns
+    the ``(owner, name, original)`` patches to restore; none when DTensor is not in use."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor._sharding_prop")
+    name = "_propagate_tensor_meta_non_cached"
+    original = getattr(getattr(module, "ShardingPropagator", None), name, None)
+    if original is None:
+        return []
+
+    def propagate(propagator: Any, *args: Any, **kwargs: Any) -> Any:
+        count(1)
+        try:
+            return original(propagator, *args, **kwargs)
+        finally:
+            count(-1)
+
+    setattr(module.ShardingPropagator, name, propagate)
+    return [(module.ShardingPropagator, name, original)]
 
 
 def _key(storage: torch.UntypedStorage) -> int:

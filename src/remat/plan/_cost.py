@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat._marks import recompute_module, unmark_module
 from remat._policy import save_compute_intensive
-from remat.memory._tracker import local_nbytes, local_storages
+from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
 from remat.memory.profile import OptimizerLike, default_loss, measure
 from remat.plan._solve import OPTIONS, OUTPUT, Problem, evaluate
 
@@ -98,6 +98,8 @@ class BlockCosts:
     other_grad_bytes: int
     peaks: dict[str, int] = field(default_factory=dict)
     phases: dict[str, str] = field(default_factory=dict)
+    #: per option, the highest footprint reached in each phase (``ProfileReport.phase_peaks``)
+    phase_peaks: dict[str, dict] = field(default_factory=dict)
     step_s: float | None = None
     timed: str = "measured"
     transient_bytes: list = field(default_factory=list)
@@ -220,10 +222,27 @@ class _Ops(TorchDispatchMode):
         self.block: int | None = None
         self.total: dict[int, float] = {}
         self.recomputed: dict[int, float] = {}
+        self._propagating = 0
+        self._patches: list = []
+
+    def __enter__(self) -> Any:
+        self._patches = look_away_from_sharding_propagation(self._count)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
+        self._patches = []
+
+    def _count(self, depth: int) -> None:
+        self._propagating += depth
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         if any(getattr(t, "__tensor_flatten__", None) is not None for t in types):
             return NotImplemented  # a DTensor: cost its local operators, this rank's
+        if self._propagating:  # DTensor learning output shapes: not this rank's work
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         start = time.perf_counter()
         out = func(*args, **kwargs)
@@ -377,6 +396,7 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
         other_grad_bytes=all_grads - sum(grads),
         peaks={o: r.peak_bytes for o, r in reports.items()},
         phases={o: r.peak_phase for o, r in reports.items()}, step_s=step, timed=timed,
+        phase_peaks={o: dict(r.phase_peaks) for o, r in reports.items()},
         optimizer_peak=reports["keep"].phase_peaks.get("optimizer"),
         option_step_s={} if fake else {o: (r.step_ms or 0.0) / 1e3 for o, r in reports.items()},
     )
@@ -466,16 +486,26 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
     def spread(values: list) -> list:
         return [values[0], *[values[1]] * (n - 2), values[-1]]
 
+    # Each phase's peak grows linearly, at its own rate: the step's peak is the largest grown
+    # one, which may be in another phase than the short models' (a rank's backward outgrows
+    # its optimizer step, whose peak is mostly replicated parameters and their state).
+    grown = {o: {phase: grow(two.phase_peaks[o][phase], peak)
+                 for phase, peak in three.phase_peaks.get(o, {}).items()
+                 if phase in two.phase_peaks.get(o, {})} for o in three.peaks}
+    peaks = {o: int(max(g.values())) if g else int(grow(two.peaks[o], three.peaks[o]))
+             for o, g in grown.items()}
+    phases = {o: max(g, key=g.get) if g else three.phases[o] for o, g in grown.items()}
+
     return BlockCosts(
         names=[name for name, _ in blocks], types=spread(three.types), kept=spread(three.kept),
         forward_s=spread(three.forward_s), selective_s=spread(three.selective_s),
         output_bytes=spread(three.output_bytes), grad_bytes=spread(three.grad_bytes),
         chain=spread(three.chain), baseline_bytes=int(grow(two.baseline_bytes, three.baseline_bytes)),
         other_grad_bytes=three.other_grad_bytes,
-        peaks={o: int(grow(two.peaks[o], p)) for o, p in three.peaks.items()},
+        peaks=peaks,
         optimizer_peak=(None if three.optimizer_peak is None
                         else int(grow(two.optimizer_peak, three.optimizer_peak))),
-        phases=three.phases,
+        phases=phases, phase_peaks={o: {ph: int(v) for ph, v in g.items()} for o, g in grown.items()},
         step_s=grow(two.step_s, three.step_s) if two.step_s is not None else None,
         timed=three.timed + f"; {n} identical blocks composed from runs with {small} and {large}",
     )
