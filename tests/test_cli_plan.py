@@ -59,3 +59,12 @@ def test_largest_batch_searches_by_doubling_then_bisection():
     assert largest_batch(fits, 4) == 37
     assert largest_batch(lambda b: False, 4) == 0
     assert len(calls) <= 12
+
+
+def test_plan_command_plans_a_rank(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert main(["plan", *TINY, "--estimate", "--world-size", "2", "--budget", "90%", "--json", str(path)]) == 0
+    plan = remat.Plan.from_json(path.read_text())
+    assert (plan.rank, plan.world_size) == (0, 2)
+    assert plan.measured_peak_bytes <= plan.budget_bytes < plan.no_recompute_peak_bytes
+    assert "per rank (rank 0 of 2)" in capsys.readouterr().out

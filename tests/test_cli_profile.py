@@ -60,3 +60,37 @@ def test_python_dash_m_remat_profile_help():
     done = subprocess.run([sys.executable, "-m", "remat", "profile", "--help"], capture_output=True,
                           text=True, check=True)
     assert "--input-shape" in done.stdout and "--marks" in done.stdout
+
+
+def test_estimate_of_a_rank_with_tensor_parallelism_and_fsdp(tmp_path, capsys):
+    path = tmp_path / "r.json"
+
+    def estimate(*extra: str) -> dict:
+        assert main(["profile", *TINY, "--estimate", "--optimizer", "none", "--json", str(path), *extra]) == 0
+        return json.loads(path.read_text())
+
+    one = estimate()
+    tp = estimate("--world-size", "2", "--parallelize", "tp")
+    assert (one["world_size"], tp["rank"], tp["world_size"]) == (None, 0, 2)
+    # q, k, v, o (32x32) and gate, up, down (32x64) of 2 blocks: half on each rank
+    assert one["param_bytes"] - tp["param_bytes"] == 2 * (4 * 32 * 32 + 3 * 32 * 64) * 4 // 2
+    fsdp = estimate("--world-size", "2")  # fsdp by default: every parameter halved
+    assert fsdp["param_bytes"] * 2 == one["param_bytes"]
+    assert "rank 0 of 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([*TINY, "--world-size", "2"], "add --estimate"),
+    ([*TINY, "--estimate", "--parallelize", "tp"], "need --world-size"),
+    ([*TINY, "--estimate", "--world-size", "0"], "--world-size must be at least 1"),
+    ([*TINY, "--estimate", "--world-size", "2", "--rank", "2"], r"rank must be in \[0, 2\)"),
+    (["remat.models.gpt:gpt", "--arg", "layers=1", "--arg", "width=16", "--arg", "heads=2",
+      "--input-shape", "1,8", "--input-dtype", "int64", "--estimate", "--world-size", "2",
+      "--parallelize", "tp"], "Llama only"),
+])
+def test_rank_arguments_exit_with_a_message(argv, message):
+    import torch.distributed as dist
+
+    with pytest.raises(SystemExit, match=message):
+        main(["profile", *argv])
+    assert not dist.is_initialized()

@@ -6,6 +6,8 @@ Example:
     $ remat plan remat.models.llama:llama --arg layers=4 --input-shape 1,512 --input-dtype int64 \\
           --loss next-token --estimate --budget 2GiB
     $ remat plan remat.models.gpt:gpt --input-shape 8,256 --input-dtype int64 --max-batch --budget 300MiB
+    $ remat plan remat.models.llama:llama --arg layers=16 --input-shape 1,1024 --input-dtype int64 \\
+          --loss next-token --estimate --world-size 8 --parallelize tp --budget 4GiB
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 
 from remat.cli.profile import (
     add_model_arguments,
+    add_rank_arguments,
     load_factory,
     make_inputs,
     parse_kwargs,
     parse_shape,
+    rank_options,
 )
 
 API = "remat plan"
@@ -44,6 +48,7 @@ def add_parser(subparsers: Any) -> None:
                         help="plan on fake tensors: nothing allocated, times from FLOPs (roofline)")
     parser.add_argument("--device", help="device of the roofline for --estimate (cpu, cuda)")
     parser.add_argument("--throughput", type=float, help="FLOP/s of that device for --estimate")
+    add_rank_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help="write a Pareto PNG (peak against step time) of the anchors and a budget sweep")
@@ -66,6 +71,7 @@ class Setup:
         self.shapes = [parse_shape(s) for s in args.input_shape]
         self.optimizer = None if args.optimizer == "none" else args.optimizer
         self.loss_fn = None
+        self.ranks = rank_options(args, API)  # one rank of a job: the budget is the rank's
         if args.loss == "next-token":
             from remat.models.llama import next_token_loss
 
@@ -85,7 +91,8 @@ class Setup:
         if self.args.estimate:
             return sweep(self.build, lambda: self.inputs(batch), budgets=budgets, loss_fn=self.loss_fn,
                          optimizer=self.optimizer, device=self.args.device,
-                         throughput=self.args.throughput, progress=progress, floors=True)
+                         throughput=self.args.throughput, progress=progress, floors=True,
+                         **self.ranks)
         return sweep(self.build(), *self.inputs(batch), budgets=budgets, loss_fn=self.loss_fn,
                      optimizer=self.optimizer, progress=progress, floors=True)
 
@@ -101,7 +108,7 @@ class Setup:
 
         if self.args.estimate:
             report = remat.estimate(build, lambda: self.inputs(batch), loss_fn=self.loss_fn,
-                                    optimizer=self.optimizer)
+                                    optimizer=self.optimizer, **self.ranks)
             return {"peak_bytes": report.peak_bytes, "step_ms": None, "overhead": None}
         model = build()
         inputs = self.inputs(batch)

@@ -5,6 +5,8 @@ Example:
           --json profile.json --plot timeline.png
     $ remat profile remat.models.llama:llama --arg layers=2 --input-shape 1,128 \\
           --input-dtype int64 --loss next-token --estimate --marks LlamaBlock
+    $ remat profile remat.models.llama:llama --arg layers=16 --input-shape 1,1024 \\
+          --input-dtype int64 --loss next-token --estimate --world-size 8 --parallelize fsdp
 """
 
 from __future__ import annotations
@@ -34,6 +36,63 @@ def add_model_arguments(parser: Any, example: str) -> None:
     parser.add_argument("--input-dtype", default="float32", help="dtype of the inputs (int64: token ids)")
 
 
+def add_rank_arguments(parser: Any) -> None:
+    """``--world-size``, ``--parallelize``, ``--rank``: one rank of a job, with ``--estimate``
+    (shared by ``remat profile`` and ``remat plan``)."""
+    parser.add_argument("--world-size", type=int, metavar="N",
+                        help="with --estimate: one rank of an N-rank job, on a fake process group")
+    parser.add_argument("--parallelize", choices=sorted(PARALLELISMS),
+                        help="how --world-size shards the model: fsdp (default: fully_shard on each "
+                             "block, then on the model) or tp (tensor parallelism: "
+                             "remat.models.llama.tensor_parallel)")
+    parser.add_argument("--rank", type=int, help="with --world-size: the rank measured (default 0)")
+
+
+def fully_shard_blocks(model: torch.nn.Module, mesh: Any) -> None:
+    """FSDP2 as ``--parallelize fsdp`` applies it: a unit per block, then the model's root."""
+    from torch.distributed.fsdp import fully_shard
+
+    from remat._blocks import find_blocks
+
+    for _, block in find_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def tensor_parallel(model: torch.nn.Module, mesh: Any) -> None:
+    """``--parallelize tp``: :func:`remat.models.llama.tensor_parallel` (Llama models only)."""
+    from remat.models.llama import Llama
+    from remat.models.llama import tensor_parallel as shard
+
+    if not isinstance(model, Llama):
+        raise SystemExit(f"--parallelize tp shards remat.models.llama's Llama only, got "
+                         f"{type(model).__name__}; use --parallelize fsdp")
+    shard(model, mesh)
+
+
+PARALLELISMS = {"fsdp": fully_shard_blocks, "tp": tensor_parallel}
+
+
+def rank_options(args: argparse.Namespace, api: str) -> dict[str, Any]:
+    """The ``world_size``, ``parallelize``, ``rank`` keywords the command line asks for."""
+    if args.world_size is None:
+        if args.parallelize is not None or args.rank is not None:
+            raise SystemExit(f"{api}: --parallelize and --rank need --world-size N")
+        return {}
+    if not args.estimate:
+        raise SystemExit(f"{api}: --world-size estimates one rank on a fake process group: add "
+                         f"--estimate (on a real rank, run under torchrun without --world-size)")
+    from remat.memory.estimate import Ranks
+
+    options = {"world_size": args.world_size, "parallelize": PARALLELISMS[args.parallelize or "fsdp"],
+               "rank": args.rank}
+    try:
+        Ranks(**options, api=api)
+    except (TypeError, ValueError) as err:
+        raise SystemExit(str(err).replace("world_size", "--world-size")) from None
+    return options
+
+
 def add_parser(subparsers: Any) -> None:
     """Register ``remat profile`` on the ``remat`` command line."""
     parser = subparsers.add_parser("profile", help="per-module memory and time of a training step",
@@ -49,6 +108,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--optimizer", default="adam", help="adam, adamw, sgd or none")
     parser.add_argument("--estimate", action="store_true",
                         help="build the model on fake tensors: nothing is allocated, no times")
+    add_rank_arguments(parser)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per profile (default 3)")
     parser.add_argument("--depth", type=int, default=2, help="module depth shown in the table")
     parser.add_argument("--json", metavar="PATH", help="write the report(s) as JSON")
@@ -163,7 +223,7 @@ def _profile_one(args: argparse.Namespace, factory: Callable, kwargs: dict, mark
     with progress(f"{'estimating' if args.estimate else 'profiling'} {label}"):
         if args.estimate:
             return remat.estimate(build, lambda: make_inputs(shapes, dtype), loss_fn=loss_fn,
-                                  optimizer=optimizer, label=label)
+                                  optimizer=optimizer, label=label, **rank_options(args, API))
         torch.manual_seed(0)
         return remat.profile(build(), *make_inputs(shapes, dtype), loss_fn=loss_fn,
                              optimizer=optimizer, repeat=args.repeat, label=label)
@@ -171,6 +231,7 @@ def _profile_one(args: argparse.Namespace, factory: Callable, kwargs: dict, mark
 
 def run(args: argparse.Namespace) -> int:
     """Profile (or estimate) the model without marks, and with ``--marks`` when given."""
+    rank_options(args, API)  # bad rank arguments fail before anything runs
     factory = load_factory(args.factory)
     kwargs = parse_kwargs(args.arg)
     reports = [_profile_one(args, factory, kwargs, [], "no marks")]

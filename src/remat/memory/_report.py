@@ -83,6 +83,10 @@ class ProfileReport:
     timeline: list = field(default_factory=list)
     #: the highest footprint (bytes) reached in each phase (``"forward"``, ``"backward"``, ...)
     phase_peaks: dict = field(default_factory=dict)
+    #: under ``torch.distributed`` (a real group, or :func:`remat.estimate`'s fake one): the
+    #: rank measured and the ranks in the job; every byte figure is this rank's (None: one process)
+    rank: int | None = None
+    world_size: int | None = None
 
     def row(self, name: str) -> ModuleRow:
         """Return the row of module ``name``; raise ``KeyError`` naming the known ones."""
@@ -175,8 +179,9 @@ def _cells(row: ModuleRow) -> list[str]:
 
 def _footer(report: ProfileReport) -> list[str]:
     kind = "estimated on fake tensors" if report.estimated else "measured"
+    rank = f", rank {report.rank} of {report.world_size}" if report.world_size is not None else ""
     lines = [
-        f"{report.label}: {kind}, {report.device}",
+        f"{report.label}: {kind}, {report.device}" + (rank if rank[2:] not in report.device else ""),
         (f"total kept for backward {format_bytes(report.total_kept)} "
         f"(modules {format_bytes(report.total_kept - report.outside_kept)} + outside modules "
         f"{format_bytes(report.outside_kept)})"),

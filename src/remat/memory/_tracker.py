@@ -21,8 +21,11 @@ NOTE [Memory per rank]
 Under ``torch.distributed`` the tracker counts what this rank holds. An
 operator on a tensor subclass (DTensor, ``AsyncCollectiveTensor``) is handed
 to the subclass first, so the tracker sees the local operators it runs and
-counts a DTensor by its local shard, not by its global size; the fake tensors
-DTensor's sharding propagation makes are not memory. FSDP2 allocates and
+counts a DTensor by its local shard, not by its global size. The fake tensors
+of global shape DTensor's sharding propagation makes are not memory: in a real
+run they belong to no fake mode the tracker counts, and in a fake run
+(:func:`remat.estimate` with ``world_size``) they would be the run's own fake
+tensors, so the tracker looks away while DTensor propagates. FSDP2 allocates and
 frees a unit's gathered parameters by resizing their storages, outside the
 dispatcher: while tracking, its ``alloc_storage``/``free_storage`` report
 each resize, so gathered parameters count while they exist.
@@ -61,7 +64,10 @@ then, as the first unknown storage of that size, and counts it until it
 dies. The gloo worker thread also holds a copy of an all-gather's output
 while it runs the collective; that thread's allocations are not the step's
 and are not counted (nor by the allocator figure the tests compare with,
-which follows the step's thread). The random-state snapshots a region keeps
+which follows the step's thread). A fake process group (a fake run) hands no
+clone back: on fake tensors the reduce-scatter's buffer is released when the
+operator returns, which is when a real synchronous reduce-scatter (FSDP2's)
+releases it, as its call waits the work at once. The random-state snapshots a region keeps
 are made without an operator: the engine reports them
 (``remat._engine.state.note_allocation``) and they count while they live.
 """
@@ -145,6 +151,7 @@ class MemoryTracker(TorchDispatchMode):
         self._pending: list[_Record] = []  # NOTE [Collective temporaries]
         self._pending_by_output: dict[int, _Waits] = {}
         self._listening: Any = None
+        self._quiet = 0  # inside DTensor's sharding propagation (NOTE [Memory per rank])
         for obj in (model, *baseline):
             self.add_baseline(obj)
 
@@ -224,6 +231,7 @@ class MemoryTracker(TorchDispatchMode):
         ]
         self._fake_ok = torch._guards.detect_fake_mode() is not None
         self._patch_fsdp()
+        self._patch_sharding_propagation()
         self._listening = listening_to_allocations(self._see_noted)
         self._listening.__enter__()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -254,6 +262,8 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         if any(getattr(t, "__tensor_flatten__", None) is not None for t in types):
             return NotImplemented  # NOTE [Memory per rank]: see the subclass's local operators
+        if self._quiet:  # DTensor's sharding propagation: fake tensors of global shape
+            return func(*args, **(kwargs or {}))
         for storage in _storages(tree_leaves((args, kwargs)), self._fake_ok):
             self._see_input(storage)
         temporary = _temporary(func, args, kwargs) if func.namespace in _COLLECTIVE_NAMESPACES else None
@@ -264,7 +274,10 @@ class MemoryTracker(TorchDispatchMode):
             for nbytes in sizes:
                 held.append(_Record(nbytes, self._current_module(phase), phase))
                 self._change(held[-1], nbytes)
-            if lifetime == "work":
+            fake = any(isinstance(t, torch._subclasses.fake_tensor.FakeTensor) for t in tree_leaves(args[1:2]))
+            if lifetime == "work" and fake:
+                temporary = sizes, "operator"  # a fake group hands no clone back
+            elif lifetime == "work":
                 self._pending.extend(held)
         out = func(*args, **(kwargs or {}))
         for storage in _storages(tree_leaves(out), self._fake_ok):
@@ -311,6 +324,13 @@ class MemoryTracker(TorchDispatchMode):
                 if module is not None and getattr(module, name, None) is original:
                     self._patches.append((module, name, original))
                     setattr(module, name, resized)
+
+    def _patch_sharding_propagation(self) -> None:
+        """NOTE [Memory per rank]: DTensor's sharding propagation is not memory."""
+        self._patches.extend(look_away_from_sharding_propagation(self._propagating))
+
+    def _propagating(self, depth: int) -> None:
+        self._quiet += depth
 
     def _see_resize(self, storage: torch.UntypedStorage) -> None:
         rec = self._records.get(_key(storage))
@@ -468,6 +488,30 @@ def _temporary(func: Any, args: tuple, kwargs: Any) -> tuple[list[int], str] | N
     if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):  # (input(s), op, ...)
         return [_nbytes(t) for t in tensors], "wait"
     return None
+
+
+def look_away_from_sharding_propagation(count: Any) -> list[tuple[Any, str, Any]]:
+    """Make DTensor's sharding propagation call ``count(1)`` on entry and ``count(-1)`` on
+    exit, so a dispatch mode can tell its operators (fake tensors of global shape, made to
+    learn output shapes: neither this rank's memory nor its work) from the step's. Returns
+    the ``(owner, name, original)`` patches to restore; none when DTensor is not in use."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor._sharding_prop")
+    name = "_propagate_tensor_meta_non_cached"
+    original = getattr(getattr(module, "ShardingPropagator", None), name, None)
+    if original is None:
+        return []
+
+    def propagate(propagator: Any, *args: Any, **kwargs: Any) -> Any:
+        count(1)
+        try:
+            return original(propagator, *args, **kwargs)
+        finally:
+            count(-1)
+
+    setattr(module.ShardingPropagator, name, propagate)
+    return [(module.ShardingPropagator, name, original)]
 
 
 def _key(storage: torch.UntypedStorage) -> int:

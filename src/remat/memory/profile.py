@@ -160,7 +160,8 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
     rows = _rows(model, kept, calls, times, output_recompute)
     peak = tracker.peak()
     param_bytes = sum(local_nbytes(p) for p in model.parameters())
-    optimizer_bytes = sum(t.untyped_storage().nbytes() for t in _state_tensors(opt))
+    optimizer_bytes = sum(s.nbytes() for s in local_storages(_state_tensors(opt)))
+    rank, world_size = _rank()
     return ProfileReport(
         label=label or type(model).__name__, device=device or _device_of(model), estimated=estimated,
         rows=rows, total_kept=sum(kept.values()),
@@ -171,8 +172,16 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
         optimizer_bytes=optimizer_bytes, peak_by_phase=peak.by_phase,
         peak_by_module=dict(list(peak.by_module.items())[:20]), step_ms=step_ms,
         seconds=time.perf_counter() - start, timeline=downsample(tracker.timeline),
-        phase_peaks=_phase_peaks(tracker),
+        phase_peaks=_phase_peaks(tracker), rank=rank, world_size=world_size,
     )
+
+
+def _rank() -> tuple[int | None, int | None]:
+    """``(rank, world size)`` of the default process group, or ``(None, None)`` without one."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return None, None
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _phase_peaks(tracker: Any) -> dict:

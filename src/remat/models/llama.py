@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from remat.nn import Cell
 
-__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "llama", "llama_7b", "next_token_loss"]
+__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "llama", "llama_7b", "next_token_loss", "tensor_parallel"]
 
 
 @dataclass(frozen=True)
@@ -108,9 +108,10 @@ class Attention(Cell):
 
     def construct(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.q(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism (:func:`tensor_parallel`) a rank holds a share of them
+        q = self.q(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
@@ -204,6 +205,59 @@ def llama(config: LlamaConfig | None = None, *, dtype: torch.dtype = torch.float
         model = model.to(dtype)
     if recompute:
         model.mark_blocks()
+    return model
+
+
+def tensor_parallel(model: Llama, mesh: Any) -> Llama:
+    """Shard every block of ``model`` over ``mesh`` (Megatron-style tensor parallelism).
+
+    Attention's q, k, v and the MLP's gate and up projections are split column-wise (each
+    rank holds a share of the heads and of the hidden units), the o and down projections
+    row-wise, so each block issues one all-reduce after attention and one after the MLP.
+    The embedding, the norms and the head are replicated. Mark blocks before calling it.
+
+    Args:
+        model: a :class:`Llama` whose heads and key/value heads the mesh's size divides.
+        mesh: a 1-D ``DeviceMesh``.
+
+    Returns:
+        ``model``, sharded in place.
+
+    Raises:
+        TypeError: ``model`` is not a :class:`Llama`.
+        ValueError: the mesh's size does not divide the heads, key/value heads or hidden width.
+
+    Example:
+        >>> import torch, remat
+        >>> from remat.models.llama import LlamaConfig, tensor_parallel
+        >>> config = LlamaConfig(layers=2, width=32, heads=4, hidden=64, vocab=64)
+        >>> one = remat.estimate(config, torch.zeros(1, 8, dtype=torch.long), optimizer=None)
+        >>> rank = remat.estimate(config, torch.zeros(1, 8, dtype=torch.long), optimizer=None,
+        ...                       world_size=2, parallelize=tensor_parallel)
+        >>> rank.param_bytes < one.param_bytes
+        True
+    """
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    api = "remat.models.llama.tensor_parallel"
+    if not isinstance(model, Llama):
+        raise TypeError(f"{api}: expects a Llama, got {type(model).__name__}; write a "
+                        f"parallelize_module plan for it")
+    config, size = model.config, mesh.size()
+    for name, value in (("heads", config.heads), ("kv_heads", config.kv_heads or config.heads),
+                        ("hidden", config.hidden)):
+        if value % size:
+            raise ValueError(f"{api}: {size} ranks do not divide {name}={value}; choose a mesh "
+                             f"whose size divides heads, kv_heads and hidden")
+    plan = {f"attn.{n}": ColwiseParallel() for n in "qkv"}
+    plan.update({"mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+                 "attn.o": RowwiseParallel(), "mlp.down": RowwiseParallel()})
+    for block in model.blocks:
+        parallelize_module(block, mesh, plan)
     return model
 
 

@@ -8,13 +8,23 @@ its measured forward time, or on fake tensors a roofline estimate (FLOPs over
 the share of a block's operators that ``save_compute_intensive`` does not keep
 (by measured operator times on CPU tensors, by the roofline otherwise).
 See NOTE [Plan cost model] in ``_solve.py`` for how these make a peak.
+
+NOTE [Planning a rank]
+A plan for one rank of a job (``world_size=``, ``parallelize=``) cannot mark a
+model in place and measure it: marks go on before ``parallelize``, which
+shards the model (NOTE [Estimating a rank]). So every run of the cost model,
+and every verification, builds a fresh model with a :class:`Builder`: build,
+truncate a container of identical blocks when composing, mark, parallelize.
+The model the blocks are found in is an unsharded one, never run. Bytes are
+this rank's: parameters and gradients by their local shard.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat._marks import recompute_module, unmark_module
 from remat._policy import save_compute_intensive
+from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
 from remat.memory.profile import OptimizerLike, default_loss, measure
 from remat.plan._solve import OPTIONS, OUTPUT, Problem, evaluate
 
@@ -37,6 +48,38 @@ MARKS: dict[str, dict] = {
 #: Default roofline of the fake-tensor time model: FLOP/s and bytes/s (ratios matter, not units).
 THROUGHPUT = {"cpu": 1e11, "cuda": 4e14}
 BANDWIDTH = {"cpu": 2e10, "cuda": 2e12}
+
+
+@dataclass(frozen=True)
+class Builder:
+    """Builds the model of one run of a rank's plan (NOTE [Planning a rank]).
+
+    Args:
+        make: builds the unsharded model (inside the fake mode).
+        finish: shards the marked model (``parallelize`` with the job's mesh), returns it.
+        lengths: ``(container name, count)``: containers cut to their first ``count`` children.
+    """
+
+    make: Callable[[], torch.nn.Module]
+    finish: Callable[[torch.nn.Module], torch.nn.Module]
+    lengths: tuple[tuple[str, int], ...] = ()
+
+    def __call__(self, choices: Mapping[str, str]) -> torch.nn.Module:
+        """A fresh model, its blocks ``{name: option}`` marked, then sharded."""
+        model = self.make()
+        named = dict(model.named_modules())
+        for name, count in self.lengths:
+            container = named[name]
+            container._modules = type(container._modules)(list(container._modules.items())[:count])
+        for name, choice in choices.items():
+            if choice != "keep":
+                recompute_module(named[name], **MARKS[choice])
+        model.train()
+        return self.finish(model)
+
+    def cut(self, name: str, count: int) -> Builder:
+        """The same builder with container ``name`` cut to ``count`` children."""
+        return dataclasses.replace(self, lengths=(*self.lengths, (name, count)))
 
 
 @dataclass
@@ -55,6 +98,8 @@ class BlockCosts:
     other_grad_bytes: int
     peaks: dict[str, int] = field(default_factory=dict)
     phases: dict[str, str] = field(default_factory=dict)
+    #: per option, the highest footprint reached in each phase (``ProfileReport.phase_peaks``)
+    phase_peaks: dict[str, dict] = field(default_factory=dict)
     step_s: float | None = None
     timed: str = "measured"
     transient_bytes: list = field(default_factory=list)
@@ -177,8 +222,27 @@ class _Ops(TorchDispatchMode):
         self.block: int | None = None
         self.total: dict[int, float] = {}
         self.recomputed: dict[int, float] = {}
+        self._propagating = 0
+        self._patches: list = []
+
+    def __enter__(self) -> Any:
+        self._patches = look_away_from_sharding_propagation(self._count)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
+        self._patches = []
+
+    def _count(self, depth: int) -> None:
+        self._propagating += depth
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if any(getattr(t, "__tensor_flatten__", None) is not None for t in types):
+            return NotImplemented  # a DTensor: cost its local operators, this rank's
+        if self._propagating:  # DTensor learning output shapes: not this rank's work
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         start = time.perf_counter()
         out = func(*args, **kwargs)
@@ -210,8 +274,7 @@ def _trace(model: torch.nn.Module, inputs: tuple, blocks: list, loss_fn: Callabl
                bandwidth or BANDWIDTH.get(device, BANDWIDTH["cpu"]), timed=timed)
 
     def keys(obj: Any) -> set:
-        return {t.untyped_storage()._cdata for t in tree_leaves(obj)
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        return {s._cdata for s in local_storages(tree_leaves(obj))}
 
     def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         i = ids[id(module)]
@@ -241,8 +304,12 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
                   optimizer: OptimizerLike, fake: bool, device: str, repeat: int = 2,
                   throughput: float | None = None, bandwidth: float | None = None,
                   options: tuple[str, ...] = OPTIONS,
-                  progress: Callable[[str], None] | None = None) -> BlockCosts:
-    """Measure every block under every option; see the module docstring."""
+                  progress: Callable[[str], None] | None = None,
+                  build: Builder | None = None) -> BlockCosts:
+    """Measure every block under every option; see the module docstring.
+
+    With ``build`` (a rank's plan, NOTE [Planning a rank]) each run is of a fresh model
+    from ``build``; ``model`` only names the blocks."""
     loss_fn = loss_fn or default_loss
     say = progress or (lambda _: None)
     say("tracing blocks")
@@ -251,8 +318,12 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
     timed = not fake and device == "cpu"
     if timed:
         _trace(model, inputs, blocks, loss_fn, device, throughput, bandwidth)
-    order, ins, outs, ops = _trace(model, inputs, blocks, loss_fn, device, throughput, bandwidth,
-                                   timed=timed)
+    traced, traced_blocks = model, blocks
+    if build is not None:
+        traced = build({})
+        traced_blocks = _named(traced, blocks)
+    order, ins, outs, ops = _trace(traced, inputs, traced_blocks, loss_fn, device, throughput,
+                                   bandwidth, timed=timed)
     if state is not None:
         model.load_state_dict(state)
     counts = {i: order.count(i) for i in set(order)}
@@ -264,6 +335,7 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
                         f"{' run more than once: ' + str(twice) if twice else ''}; "
                         f"pass blocks=[...] naming modules that run once each")
     blocks = [blocks[i] for i in order]
+    types = [type(m).__name__ for _, m in blocks]  # the model's classes, not the sharded ones
     n = len(blocks)
     idx = order
     chain = []
@@ -272,9 +344,17 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
         later = [ins.get(idx[m], set()) for m in range(k + 1, n)]
         chain.append(k == n - 1 or (bool(mine & later[0]) and not any(mine & s for s in later[1:])))
     reports = {}
+    measured = model
     try:
         for option in ("keep", *(o for o in options if o != "keep")):
             say(f"measuring '{option}' on {n} blocks")
+            if build is not None:  # NOTE [Planning a rank]
+                net = build(dict.fromkeys((name for name, _ in blocks), option))
+                reports[option] = measure(net, inputs, loss_fn=loss_fn, optimizer=optimizer,
+                                          estimated=fake, api=API)
+                if option == "keep":
+                    measured, blocks = net, _named(net, blocks)
+                continue
             marked = [m for _, m in blocks] if option != "keep" else []
             for m in marked:
                 recompute_module(m, **MARKS[option])
@@ -306,20 +386,26 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
         step = (reports["keep"].step_ms or 0.0) / 1e3
         timed = "measured, each option scaled by its own timed run"
     share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in idx]
-    grads = [sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
-             for _, m in blocks]
-    all_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    grads = [sum(local_nbytes(p) for p in m.parameters() if p.requires_grad) for _, m in blocks]
+    all_grads = sum(local_nbytes(p) for p in measured.parameters() if p.requires_grad)
     return BlockCosts(
-        names=[name for name, _ in blocks], types=[type(m).__name__ for _, m in blocks],
+        names=[name for name, _ in blocks], types=types,
         kept=kept, forward_s=forward, selective_s=[f * s for f, s in zip(forward, share)],
         output_bytes=[keep[name].output_bytes for name, _ in blocks], grad_bytes=grads,
         chain=chain, baseline_bytes=reports["keep"].baseline_bytes,
         other_grad_bytes=all_grads - sum(grads),
         peaks={o: r.peak_bytes for o, r in reports.items()},
         phases={o: r.peak_phase for o, r in reports.items()}, step_s=step, timed=timed,
+        phase_peaks={o: dict(r.phase_peaks) for o, r in reports.items()},
         optimizer_peak=reports["keep"].phase_peaks.get("optimizer"),
         option_step_s={} if fake else {o: (r.step_ms or 0.0) / 1e3 for o, r in reports.items()},
     )
+
+
+def _named(model: torch.nn.Module, blocks: list) -> list[tuple[str, torch.nn.Module]]:
+    """``blocks`` (name, module) as the modules of the same names in ``model``."""
+    named = dict(model.named_modules())
+    return [(name, named[name]) for name, _ in blocks]
 
 
 def measure_peak(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | None,
@@ -373,22 +459,42 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
     """Measure the model with 2 and with 3 of its ``n`` identical blocks and compose the costs of
     all ``n``: per block, the first, a middle one repeated, the last; every step-wide figure
     (baseline, peaks, step time) grows linearly with the number of blocks. None when the model
-    does not run a shorter container as a shorter model."""
+    does not run a shorter container as a shorter model, or is no longer than the runs.
+
+    A rank's plan (``build``) composes from 3 and 4 blocks: FSDP2 gathers a unit's neighbours
+    ahead of it in forward and in backward, so a step grows linearly only once some block has
+    blocks on both sides (NOTE [Planning a rank])."""
     n = len(blocks)
     measured = {}
-    for count in (2, 3):
+    build = kwargs.pop("build", None)
+    small, large = (2, 3) if build is None else (3, 4)
+    if n <= large:
+        return None
+    where = next(name for name, m in model.named_modules() if m is container)
+    for count in (small, large):
         with _truncated(container, count):
             try:
-                measured[count] = measure_costs(model, inputs, blocks[:count], **kwargs)
+                measured[count] = measure_costs(model, inputs, blocks[:count], **kwargs,
+                                                build=None if build is None else build.cut(where, count))
             except (TypeError, IndexError):  # the forward does not iterate over the container
                 return None
-    two, three = measured[2], measured[3]
+    two, three = measured[small], measured[large]
 
     def grow(a: float, b: float) -> float:
-        return b + (n - 3) * (b - a)
+        return b + (n - large) * (b - a)
 
     def spread(values: list) -> list:
-        return [values[0], *[values[1]] * (n - 2), values[2]]
+        return [values[0], *[values[1]] * (n - 2), values[-1]]
+
+    # Each phase's peak grows linearly, at its own rate: the step's peak is the largest grown
+    # one, which may be in another phase than the short models' (a rank's backward outgrows
+    # its optimizer step, whose peak is mostly replicated parameters and their state).
+    grown = {o: {phase: grow(two.phase_peaks[o][phase], peak)
+                 for phase, peak in three.phase_peaks.get(o, {}).items()
+                 if phase in two.phase_peaks.get(o, {})} for o in three.peaks}
+    peaks = {o: int(max(g.values())) if g else int(grow(two.peaks[o], three.peaks[o]))
+             for o, g in grown.items()}
+    phases = {o: max(g, key=g.get) if g else three.phases[o] for o, g in grown.items()}
 
     return BlockCosts(
         names=[name for name, _ in blocks], types=spread(three.types), kept=spread(three.kept),
@@ -396,10 +502,10 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
         output_bytes=spread(three.output_bytes), grad_bytes=spread(three.grad_bytes),
         chain=spread(three.chain), baseline_bytes=int(grow(two.baseline_bytes, three.baseline_bytes)),
         other_grad_bytes=three.other_grad_bytes,
-        peaks={o: int(grow(two.peaks[o], p)) for o, p in three.peaks.items()},
+        peaks=peaks,
         optimizer_peak=(None if three.optimizer_peak is None
                         else int(grow(two.optimizer_peak, three.optimizer_peak))),
-        phases=three.phases,
+        phases=phases, phase_peaks={o: {ph: int(v) for ph, v in g.items()} for o, g in grown.items()},
         step_s=grow(two.step_s, three.step_s) if two.step_s is not None else None,
-        timed=three.timed + f"; {n} identical blocks composed from runs with 2 and 3",
+        timed=three.timed + f"; {n} identical blocks composed from runs with {small} and {large}",
     )

@@ -10,6 +10,7 @@ budget, the solver runs again on a budget lowered by the excess. A
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from remat.memory._report import format_bytes
 from remat.memory.profile import OptimizerLike
 from remat.plan._cost import (
     MARKS,
+    Builder,
     composed_costs,
     find_blocks,
     identical_container,
@@ -85,6 +87,10 @@ class Plan:
     solver: str = ""
     solve_s: float = 0.0
     timing: str = "measured"
+    #: a rank's plan (``world_size=``): the rank planned and the ranks in the job; every
+    #: byte figure, the budget's included, is this rank's (None: one process)
+    rank: int | None = None
+    world_size: int | None = None
 
     @property
     def choices(self) -> dict[str, str]:
@@ -135,7 +141,8 @@ class Plan:
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
     def __str__(self) -> str:
-        head = (f"remat.plan: budget {format_bytes(self.budget_bytes)}, predicted peak "
+        rank = f" per rank (rank {self.rank} of {self.world_size})" if self.world_size is not None else ""
+        head = (f"remat.plan: budget {format_bytes(self.budget_bytes)}{rank}, predicted peak "
                 f"{format_bytes(self.predicted_peak_bytes)}"
                 + (f", measured {format_bytes(self.measured_peak_bytes)}"
                    if self.measured_peak_bytes is not None else "")
@@ -237,7 +244,9 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
          blocks: Any = None, options: Sequence[str] = OPTIONS, device: str | None = None,
          throughput: float | None = None, dtype: torch.dtype | None = None,
          verify: bool = True, solver: str = "auto", repeat: int = 2,
-         progress: Callable[[str], None] | None = None, compose: bool = True) -> Plan:
+         progress: Callable[[str], None] | None = None, compose: bool = True,
+         world_size: int | None = None, parallelize: Callable | None = None,
+         rank: int | None = None) -> Plan:
     """Choose, per block, keep / recompute / selective / output_recompute for a memory budget.
 
     The plan has the least predicted extra time among those whose predicted step
@@ -267,14 +276,22 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
         progress: called with a short message at each stage (the CLI's progress bar).
         compose: on fake tensors, measure a model of identical blocks with 2 and 3 of them
             and compose the costs of all (the plan is still verified on the whole model).
+        world_size: plan one rank of a job of this many ranks (a factory only): the budget is
+            that rank's, and every run is :func:`remat.estimate`'s for the rank (NOTE
+            [Planning a rank]): the model is built, its blocks marked, then handed to ``parallelize``.
+        parallelize: ``parallelize(model, mesh)``, as for :func:`remat.estimate`.
+        rank: the rank planned (default 0).
 
     Returns:
-        A :class:`Plan`.
+        A :class:`Plan`; a rank's plan has ``rank`` and ``world_size`` set. Apply it to the
+        model before sharding it, as marks always are.
 
     Raises:
         BudgetError: the budget is below the smallest reachable peak (``floor_bytes``).
         TypeError: no blocks found, a block runs more than once, a bad budget type.
-        ValueError: a malformed budget, an unknown option, a model already marked.
+        ValueError: a malformed budget, an unknown option, a model already marked,
+            ``world_size`` for a built model or without ``parallelize``.
+        RuntimeError: ``world_size`` where a process group is already initialized.
 
     Example:
         >>> import torch, remat
@@ -283,10 +300,24 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
         >>> p = remat.plan(net, torch.randn(512, 64), budget=0.8)
         >>> p.measured_peak_bytes <= p.budget_bytes
         True
+
+        One rank of 2, each block a unit of ``fully_shard`` (FSDP2), planned on fake tensors:
+
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> def make():
+        ...     return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256),
+        ...         torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(4)])
+        >>> def shard(model, mesh):
+        ...     for block in model:
+        ...         fully_shard(block, mesh=mesh)
+        >>> p = remat.plan(make, (512, 64), budget=0.8, world_size=2, parallelize=shard)
+        >>> (p.world_size, p.measured_peak_bytes <= p.budget_bytes)
+        (2, True)
     """
     return sweep(model, *example_inputs, budgets=[budget], loss_fn=loss_fn, optimizer=optimizer,
                  blocks=blocks, options=options, device=device, throughput=throughput, dtype=dtype,
-                 verify=verify, solver=solver, repeat=repeat, progress=progress, compose=compose)[0]
+                 verify=verify, solver=solver, repeat=repeat, progress=progress, compose=compose,
+                 world_size=world_size, parallelize=parallelize, rank=rank)[0]
 
 
 def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str],
@@ -295,12 +326,16 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
           throughput: float | None = None, dtype: torch.dtype | None = None,
           verify: bool = True, solver: str = "auto", repeat: int = 2,
           progress: Callable[[str], None] | None = None, floors: bool = False,
-          compose: bool = True) -> list[Plan | BudgetError]:
+          compose: bool = True, world_size: int | None = None,
+          parallelize: Callable | None = None, rank: int | None = None) -> list[Plan | BudgetError]:
     """:func:`plan` for several budgets, measuring the blocks once.
 
     A budget below the floor gives its :class:`BudgetError` in the list (with
     ``floors=True``) or raises it.
     """
+    from remat.memory.estimate import Ranks
+
+    ranks = Ranks(world_size, parallelize, rank, api=API)
     parsed = [parse_budget(b) for b in budgets]
     bad = [o for o in options if o not in OPTIONS]
     if bad:
@@ -310,6 +345,10 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
                   "throughput": throughput, "verify": verify, "solver": solver, "repeat": repeat,
                   "progress": progress, "floors": floors, "compose": compose}
     if isinstance(model, torch.nn.Module):
+        if ranks.active:
+            raise ValueError(f"{API}: world_size= plans a rank from a factory that builds the model "
+                             f"(marks go on before parallelize); pass the factory, not a built "
+                             f"{type(model).__name__}")
         if marked_modules(model):
             raise ValueError(f"{API}: {type(model).__name__} already has recompute marks on "
                              f"{sorted(marked_modules(model))[:3]}; call remat.unmark(model) first")
@@ -319,25 +358,35 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
         return _plans(model, example_inputs, parsed, fake=False, device=device, **kwargs)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.memory.estimate import _build_in, _fake_inputs
+    from remat.memory.estimate import _build_in, _fake_inputs, device_of
 
-    with FakeTensorMode() as mode:
+    with ranks.group(), FakeTensorMode() as mode:
         net = _build_in(model, dtype)
         net.train()
         inputs = _fake_inputs(mode, example_inputs, dtype)
         if device is None:
             device = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
-        return _plans(net, inputs, parsed, fake=True, device=device, **kwargs)
+        build = None
+        if ranks.active:  # NOTE [Planning a rank]
+            where = device_of(inputs)
+            build = Builder(make=lambda: _build_in(model, dtype), finish=lambda m: ranks.apply(m, where))
+        plans = _plans(net, inputs, parsed, fake=True, device=device, build=build, **kwargs)
+    if not ranks.active:
+        return plans
+    return [dataclasses.replace(p, rank=ranks.rank, world_size=ranks.world_size)
+            if isinstance(p, Plan) else p for p in plans]
 
 
 def _plans(model: torch.nn.Module, inputs: tuple, budgets: list, *, fake: bool, device: str,
            loss_fn: Callable | None, optimizer: OptimizerLike, blocks: Any, options: tuple,
            throughput: float | None, verify: bool, solver: str, repeat: int,
-           progress: Callable[[str], None] | None, floors: bool, compose: bool) -> list:
+           progress: Callable[[str], None] | None, floors: bool, compose: bool,
+           build: Builder | None = None) -> list:
     say = progress or (lambda _: None)
     chosen = find_blocks(model, blocks)
     options_of = {"loss_fn": loss_fn, "optimizer": optimizer, "fake": fake, "device": device,
-                  "repeat": repeat, "throughput": throughput, "options": options, "progress": say}
+                  "repeat": repeat, "throughput": throughput, "options": options, "progress": say,
+                  "build": build}
     container = identical_container(model, chosen) if fake and compose else None
     costs = composed_costs(model, inputs, chosen, container, **options_of) if container else None
     if costs is None:
@@ -349,7 +398,7 @@ def _plans(model: torch.nn.Module, inputs: tuple, budgets: list, *, fake: bool, 
         budget = value * costs.peaks["keep"] if fractional else value
         try:
             out.append(_fit(model, inputs, costs, problem, budget, least, fake=fake, loss_fn=loss_fn,
-                            optimizer=optimizer, verify=verify, solver=solver, say=say))
+                            optimizer=optimizer, verify=verify, solver=solver, say=say, build=build))
         except BudgetError as err:
             if not floors:
                 raise
@@ -359,7 +408,7 @@ def _plans(model: torch.nn.Module, inputs: tuple, budgets: list, *, fake: bool, 
 
 def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, budget: float,
          least: float, *, fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike,
-         verify: bool, solver: str, say: Callable[[str], None]) -> Plan:
+         verify: bool, solver: str, say: Callable[[str], None], build: Builder | None = None) -> Plan:
     no_recompute = costs.peaks["keep"]
     say(f"solving for {format_bytes(budget)}")
     target = budget
@@ -390,7 +439,7 @@ def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, bu
         say(f"measuring the plan for {format_bytes(budget)}")
         measured = _measure_choices(model, inputs, costs.names, solution.choices, fake=fake,
                                     loss_fn=loss_fn, optimizer=optimizer,
-                                    optimizer_peak=costs.optimizer_peak)
+                                    optimizer_peak=costs.optimizer_peak, build=build)
         if measured <= budget:
             break
         over.append(measured)
@@ -424,7 +473,10 @@ def _uniform(costs: Any, problem: Problem, budget: float) -> tuple | None:
 
 def _measure_choices(model: torch.nn.Module, inputs: tuple, names: list, choices: Sequence[str], *,
                      fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike,
-                     optimizer_peak: int | None = None) -> int:
+                     optimizer_peak: int | None = None, build: Builder | None = None) -> int:
+    if build is not None:  # NOTE [Planning a rank]: a fresh model, marked, then sharded
+        return measure_peak(build(dict(zip(names, choices))), inputs, loss_fn=loss_fn,
+                            optimizer=optimizer, fake=fake, optimizer_peak=optimizer_peak)
     modules = dict(model.named_modules())
     marked = [(modules[n], c) for n, c in zip(names, choices) if c != "keep"]
     for module, choice in marked:
