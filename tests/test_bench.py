@@ -110,3 +110,28 @@ def test_the_readme_table_is_rewritten_between_its_markers(tmp_path):
     plain.write_text("no markers\n")
     assert not include_markdown(str(plain), "x")
     assert plain.read_text() == "no markers\n"
+
+
+def test_every_workload_compiles_its_compiled_configurations():
+    # Each workload builds a new model whose forward code objects were compiled before;
+    # past dynamo's recompile limit (8) the compiled rows of later workloads ran eagerly.
+    from torch._dynamo.utils import counters
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).relu()
+
+        def recompute_blocks(self) -> list:
+            return [self.fc]
+
+    limit = torch._dynamo.config.recompile_limit
+    for _ in range(limit + 2):  # more workloads than the limit
+        prepare = preparer(Net(), ["compiled none"])
+        before = counters["stats"]["unique_graphs"]
+        _, forward = prepare("compiled none")
+        forward(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        assert counters["stats"]["unique_graphs"] > before  # compiled, not run eagerly

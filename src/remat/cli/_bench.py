@@ -216,6 +216,11 @@ def preparer(model: torch.nn.Module, configs: list[str], backend: str = "aot_eag
     from remat._graph._compare import compile_configuration
 
     compiled = {}
+    if any(name in COMPILED for name in configs):
+        # Each workload compiles the same forward code objects again (a new model instance
+        # each time); without a reset, dynamo's recompile limit (8) would silently run later
+        # workloads' compiled configurations eagerly.
+        torch._dynamo.reset()
     for name in configs:
         if name in COMPILED:
             eager_name, compiler = COMPILED[name]
