@@ -23,6 +23,12 @@ block followed by another ``output`` block (it runs once more to hand its output
 An option that is not allowed has ``kept`` None (``output`` where a block's output
 feeds more than the next block).
 
+Options past the first four recompute parts of a block (the ``children`` family,
+``"children:attn"``, ``"children:fc+gelu"``: NOTE [Options inside blocks] in ``_cost.py``);
+to the solvers they are columns like ``recompute``: bytes kept, bytes held in the
+block's backward, extra time. ``Problem.options`` names the columns; a block without
+the children of a column has ``kept`` None there.
+
 Example:
     >>> from remat.plan._solve import Problem, solve
     >>> p = Problem(kept=[[8, 2, 4, 0]] * 3, time=[[0, 3, 1, 4]] * 3, rebuilt=[8] * 3,
@@ -40,8 +46,13 @@ import time as _time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-OPTIONS = ("keep", "recompute", "selective", "output")
+#: the options that mark a whole block: the first four columns of every :class:`Problem`
+BLOCK_OPTIONS = ("keep", "recompute", "selective", "output")
 KEEP, RECOMPUTE, SELECTIVE, OUTPUT = range(4)
+#: the family of options that mark children of a block, named ``"children:<child>+<child>"``
+CHILDREN = "children"
+#: the option families a plan may use (``remat.plan(options=...)``)
+OPTIONS = (*BLOCK_OPTIONS, CHILDREN)
 
 
 class BudgetError(ValueError):
@@ -82,6 +93,8 @@ class Problem:
             backward rebuilds it: it is re-run whole (default: ``output[i]``).
         tail: bytes alive besides the blocks' in the backward of what follows the last
             block, where a chain ending at the last block is rebuilt (None: at the end of forward).
+        options: the name of each column of ``kept`` and ``time``: :data:`BLOCK_OPTIONS`, then
+            options inside blocks (``"children:attn"``).
     """
 
     kept: Sequence[Sequence[float | None]]
@@ -94,6 +107,7 @@ class Problem:
     base: float = 0.0
     last_held: Sequence[float] | None = None
     tail: float | None = None
+    options: Sequence[str] = BLOCK_OPTIONS
 
     def __post_init__(self) -> None:
         n = len(self.kept)
@@ -101,6 +115,14 @@ class Problem:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"remat.plan: Problem.{name} has {len(getattr(self, name))} "
                                  f"entries for {n} blocks")
+        if tuple(self.options[:len(BLOCK_OPTIONS)]) != BLOCK_OPTIONS:
+            raise ValueError(f"remat.plan: Problem.options must start with {BLOCK_OPTIONS}, "
+                             f"got {tuple(self.options)}")
+        k = len(self.options)
+        short = [i for i in range(n) if len(self.kept[i]) != k or len(self.time[i]) != k]
+        if short:
+            raise ValueError(f"remat.plan: block {short[0]} of the Problem has {len(self.kept[short[0]])} "
+                             f"kept and {len(self.time[short[0]])} time entries for {k} options")
         if any(k[KEEP] is None for k in self.kept):
             raise ValueError("remat.plan: every block must allow 'keep'")
 
@@ -124,7 +146,7 @@ class Problem:
 
     def allowed(self, i: int) -> list[int]:
         """Options block ``i`` may take."""
-        return [o for o in range(len(OPTIONS)) if self.kept[i][o] is not None]
+        return [o for o in range(len(self.options)) if self.kept[i][o] is not None]
 
     def last_moment(self, kept: float, chain: float) -> float:
         """The end of forward and the backward after the last block, with ``kept`` bytes
@@ -316,7 +338,7 @@ def solve_milp(problem: Problem, budget: float, *, time_limit: float = 10.0) -> 
             "pip install scipy (or remat[plan])"
         ) from err
     start = _time.perf_counter()
-    n, k = problem.blocks, len(OPTIONS)
+    n, k = problem.blocks, len(problem.options)
     x = {(i, o): i * k + o for i in range(n) for o in range(k)}
     nvar = n * k
     z = {}
@@ -422,7 +444,7 @@ def floor(problem: Problem) -> float:
     keep = evaluate(problem, [KEEP] * problem.blocks)[0]
     high = max(keep, *(evaluate(problem, [o if problem.kept[i][o] is not None else KEEP
                                           for i in range(problem.blocks)])[0]
-                       for o in range(len(OPTIONS))))
+                       for o in range(len(problem.options))))
     low = 0.0
     resolution = max(1.0, high / 2 ** 20)
     while high - low > resolution:
@@ -445,5 +467,5 @@ def _infeasible(problem: Problem, budget: float) -> BudgetError:
 
 def _solution(problem: Problem, choice: Sequence[int], solver: str, start: float) -> Solution:
     peak, total = evaluate(problem, choice)
-    return Solution(tuple(OPTIONS[c] for c in choice), peak, total, solver,
+    return Solution(tuple(problem.options[c] for c in choice), peak, total, solver,
                     _time.perf_counter() - start)
