@@ -233,7 +233,8 @@ def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
 
 def test_option_times_are_calibrated_by_each_option_timed_run():
     from remat.plan._cost import BlockCosts
-    from remat.plan._solve import OPTIONS, evaluate
+    from remat.plan._solve import BLOCK_OPTIONS as OPTIONS
+    from remat.plan._solve import evaluate
 
     def costs(steps: dict) -> BlockCosts:
         return BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0]] * 2,

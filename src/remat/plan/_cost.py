@@ -29,8 +29,10 @@ and the children's boundaries, and re-runs only the children, not the whole bloc
 
 Which children: those that run once per step and whose mark should drop at least
 :data:`CHILD_SHARE` of the block's kept bytes in the unmarked run (a cell: what it keeps
-beyond its output; an operator: what it keeps), the :data:`MAX_CHILDREN` largest. Each
-gets an option alone, and all of them one together. Like every option, each is
+beyond its output; an operator: what it keeps), the :data:`MAX_CHILDREN` largest; not
+an operator whose output is the block's own (it would be rebuilt in the next block's
+backward, where an FSDP2 unit has resharded its parameters). Each gets an option
+alone, and all of them one together. Like every option, each is
 measured by one run with every block that has those children marked alike: the tracker
 gives the bytes kept, the run's peak what the block's backward holds, its timed step
 the calibration of the children's forward times (a roofline on fake tensors). Blocks
@@ -104,9 +106,10 @@ def mark_choices(named: Mapping[str, torch.nn.Module], choices: Mapping[str, str
     return marked
 
 
-def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any]) -> list[str]:
+def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
+                  leaving: set[str] = frozenset()) -> list[str]:
     """The ``children:`` options of block ``name`` from the rows of an unmarked run
-    (NOTE [Options inside blocks])."""
+    (NOTE [Options inside blocks]); ``leaving``: children whose output is the block's."""
     total = rows[name].kept
     scored = []
     for order, (child, kid) in enumerate(block.named_children()):
@@ -114,6 +117,8 @@ def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any]) ->
         if row is None or row.calls != 1 or "+" in child or ":" in child:
             continue
         cell = next(kid.children(), None) is not None
+        if not cell and child in leaving:
+            continue  # rebuilt in a later block's backward (with an FSDP unit resharded)
         saving = row.kept - row.output_bytes if cell else row.kept
         if total > 0 and saving >= CHILD_SHARE * total:
             scored.append((-saving, order, child))
@@ -308,6 +313,7 @@ class _Ops(TorchDispatchMode):
         self.recomputed: dict[int, float] = {}
         self.parts: list[tuple[int, str]] = []  # the children of the block running now
         self.part_total: dict[tuple[int, str], float] = {}
+        self.part_outs: dict[tuple[int, str], set] = {}  # storages of each child's output
         self._propagating = 0
         self._patches: list = []
 
@@ -379,13 +385,15 @@ def _trace(model: torch.nn.Module, inputs: tuple, blocks: list, loss_fn: Callabl
 
     handles = [h for _, m in blocks for h in (m.register_forward_pre_hook(pre, with_kwargs=True),
                                               m.register_forward_hook(post, with_kwargs=True))]
+
     def enter(key: tuple[int, str]) -> Callable:
         def hook(*_: Any) -> None:
             ops.parts.append(key)
         return hook
 
-    def leave(*_: Any) -> None:
-        ops.parts.pop()
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        ops.part_outs.setdefault(ops.parts.pop(), set()).update(keys(output))
+        alive.append(output)
 
     for i, (_, block) in enumerate(blocks):  # each child's own cost (options inside blocks)
         for child, kid in block.named_children():
@@ -446,6 +454,8 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
     reports = {}
     measured = model
     names = [name for name, _ in blocks]
+    leaving = {names[k]: {child for (i, child), out in ops.part_outs.items()
+                          if i == idx[k] and out & outs.get(i, set())} for k in range(n)}
     inner: dict[str, list[str]] = {name: [] for name in names}  # options inside each block
     columns: list[str] = []
     pending = ["keep", *(o for o in options if o not in ("keep", CHILDREN))]
@@ -473,7 +483,7 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
                     model.load_state_dict(state)
             if option == "keep" and CHILDREN in options:  # NOTE [Options inside blocks]
                 unmarked = {r.name: r for r in reports["keep"].rows}
-                inner = {name: child_options(name, m, unmarked) for name, m in blocks}
+                inner = {name: child_options(name, m, unmarked, leaving[name]) for name, m in blocks}
                 columns = list(dict.fromkeys(c for name in names for c in inner[name]))
                 pending += columns
     finally:
