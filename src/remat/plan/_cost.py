@@ -35,7 +35,9 @@ backward, where an FSDP2 unit has resharded its parameters). Each gets an option
 alone, and all of them one together. Like every option, each is
 measured by one run with every block that has those children marked alike: the tracker
 gives the bytes kept, the run's peak what the block's backward holds, its timed step
-the calibration of the children's forward times (a roofline on fake tensors). Blocks
+the calibration of the children's forward times (a roofline on fake tensors; an
+operator mark counts two runs: one hands its output to whoever saved it, one rebuilds
+what it saved itself, NOTE [Output pass]). Blocks
 of different classes bring their own columns; a block lacks the others.
 """
 
@@ -501,8 +503,12 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
 
     def child_seconds(k: int, child: str) -> float:
         if fake:
-            return ops.part_total.get((idx[k], child), 0.0)
-        return (keep[f"{names[k]}.{child}"].forward_ms or 0.0) / 1e3
+            once = ops.part_total.get((idx[k], child), 0.0)
+        else:
+            once = (keep[f"{names[k]}.{child}"].forward_ms or 0.0) / 1e3
+        # an operator mark runs twice in backward: once to hand its output to whoever saved
+        # it, once to rebuild what it saved itself (NOTE [Output pass] in _engine/region.py)
+        return once if child_mark(dict(blocks[k][1].named_children())[child]) == {} else 2 * once
 
     child_s = [[sum(child_seconds(k, c) for c in children_in(o)) if o in inner[names[k]] else 0.0
                 for o in columns] for k in range(n)]
