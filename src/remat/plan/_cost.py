@@ -461,10 +461,13 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
     inner: dict[str, list[str]] = {name: [] for name in names}  # options inside each block
     columns: list[str] = []
     pending = ["keep", *(o for o in options if o not in ("keep", CHILDREN))]
+    uniform: dict[str, dict[str, str]] = {}  # option -> the blocks its run marks
+    steps: dict[str, float] = {}  # option -> seconds of a step with its blocks marked
     try:
         while pending:
             option = pending.pop(0)
             chosen = {name: option for name in names if option in BLOCK_OPTIONS or option in inner[name]}
+            uniform[option] = chosen
             say(f"measuring '{option}' on {len(chosen)} blocks")
             if build is not None:  # NOTE [Planning a rank]
                 net = build(chosen)
@@ -476,7 +479,7 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
                 marked = mark_choices(dict(blocks), chosen)
                 try:
                     reports[option] = measure(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
-                                              repeat=0 if fake else repeat,
+                                              repeat=0 if fake or option != "keep" else repeat,
                                               estimated=fake, api=API)
                 finally:
                     for m in marked:
@@ -488,6 +491,9 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
                 inner = {name: child_options(name, m, unmarked, leaving[name]) for name, m in blocks}
                 columns = list(dict.fromkeys(c for name in names for c in inner[name]))
                 pending += columns
+        if not fake and build is None and repeat:
+            say(f"timing the {len(uniform)} options, interleaved")
+            steps = _interleaved_steps(model, inputs, loss_fn, dict(blocks), uniform, repeat)
     finally:
         if state is not None:
             model.load_state_dict(state)
@@ -518,7 +524,7 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
         timed = f"roofline ({device})"
     else:
         forward = [(keep[name].forward_ms or 0.0) / 1e3 for name, _ in blocks]
-        step = (reports["keep"].step_ms or 0.0) / 1e3
+        step = steps["keep"] if steps else (reports["keep"].step_ms or 0.0) / 1e3
         timed = "measured, each option scaled by its own timed run"
     share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in idx]
     grads = [sum(local_nbytes(p) for p in m.parameters() if p.requires_grad) for _, m in blocks]
@@ -533,9 +539,33 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
         phases={o: r.peak_phase for o, r in reports.items()}, step_s=step, timed=timed,
         phase_peaks={o: dict(r.phase_peaks) for o, r in reports.items()},
         optimizer_peak=reports["keep"].phase_peaks.get("optimizer"),
-        option_step_s={} if fake else {o: (r.step_ms or 0.0) / 1e3 for o, r in reports.items()},
+        option_step_s=steps,
         options=every, child_s=child_s,
     )
+
+
+def _interleaved_steps(model: torch.nn.Module, inputs: tuple, loss_fn: Callable,
+                       blocks: Mapping[str, torch.nn.Module], uniform: Mapping[str, Mapping[str, str]],
+                       rounds: int) -> dict[str, float]:
+    """Seconds of a forward and backward with each option's blocks marked (``uniform``: option ->
+    ``{block: option}``), the least of ``rounds`` rounds after one to warm up. Each round steps
+    every option once, in a rotating order, so a busy spell of the machine slows them alike."""
+    order = list(uniform)
+    best: dict[str, float] = {}
+    for r in range(rounds + 1):
+        for option in order[r % len(order):] + order[:r % len(order)]:
+            marked = mark_choices(blocks, uniform[option])
+            try:
+                start = time.perf_counter()
+                loss_fn(model(*inputs)).backward()
+                elapsed = time.perf_counter() - start
+            finally:
+                for m in marked:
+                    unmark_module(m)
+                model.zero_grad(set_to_none=True)
+            if r:
+                best[option] = min(best.get(option, elapsed), elapsed)
+    return best
 
 
 def _named(model: torch.nn.Module, blocks: list) -> list[tuple[str, torch.nn.Module]]:
