@@ -454,3 +454,21 @@ def test_a_plan_naming_a_missing_child_is_refused_and_marks_nothing():
     assert remat.marked_modules(model) == {}
     with pytest.raises(ValueError, match="unknown option 'children'"):
         with_choices(plan, ["children"] * 4).apply(model)
+
+
+def test_each_options_step_is_timed_in_interleaved_rounds_and_leaves_the_model_unmarked():
+    from remat.memory.profile import default_loss
+    from remat.plan._cost import _interleaved_steps
+
+    model, x = tiny_gpt(), tokens()
+    blocks = dict(model.blocks.named_children())
+    calls = []
+    for name, block in blocks.items():
+        block.register_forward_pre_hook(lambda *_, n=name: calls.append(n))
+    uniform = {"keep": {}, "recompute": dict.fromkeys(blocks, "recompute"),
+               "children:attn": {"0": "children:attn"}}
+    steps = _interleaved_steps(model, (x,), default_loss, blocks, uniform, rounds=2)
+    assert sorted(steps) == sorted(uniform) and all(s > 0 for s in steps.values())
+    # 3 rounds (a warm-up, then 2), each a step of every option: the 4 blocks called each step
+    assert len(calls) == 3 * 3 * 4
+    assert remat.marked_modules(model) == {} and all(p.grad is None for p in model.parameters())
