@@ -32,13 +32,13 @@ Which children: those that run once per step and whose mark should drop at least
 beyond its output; an operator: what it keeps), the :data:`MAX_CHILDREN` largest; not
 an operator whose output is the block's own (it would be rebuilt in the next block's
 backward, where an FSDP2 unit has resharded its parameters). Each gets an option
-alone, and all of them one together. Like every option, each is
-measured by one run with every block that has those children marked alike: the tracker
+alone, and all of them one together. Like every option, each is measured by one run
+with every block that has those children marked alike: the tracker
 gives the bytes kept, the run's peak what the block's backward holds, its timed step
 the calibration of the children's forward times (a roofline on fake tensors; an
 operator mark counts two runs: one hands its output to whoever saved it, one rebuilds
-what it saved itself, NOTE [Output pass]). Blocks
-of different classes bring their own columns; a block lacks the others.
+what it saved itself, NOTE [Output pass]). Blocks of different classes bring their own
+columns; a block lacks the others.
 """
 
 from __future__ import annotations
@@ -99,12 +99,17 @@ def marks_of(name: str, block: torch.nn.Module, choice: str,
 
 def mark_choices(named: Mapping[str, torch.nn.Module], choices: Mapping[str, str]) -> list[torch.nn.Module]:
     """Mark the blocks ``{name: option}`` of a model (``named``: its ``named_modules()``);
-    return the modules marked."""
+    return the modules marked (none when an option cannot be set)."""
     marked = []
-    for name, choice in choices.items():
-        for _, module, kwargs in marks_of(name, named[name], choice):
-            recompute_module(module, **kwargs)
-            marked.append(module)
+    try:
+        for name, choice in choices.items():
+            for _, module, kwargs in marks_of(name, named[name], choice):
+                recompute_module(module, **kwargs)
+                marked.append(module)
+    except Exception:
+        for module in marked:
+            unmark_module(module)
+        raise
     return marked
 
 
@@ -131,6 +136,8 @@ def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
 def children_in(option: str) -> list[str]:
     """The children an option inside a block marks (``"children:fc+gelu"``: fc and gelu)."""
     return option.partition(":")[2].split("+")
+
+
 #: Default roofline of the fake-tensor time model: FLOP/s and bytes/s (ratios matter, not units).
 THROUGHPUT = {"cpu": 1e11, "cuda": 4e14}
 BANDWIDTH = {"cpu": 2e10, "cuda": 2e12}
