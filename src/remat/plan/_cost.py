@@ -58,7 +58,7 @@ from remat._marks import recompute_module, unmark_module
 from remat._policy import save_compute_intensive
 from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
 from remat.memory.profile import OptimizerLike, default_loss, measure
-from remat.plan._solve import BLOCK_OPTIONS, CHILDREN, OPTIONS, OUTPUT, Problem, evaluate
+from remat.plan._solve import BLOCK_OPTIONS, CHILDREN, OPTIONS, OUTPUT, RECOMPUTE, Problem, evaluate
 
 API = "remat.plan"
 MARKS: dict[str, dict] = {
@@ -230,6 +230,11 @@ class BlockCosts:
                 sum(chain_time[i] for i in range(n - 1) if choice[i] == choice[i + 1] == OUTPUT))
             if raw > 0:
                 scale[o] = min(4.0, max(0.5, (step_s - keep_s) / raw))
+        # A child's re-run pays the engine's hooks as a block's does, per second of forward
+        # at least: an option inside blocks is not scaled below ``recompute``, so a timing
+        # that came out low by chance does not make it look cheaper than re-running blocks.
+        for o in range(len(BLOCK_OPTIONS), columns):
+            scale[o] = max(scale[o], scale[RECOMPUTE])
         self.time_scale = scale
         time_of = [[t * scale[o] for o, t in enumerate(row)] for row in time_of]
         chain_time = [t * scale[OUTPUT] for t in chain_time]
