@@ -472,3 +472,20 @@ def test_each_options_step_is_timed_in_interleaved_rounds_and_leaves_the_model_u
     # 3 rounds (a warm-up, then 2), each a step of every option: the 4 blocks called each step
     assert len(calls) == 3 * 3 * 4
     assert remat.marked_modules(model) == {} and all(p.grad is None for p in model.parameters())
+
+
+def test_an_option_inside_blocks_is_never_scaled_below_a_block_re_run():
+    from remat.plan._cost import BlockCosts
+    from remat.plan._solve import evaluate
+
+    options = ["keep", "recompute", "selective", "output", "children:attn"]
+    costs = BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0, 5.0]] * 2,
+                       forward_s=[1.0, 1.0], selective_s=[0.5, 0.5], output_bytes=[2, 2],
+                       grad_bytes=[1, 1], chain=[True, True], baseline_bytes=10, other_grad_bytes=0,
+                       peaks=dict.fromkeys(options, 40), options=options, child_s=[[0.5], [0.5]],
+                       # re-running the blocks cost 1.5x their forward; the attention timed low
+                       option_step_s={"keep": 10.0, "recompute": 13.0, "selective": 11.0,
+                                      "output": 13.0, "children:attn": 10.2})
+    problem = costs.problem()
+    assert costs.time_scale[1] == pytest.approx(1.5) and costs.time_scale[4] == pytest.approx(1.5)
+    assert evaluate(problem, [4, 4])[1] == pytest.approx(2 * 0.5 * 1.5)  # not its own 0.2
