@@ -242,7 +242,7 @@ def _dp_rounded(problem: Problem, budget: float, resolution: float,
     for i in range(problem.blocks):
         # per option: (option, memory moment without the prefix, bytes kept, seconds)
         moves = [(o, up(problem.fixed[i] + problem.rebuilt_of(i, o)), up(problem.kept[i][o]),
-                  problem.time[i][o]) for o in problem.allowed(i)]
+                  problem.time[i][o]) for o in _undominated(problem, i)]
         held_last = up(problem.held_last(i - 1)) if i else 0
         carried = up(problem.output[i - 1]) if i else 0
         extra = problem.extra_time(i - 1) if i else 0.0
@@ -286,6 +286,23 @@ def _dp_rounded(problem: Problem, budget: float, resolution: float,
         if peak <= budget and (best is None or (total, peak) < best[:2]):
             best = (total, peak, choice)
     return None if best is None else best[2]
+
+
+def _undominated(problem: Problem, i: int) -> list[int]:
+    """Options of block ``i`` that no other option beats or ties on bytes kept, bytes held in
+    its backward and time (``output`` aside: its chain holds more): a plan with a dominated
+    option is no better than the same plan with the option that dominates it."""
+    allowed = problem.allowed(i)
+
+    def costs(o: int) -> tuple:
+        return (problem.kept[i][o], problem.rebuilt_of(i, o), problem.time[i][o])
+
+    def beats(a: int, b: int) -> bool:
+        ca, cb = costs(a), costs(b)
+        return all(x <= y for x, y in zip(ca, cb)) and (ca != cb or a < b)
+
+    return [o for o in allowed
+            if o == OUTPUT or not any(beats(p, o) for p in allowed if p != o and p != OUTPUT)]
 
 
 def _pareto(states: dict) -> dict:
