@@ -192,3 +192,15 @@ def test_a_final_chain_is_rebuilt_after_the_end_of_forward_not_at_it():
     assert solve_chain(apart, 50).choices == solve_brute_force(apart, 50).choices == ("output",) * 3
     with pytest.raises(BudgetError):
         solve_chain(together, 50)
+
+
+def test_dominated_options_are_not_tried_and_the_optimum_stands():
+    from remat.plan._solve import _undominated
+
+    # children:fc and children:gelu keep and hold the same; gelu costs less: fc is never needed
+    problem = Problem(kept=[[20, 2, 12, 0, 8, 8]] * 3, time=[[0, 10, 4, 10, 6, 1]] * 3,
+                      rebuilt=[[20, 20, 20, 20, 18, 18]] * 3, fixed=[0] * 3, output=[2] * 3, end=0,
+                      options=(*BLOCK_OPTIONS, "children:fc", "children:gelu"))
+    assert _undominated(problem, 0) == [0, 1, 3, 5]  # selective (12, 20, 4) loses to gelu too
+    for budget in (60, 48, 36, 30):
+        assert solve_chain(problem, budget).time == solve_brute_force(problem, budget).time
