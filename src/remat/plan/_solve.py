@@ -40,10 +40,12 @@ Example:
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import itertools
 import math
 import time as _time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 #: the options that mark a whole block: the first four columns of every :class:`Problem`
@@ -219,12 +221,26 @@ def solve_chain(problem: Problem, budget: float, *, resolution: float = 1.0) -> 
 
 
 def _dp(problem: Problem, budget: float, resolution: float) -> tuple[int, ...] | None:
-    if resolution <= 1:
-        return _dp_rounded(problem, budget, 1.0, math.ceil)
-    # Bytes rounded to the nearest step keep the plans at the budget's edge (an exact
-    # check of the peak follows); rounded up, every plan found fits (the fallback).
-    return (_dp_rounded(problem, budget, resolution, round)
-            or _dp_rounded(problem, budget, resolution, math.ceil))
+    with _no_collection():
+        if resolution <= 1:
+            return _dp_rounded(problem, budget, 1.0, math.ceil)
+        # Bytes rounded to the nearest step keep the plans at the budget's edge (an exact
+        # check of the peak follows); rounded up, every plan found fits (the fallback).
+        return (_dp_rounded(problem, budget, resolution, round)
+                or _dp_rounded(problem, budget, resolution, math.ceil))
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """The dynamic program makes many small tuples and no cycles: the garbage collector,
+    which would walk every object of the process (a traced model's too), waits."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _dp_rounded(problem: Problem, budget: float, resolution: float,
