@@ -27,8 +27,8 @@ output kept, its internals rebuilt; a single operator (a ``Linear``, a ``GELU``)
 its input, and adjacent ones merge into a chain. So a plan keeps the block's input
 and the children's boundaries, and re-runs only the children, not the whole block.
 
-Which children: those that run once per step and whose mark should drop at least
-:data:`CHILD_SHARE` of the block's kept bytes in the unmarked run (a cell: what it keeps
+Which children: those that run once per step and whose mark would drop, by the
+unmarked run's figures, at least :data:`CHILD_SHARE` of the block's kept bytes (a cell: what it keeps
 beyond its output; an operator: what it keeps), the :data:`MAX_CHILDREN` largest; not
 an operator whose output is the block's own (it would be rebuilt in the next block's
 backward, where an FSDP2 unit has resharded its parameters). Each gets an option
@@ -67,7 +67,7 @@ MARKS: dict[str, dict] = {
     "selective": {"policy": save_compute_intensive},
     "output": {"output_recompute": True},
 }
-#: a child gets options when its mark should drop this share of its block's kept bytes
+#: a child gets options when its mark would drop this share of its block's kept bytes
 CHILD_SHARE = 0.1
 #: at most this many children of a block get options (each alone, then all together)
 MAX_CHILDREN = 3
