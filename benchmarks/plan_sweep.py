@@ -10,6 +10,9 @@ Sections (each prints its figures and lands in plan_sweep.json):
    against the exact dynamic program on random graphs of up to 50 blocks.
 3. anchors: at the measured peak of per-block checkpointing, the plan's measured overhead
    (step time ratios timed in adjacent pairs) against per-block checkpointing's.
+3b. inside (options inside blocks): at per-block checkpointing's measured peak, the plan with
+   options inside blocks and the plan restricted to whole blocks (both from one cost-model run),
+   timed interleaved with per-block checkpointing and the unmarked model; median and spread.
 4. --max-batch on the GPT-style model (fake tensors): planner against per-block checkpointing.
 5. speed: solve time for a 32-layer transformer; remat.plan end to end on fake tensors for a
    70B Llama-style configuration.
@@ -70,7 +73,7 @@ def budget_sweep(name: str, build, inputs, loss_fn, count: int) -> dict:
         binds = any(c != "keep" for c in p.choices.values())
         rows.append({"budget": b, "predicted": p.predicted_peak_bytes, "measured": p.measured_peak_bytes,
                      "overhead": p.predicted_overhead, "binds": binds,
-                     "choices": "".join(c[0] for c in p.choices.values())})
+                     "choices": short(p.choices)})
     ok = [r for r in rows if "measured" in r]
     held = all(r["measured"] <= r["budget"] for r in ok)
     tight = [r["measured"] / r["budget"] for r in ok if r["binds"]]
@@ -154,10 +157,112 @@ def anchors(name: str, build, inputs, loss_fn, pairs: int) -> dict:
     out = {"model": name, "per_block_peak": per_block["peak_bytes"], "per_block_overhead": per_block["overhead"],
            "plan_peak": planned["peak_bytes"], "plan_overhead": planned["overhead"],
            "plan_predicted_overhead": plan.predicted_overhead, "overhead_ratio": ratio,
-           "choices": "".join(c[0] for c in plan.choices.values())}
+           "choices": short(plan.choices)}
     print(f"[anchors {name}] per-block: peak {per_block['peak_bytes']:,} overhead {per_block['overhead']:+.3f}; "
           f"plan: peak {planned['peak_bytes']:,} overhead {planned['overhead']:+.3f} "
           f"(predicted {plan.predicted_overhead:+.3f}) -> ratio {ratio}")
+    return out
+
+
+def short(choices: dict) -> str:
+    """Choices as letters (k, r, s, o), children as ``c(attn+fc)``."""
+    return " ".join(f"c({c.partition(':')[2]})" if c.startswith("children:") else c[0]
+                    for c in choices.values())
+
+
+def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 3,
+                  between: tuple = (0.5,)) -> dict:
+    """Options inside blocks at per-block checkpointing's measured peak (and at budgets
+    ``between`` it and the no-recompute peak): two plans from one cost-model run per budget,
+    with children and restricted to whole blocks (the planner before them), timed interleaved
+    with per-block checkpointing and the unmarked model, ``rounds`` rounds."""
+    from remat.cli.plan import mark_strategy
+    from remat.memory.profile import default_loss
+    from remat.plan._cost import find_blocks, measure_costs
+    from remat.plan._plan import _fit
+
+    def fresh():
+        torch.manual_seed(0)
+        return build()
+
+    per_block = fresh()
+    mark_strategy(per_block, "per-block checkpointing")
+    peak = remat.profile(per_block, *inputs, loss_fn=loss_fn, optimizer="adam", repeat=0).peak_bytes
+    model = fresh()
+    start = time.perf_counter()
+    costs = measure_costs(model, inputs, find_blocks(model), loss_fn=loss_fn, optimizer="adam",
+                          fake=False, device="cpu", repeat=repeat)
+    full = costs.problem()
+    blocks_only = Problem(**{**full.__dict__, "kept": [
+        [None if full.options[o].startswith("children:") else k for o, k in enumerate(row)]
+        for row in full.kept]})
+    kwargs = {"fake": False, "loss_fn": loss_fn, "optimizer": "adam", "verify": True, "solver": "auto",
+              "say": lambda _: None}
+    budgets = [peak, *(int(peak + f * (costs.peaks["keep"] - peak)) for f in between)]
+    plans = {}
+    for b in budgets:
+        for key, problem in (("blocks", blocks_only), ("children", full)):
+            plans[(b, key)] = _fit(model, inputs, costs, problem, b, floor(problem), **kwargs)
+    planned_s = time.perf_counter() - start
+    models = {"unmarked": fresh(), "per-block": per_block}
+    label = {}
+    for (b, key), plan in plans.items():
+        same = next((k for k, m in label.items() if m == plan.choices), None)
+        label[f"{key}@{b}"] = plan.choices
+        if same is None:
+            models[f"{key}@{b}"] = fresh()
+            plan.apply(models[f"{key}@{b}"])
+        else:  # the same marks: one model, timed once per round
+            models[f"{key}@{b}"] = models[same]
+    loss_of = loss_fn or default_loss
+
+    def step(net) -> float:
+        begin = time.perf_counter()
+        loss_of(net(*inputs)).backward()
+        elapsed = time.perf_counter() - begin
+        net.zero_grad(set_to_none=True)
+        return elapsed
+
+    distinct = list(dict.fromkeys(id(m) for m in models.values()))
+    by_id = {id(m): m for m in models.values()}
+    for net in by_id.values():  # warm-up
+        step(net)
+    times: dict[int, list] = {i: [] for i in distinct}
+    for r in range(rounds):  # each round times every distinct model once, the order rotating
+        for i in distinct[r % len(distinct):] + distinct[:r % len(distinct)]:
+            times[i].append(step(by_id[i]))
+    base = times[id(models["unmarked"])]
+    over = {k: [t / b - 1 for t, b in zip(times[id(m)], base)] for k, m in models.items() if k != "unmarked"}
+    ratios = {k: [o / p for o, p in zip(over[k], over["per-block"]) if p > 0]
+              for k in over if k != "per-block"}
+
+    def spread(values: list) -> dict:
+        q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+        return {"median": statistics.median(values), "q1": q[0], "q3": q[2],
+                "min": min(values), "max": max(values)}
+
+    out = {"model": name, "per_block_peak": peak, "no_recompute_peak": costs.peaks["keep"],
+           "budgets": budgets, "rounds": rounds, "planned_s": planned_s, "options": costs.options,
+           "overhead": {k: spread(v) for k, v in over.items()},
+           "ratio_to_per_block": {k: spread(v) for k, v in ratios.items()},
+           "ratio_of_medians": {k: statistics.median(over[k]) / statistics.median(over["per-block"])
+                                for k in ratios},
+           "plans": {f"{key}@{b}": {"choices": short(p.choices), "predicted_overhead": p.predicted_overhead,
+                                    "predicted_peak": p.predicted_peak_bytes,
+                                    "measured_peak": p.measured_peak_bytes}
+                     for (b, key), p in plans.items()}}
+    print(f"[inside {name}] per-block checkpointing's measured peak {peak:,} (no recompute "
+          f"{costs.peaks['keep']:,}); {rounds} interleaved rounds; options {costs.options[4:]}")
+    o = out["overhead"]["per-block"]
+    print(f"    per-block            overhead median {o['median']:+.3f} (IQR {o['q1']:+.3f}..{o['q3']:+.3f})")
+    for (b, key), p in plans.items():
+        k = f"{key}@{b}"
+        o, r = out["overhead"][k], out["ratio_to_per_block"][k]
+        print(f"    {key:<8} budget {b:,}: overhead median {o['median']:+.3f} (IQR {o['q1']:+.3f}.."
+              f"{o['q3']:+.3f}), predicted {p.predicted_overhead:+.3f}; / per-block's: median "
+              f"{r['median']:.3f} (IQR {r['q1']:.3f}..{r['q3']:.3f}, min {r['min']:.3f}, max "
+              f"{r['max']:.3f}), ratio of medians {out['ratio_of_medians'][k]:.3f}; measured peak "
+              f"{p.measured_peak_bytes:,}; {short(p.choices)}")
     return out
 
 
@@ -343,12 +448,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer trials")
     parser.add_argument("--budgets", type=int, default=10)
-    parser.add_argument("--sections", default="held,optimality,anchors,compile,maxbatch,speed")
+    parser.add_argument("--sections", default="held,optimality,anchors,inside,compile,maxbatch,speed")
     parser.add_argument("--no-70b", action="store_true", help="skip the 70B fake-tensor plan")
     parser.add_argument("--models", default="gpt,llama,resnet50,unet", help="models of 'held'")
     parser.add_argument("--anchor-models", default="gpt,resnet50", help="models of 'anchors'")
     parser.add_argument("--pairs", type=int, default=5, help="timed pairs per configuration in 'anchors'")
     parser.add_argument("--compile-models", default="gpt", help="models of 'compile'")
+    parser.add_argument("--inside-models", default="gpt", help="models of 'inside' (options inside blocks)")
+    parser.add_argument("--rounds", type=int, default=31, help="interleaved rounds of 'inside'")
     parser.add_argument("--max-batch-budgets", default="160MiB,400MiB",
                         help="budgets of 'maxbatch' (comma-separated)")
     parser.add_argument("--out", default="benchmarks/results")
@@ -363,6 +470,8 @@ def main() -> int:
         result["optimality"] = optimality(12 if args.quick else 30)
     if "anchors" in sections:
         result["anchors"] = [anchors(n, *chosen[n], pairs=args.pairs) for n in args.anchor_models.split(",")]
+    if "inside" in sections:
+        result["inside"] = [inside_blocks(n, *chosen[n], rounds=args.rounds) for n in args.inside_models.split(",")]
     if "compile" in sections:
         result["versus_compile"] = [versus_compile(n, *chosen[n]) for n in args.compile_models.split(",")]
     if "maxbatch" in sections:

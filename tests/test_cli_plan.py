@@ -68,3 +68,17 @@ def test_plan_command_plans_a_rank(tmp_path, capsys):
     assert (plan.rank, plan.world_size) == (0, 2)
     assert plan.measured_peak_bytes <= plan.budget_bytes < plan.no_recompute_peak_bytes
     assert "per rank (rank 0 of 2)" in capsys.readouterr().out
+
+
+def test_plan_command_options_restrict_the_families(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    chosen = {}
+    for options in (None, "keep,recompute,selective,output"):
+        extra = [] if options is None else ["--options", options]
+        assert main(["plan", *TINY, "--estimate", "--budget", "90%", "--json", str(path), *extra]) == 0
+        chosen[options] = set(remat.Plan.from_json(path.read_text()).choices.values())
+    assert any(c.startswith("children:") for c in chosen[None]), chosen
+    assert chosen["keep,recompute,selective,output"] <= {"keep", "recompute", "selective", "output"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="--options: unknown option.*offload"):
+        main(["plan", *TINY, "--estimate", "--budget", "70%", "--options", "keep,offload"])

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from remat.plan._solve import (
+    BLOCK_OPTIONS,
     KEEP,
     OUTPUT,
     BudgetError,
@@ -20,8 +21,13 @@ from remat.plan._solve import (
     solve_milp,
 )
 
+CHILD_OPTIONS = ("children:attn", "children:mlp", "children:attn+mlp")
 
-def random_problem(rng: random.Random, n: int, *, chain: bool = True) -> Problem:
+
+def random_problem(rng: random.Random, n: int, *, chain: bool = True, children: int = 0) -> Problem:
+    """Blocks with the four block options and ``children`` options inside blocks: each keeps
+    something between ``recompute`` and ``keep``, costs part of a re-run, and holds its own
+    bytes in backward (the block's activations, less or more); a block may lack some."""
     kept, time, rebuilt, output = [], [], [], []
     for i in range(n):
         act = rng.randint(4, 40)
@@ -31,13 +37,20 @@ def random_problem(rng: random.Random, n: int, *, chain: bool = True) -> Problem
         kept.append([act + out, out + rng.randint(0, 3), out + rng.randint(0, act // 2),
                      rng.randint(0, 2) if allow_output else None])
         time.append([0, t, rng.randint(0, t), t])
-        rebuilt.append(act + out + rng.randint(0, 10))
+        held = act + out + rng.randint(0, 10)
+        rebuilt.append([held, held, held, held])
+        for _ in range(children):
+            has = rng.random() < 0.8
+            kept[-1].append(out + rng.randint(0, act) if has else None)
+            time[-1].append(rng.randint(0, t))
+            rebuilt[-1].append(held + rng.randint(-act // 2, 5))
         output.append(out)
     fixed = [rng.randint(0, 30) for _ in range(n)]
     return Problem(kept=kept, time=time, rebuilt=rebuilt, fixed=fixed, output=output,
                    end=rng.randint(0, 20), chain_time=[rng.randint(1, 20) for _ in range(n)],
                    last_held=[o + rng.randint(0, 10) for o in output],
-                   tail=rng.choice([None, rng.randint(0, 20)]))
+                   tail=rng.choice([None, rng.randint(0, 20)]),
+                   options=(*BLOCK_OPTIONS, *CHILD_OPTIONS[:children]))
 
 
 def budgets(problem: Problem, rng: random.Random, count: int = 4) -> list[float]:
@@ -55,8 +68,59 @@ def test_dynamic_program_is_optimal_on_chains(seed):
         found = solve_chain(problem, budget)
         assert found.time == exact.time
         assert found.peak <= budget
-        assert (found.peak, found.time) == evaluate(problem, [("keep", "recompute", "selective",
-                                                               "output").index(c) for c in found.choices])
+        assert (found.peak, found.time) == evaluate(problem, [problem.options.index(c) for c in found.choices])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dynamic_program_is_optimal_with_options_inside_blocks(seed):
+    rng = random.Random(200 + seed)
+    problem = random_problem(rng, rng.randint(1, 5), children=rng.randint(1, 3))
+    for budget in budgets(problem, rng):
+        exact = solve_brute_force(problem, budget)
+        found = solve_chain(problem, budget)
+        assert found.time == exact.time and found.peak <= budget
+        assert (found.peak, found.time) == evaluate(problem, [problem.options.index(c) for c in found.choices])
+        assert all(problem.kept[i][problem.options.index(c)] is not None for i, c in enumerate(found.choices))
+
+
+def test_the_random_instances_choose_options_inside_blocks():
+    # the instances of the tests above exercise the new columns: many optima take one
+    chosen = []
+    for seed in range(12):
+        rng = random.Random(200 + seed)
+        problem = random_problem(rng, rng.randint(1, 5), children=rng.randint(1, 3))
+        chosen += [c for b in budgets(problem, rng) for c in solve_chain(problem, b).choices]
+    inside = [c for c in chosen if c.startswith("children:")]
+    assert len(inside) >= len(chosen) // 10, (len(inside), len(chosen))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_milp_is_optimal_with_options_inside_blocks(seed):
+    pytest.importorskip("scipy")
+    rng = random.Random(300 + seed)
+    problem = random_problem(rng, rng.randint(2, 5), chain=False, children=3)
+    for budget in budgets(problem, rng, 2):
+        exact = solve_brute_force(problem, budget)
+        found = solve_milp(problem, budget)
+        assert found.time == pytest.approx(exact.time, abs=1e-6) and found.peak <= budget
+        assert solve_chain(problem, budget).time == exact.time
+
+
+def test_an_option_inside_blocks_is_chosen_where_it_beats_the_block_options():
+    # recompute keeps 2 and costs 10; the attention child keeps 6, holds 14 in its block's
+    # backward and costs 3. With the last block kept (20 in its backward), the first may keep
+    # 6 at a budget of 26; at 22 the last block holds 14 at most; the floor is 6 + 14
+    problem = Problem(kept=[[20, 2, 12, None, 6]] * 2, time=[[0, 10, 4, 10, 3]] * 2,
+                      rebuilt=[[20, 20, 20, 20, 14]] * 2, fixed=[0, 0], output=[2, 2], end=0,
+                      options=(*BLOCK_OPTIONS, "children:attn"))
+    blocks_only = Problem(**{**problem.__dict__, "kept": [[20, 2, 12, None, None]] * 2})
+    assert solve_chain(problem, 26).choices == ("children:attn", "keep")
+    assert solve_brute_force(problem, 26).choices == ("children:attn", "keep")
+    assert solve_milp(problem, 26).choices == ("children:attn", "keep")
+    assert solve(blocks_only, 26).choices == ("recompute", "keep")
+    assert solve(problem, 26).time == 3 < solve(blocks_only, 26).time == 10
+    assert solve(problem, 22).choices == ("children:attn", "children:attn")
+    assert floor(problem) == pytest.approx(20, abs=1) and floor(blocks_only) == pytest.approx(22, abs=1)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -109,6 +173,12 @@ def test_output_chains_hold_their_outputs_and_run_twice_but_last():
 def test_a_problem_with_inconsistent_lists_is_refused():
     with pytest.raises(ValueError, match="Problem.time"):
         Problem(kept=[[1, 1, 1, 1]], time=[], rebuilt=[1], fixed=[0], output=[1], end=0)
+    with pytest.raises(ValueError, match="4 kept and 5 time entries for 5 options"):
+        Problem(kept=[[1, 1, 1, 1]], time=[[0, 1, 1, 1, 1]], rebuilt=[1], fixed=[0], output=[1], end=0,
+                options=(*BLOCK_OPTIONS, "children:mlp"))
+    with pytest.raises(ValueError, match="must start with"):
+        Problem(kept=[[1, 1]], time=[[0, 1]], rebuilt=[1], fixed=[0], output=[1], end=0,
+                options=("keep", "children:mlp"))
 
 
 def test_a_final_chain_is_rebuilt_after_the_end_of_forward_not_at_it():
@@ -122,3 +192,15 @@ def test_a_final_chain_is_rebuilt_after_the_end_of_forward_not_at_it():
     assert solve_chain(apart, 50).choices == solve_brute_force(apart, 50).choices == ("output",) * 3
     with pytest.raises(BudgetError):
         solve_chain(together, 50)
+
+
+def test_dominated_options_are_not_tried_and_the_optimum_stands():
+    from remat.plan._solve import _undominated
+
+    # children:fc and children:gelu keep and hold the same; gelu costs less: fc is never needed
+    problem = Problem(kept=[[20, 2, 12, 0, 8, 8]] * 3, time=[[0, 10, 4, 10, 6, 1]] * 3,
+                      rebuilt=[[20, 20, 20, 20, 18, 18]] * 3, fixed=[0] * 3, output=[2] * 3, end=0,
+                      options=(*BLOCK_OPTIONS, "children:fc", "children:gelu"))
+    assert _undominated(problem, 0) == [0, 1, 3, 5]  # selective (12, 20, 4) loses to gelu too
+    for budget in (60, 48, 36, 30):
+        assert solve_chain(problem, budget).time == solve_brute_force(problem, budget).time

@@ -6,6 +6,8 @@ Example:
     $ remat plan remat.models.llama:llama --arg layers=4 --input-shape 1,512 --input-dtype int64 \\
           --loss next-token --estimate --budget 2GiB
     $ remat plan remat.models.gpt:gpt --input-shape 8,256 --input-dtype int64 --max-batch --budget 300MiB
+    $ remat plan remat.models.gpt:gpt --input-shape 8,256 --input-dtype int64 --budget 60% \
+          --options keep,recompute,selective,output      # whole blocks only, no children
     $ remat plan remat.models.llama:llama --arg layers=16 --input-shape 1,1024 --input-dtype int64 \\
           --loss next-token --estimate --world-size 8 --parallelize tp --budget 4GiB
 """
@@ -29,6 +31,7 @@ from remat.cli.profile import (
     parse_shape,
     rank_options,
 )
+from remat.plan._solve import OPTIONS
 
 API = "remat plan"
 #: The anchors the planner is compared with, in plot order.
@@ -48,6 +51,9 @@ def add_parser(subparsers: Any) -> None:
                         help="plan on fake tensors: nothing allocated, times from FLOPs (roofline)")
     parser.add_argument("--device", help="device of the roofline for --estimate (cpu, cuda)")
     parser.add_argument("--throughput", type=float, help="FLOP/s of that device for --estimate")
+    parser.add_argument("--options", default=",".join(OPTIONS),
+                        help="option families the plan may use, comma-separated (default: "
+                             f"{','.join(OPTIONS)}; 'children' marks parts of blocks)")
     add_rank_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     parser.add_argument("--plot", metavar="PATH",
@@ -88,13 +94,14 @@ class Setup:
     def plan(self, budgets: list, batch: int | None = None, progress: Callable | None = None) -> list:
         from remat.plan._plan import sweep
 
+        options = _options_arg(getattr(self.args, "options", None))
         if self.args.estimate:
             return sweep(self.build, lambda: self.inputs(batch), budgets=budgets, loss_fn=self.loss_fn,
                          optimizer=self.optimizer, device=self.args.device,
                          throughput=self.args.throughput, progress=progress, floors=True,
-                         **self.ranks)
+                         options=options, **self.ranks)
         return sweep(self.build(), *self.inputs(batch), budgets=budgets, loss_fn=self.loss_fn,
-                     optimizer=self.optimizer, progress=progress, floors=True)
+                     optimizer=self.optimizer, progress=progress, floors=True, options=options)
 
     def measure(self, mark: Callable[[torch.nn.Module], Any], batch: int | None = None,
                 timed: bool = True) -> dict:
@@ -190,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     if args.budget is None:
         raise SystemExit(f"{API}: give --budget (bytes, '6GiB', '60%' or a fraction)")
     budget = _budget_arg(args.budget)
+    _options_arg(args.options)
     if args.max_batch:
         return _max_batch(setup, budget)
     status, say = _progress()
@@ -223,6 +231,18 @@ def run(args: argparse.Namespace) -> int:
 class _Measured:
     def __init__(self, peak_bytes: int, step_ms: float | None, overhead: float | None = None) -> None:
         self.peak_bytes, self.step_ms, self.overhead = peak_bytes, step_ms, overhead
+
+
+def _options_arg(text: str | None) -> tuple[str, ...]:
+    """``--options``: comma-separated families of :data:`remat.plan.OPTIONS`."""
+    if text is None:
+        return OPTIONS
+    options = tuple(o.strip() for o in text.split(",") if o.strip())
+    bad = [o for o in options if o not in OPTIONS]
+    if bad:
+        raise SystemExit(f"{API}: --options: unknown option(s) {', '.join(bad)}; "
+                         f"choose from {','.join(OPTIONS)}")
+    return options
 
 
 def _budget_arg(text: str) -> Any:

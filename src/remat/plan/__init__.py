@@ -4,12 +4,13 @@ Example:
     >>> import torch, remat
     >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
     ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
-    >>> p = remat.plan(net, torch.randn(512, 64), budget="90%")
+    >>> from remat.plan import BLOCK_OPTIONS
+    >>> p = remat.plan(net, torch.randn(512, 64), budget="90%", options=BLOCK_OPTIONS)
     >>> set(p.choices.values()) <= {"keep", "recompute", "selective", "output"}
     True
 """
 
 from remat.plan._plan import Decision, Plan, parse_budget, plan
-from remat.plan._solve import OPTIONS, BudgetError
+from remat.plan._solve import BLOCK_OPTIONS, OPTIONS, BudgetError
 
-__all__ = ["OPTIONS", "BudgetError", "Decision", "Plan", "parse_budget", "plan"]
+__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Decision", "Plan", "parse_budget", "plan"]

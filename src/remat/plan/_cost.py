@@ -17,6 +17,28 @@ and every verification, builds a fresh model with a :class:`Builder`: build,
 truncate a container of identical blocks when composing, mark, parallelize.
 The model the blocks are found in is an unsharded one, never run. Bytes are
 this rank's: parameters and gradients by their local shard.
+
+NOTE [Options inside blocks]
+Besides marking a whole block, an option may mark some of its children (family
+``children``, named ``"children:attn"``, ``"children:attn+fc+gelu"``). A child with
+submodules (a transformer block's attention or MLP) gets a cell mark: its inputs and
+output kept, its internals rebuilt; a single operator (a ``Linear``, a ``GELU``) gets
+``output_recompute``, an operator mark: its output is kept by nobody and rebuilt from
+its input, and adjacent ones merge into a chain. So a plan keeps the block's input
+and the children's boundaries, and re-runs only the children, not the whole block.
+
+Which children: those that run once per step and whose mark would drop, by the
+unmarked run's figures, at least :data:`CHILD_SHARE` of the block's kept bytes (a cell: what it keeps
+beyond its output; an operator: what it keeps), the :data:`MAX_CHILDREN` largest; not
+an operator whose output is the block's own (it would be rebuilt in the next block's
+backward, where an FSDP2 unit has resharded its parameters). Each gets an option
+alone, and all of them one together. Like every option, each is measured by one run
+with every block that has those children marked alike: the tracker
+gives the bytes kept, the run's peak what the block's backward holds, its timed step
+the calibration of the children's forward times (a roofline on fake tensors; an
+operator mark counts two runs: one hands its output to whoever saved it, one rebuilds
+what it saved itself, NOTE [Output pass]). Blocks of different classes bring their own
+columns; a block lacks the others.
 """
 
 from __future__ import annotations
@@ -36,7 +58,7 @@ from remat._marks import recompute_module, unmark_module
 from remat._policy import save_compute_intensive
 from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
 from remat.memory.profile import OptimizerLike, default_loss, measure
-from remat.plan._solve import OPTIONS, OUTPUT, Problem, evaluate
+from remat.plan._solve import BLOCK_OPTIONS, CHILDREN, OPTIONS, OUTPUT, RECOMPUTE, Problem, evaluate
 
 API = "remat.plan"
 MARKS: dict[str, dict] = {
@@ -45,6 +67,77 @@ MARKS: dict[str, dict] = {
     "selective": {"policy": save_compute_intensive},
     "output": {"output_recompute": True},
 }
+#: a child gets options when its mark would drop this share of its block's kept bytes
+CHILD_SHARE = 0.1
+#: at most this many children of a block get options (each alone, then all together)
+MAX_CHILDREN = 3
+
+
+def child_mark(child: torch.nn.Module) -> dict:
+    """The mark an option inside a block sets on ``child`` (NOTE [Options inside blocks]):
+    a cell mark on a module with submodules, ``output_recompute`` on a single operator."""
+    return {} if next(child.children(), None) is not None else {"output_recompute": True}
+
+
+def marks_of(name: str, block: torch.nn.Module, choice: str,
+             api: str = API) -> list[tuple[str, torch.nn.Module, dict]]:
+    """``(module name, module, recompute_module options)`` that option ``choice`` of block
+    ``name`` sets: none for ``keep``, the block for the block options, children for ``children:``."""
+    if choice in MARKS:
+        return [] if choice == "keep" else [(name, block, MARKS[choice])]
+    family, _, parts = choice.partition(":")
+    kids = dict(block.named_children())
+    if family != CHILDREN or not parts:
+        raise ValueError(f"{api}: unknown option {choice!r} for block {name!r}; choose from "
+                         f"{BLOCK_OPTIONS} or '{CHILDREN}:<child>+<child>'")
+    missing = [c for c in parts.split("+") if c not in kids]
+    if missing:
+        raise ValueError(f"{api}: block {name!r} ({type(block).__name__}) has no child {missing[0]!r} "
+                         f"(option {choice!r}); its children are {sorted(kids)}")
+    return [(f"{name}.{c}", kids[c], child_mark(kids[c])) for c in parts.split("+")]
+
+
+def mark_choices(named: Mapping[str, torch.nn.Module], choices: Mapping[str, str]) -> list[torch.nn.Module]:
+    """Mark the blocks ``{name: option}`` of a model (``named``: its ``named_modules()``);
+    return the modules marked (none when an option cannot be set)."""
+    marked = []
+    try:
+        for name, choice in choices.items():
+            for _, module, kwargs in marks_of(name, named[name], choice):
+                recompute_module(module, **kwargs)
+                marked.append(module)
+    except Exception:
+        for module in marked:
+            unmark_module(module)
+        raise
+    return marked
+
+
+def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
+                  leaving: set[str] = frozenset()) -> list[str]:
+    """The ``children:`` options of block ``name`` from the rows of an unmarked run
+    (NOTE [Options inside blocks]); ``leaving``: children whose output is the block's."""
+    total = rows[name].kept
+    scored = []
+    for order, (child, kid) in enumerate(block.named_children()):
+        row = rows.get(f"{name}.{child}")
+        if row is None or row.calls != 1 or "+" in child or ":" in child:
+            continue
+        cell = next(kid.children(), None) is not None
+        if not cell and child in leaving:
+            continue  # rebuilt in a later block's backward (with an FSDP unit resharded)
+        saving = row.kept - row.output_bytes if cell else row.kept
+        if total > 0 and saving >= CHILD_SHARE * total:
+            scored.append((-saving, order, child))
+    chosen = [child for _, _, child in sorted(sorted(scored)[:MAX_CHILDREN], key=lambda s: s[1])]
+    return [f"{CHILDREN}:{c}" for c in chosen] + ([f"{CHILDREN}:{'+'.join(chosen)}"] if len(chosen) > 1 else [])
+
+
+def children_in(option: str) -> list[str]:
+    """The children an option inside a block marks (``"children:fc+gelu"``: fc and gelu)."""
+    return option.partition(":")[2].split("+")
+
+
 #: Default roofline of the fake-tensor time model: FLOP/s and bytes/s (ratios matter, not units).
 THROUGHPUT = {"cpu": 1e11, "cuda": 4e14}
 BANDWIDTH = {"cpu": 2e10, "cuda": 2e12}
@@ -71,9 +164,7 @@ class Builder:
         for name, count in self.lengths:
             container = named[name]
             container._modules = type(container._modules)(list(container._modules.items())[:count])
-        for name, choice in choices.items():
-            if choice != "keep":
-                recompute_module(named[name], **MARKS[choice])
+        mark_choices(named, choices)
         model.train()
         return self.finish(model)
 
@@ -106,6 +197,10 @@ class BlockCosts:
     optimizer_peak: int | None = None
     option_step_s: dict = field(default_factory=dict)
     time_scale: list = field(default_factory=list)
+    #: the columns of ``kept``: :data:`BLOCK_OPTIONS`, then options inside blocks
+    options: list = field(default_factory=lambda: list(BLOCK_OPTIONS))
+    #: per block, the forward seconds of each option inside blocks (``options[4:]``)
+    child_s: list = field(default_factory=list)
 
     def problem(self) -> Problem:
         """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks."""
@@ -115,16 +210,19 @@ class BlockCosts:
         keep_kept = [k[0] for k in self.kept]
         end = self.peaks["keep"] - sum(keep_kept)
         base = max((p for o, p in self.peaks.items() if self.phases.get(o) == "optimizer"), default=0)
-        time_of = [[0.0, f, s, f] for f, s in zip(self.forward_s, self.selective_s)]
+        columns = len(self.options)
+        inner = self.child_s or [[]] * n
+        time_of = [[0.0, f, s, f, *c] + [0.0] * (columns - 4 - len(c))
+                   for f, s, c in zip(self.forward_s, self.selective_s, inner)]
         chain_time = list(self.forward_s)
         # Calibration: each option's uniform run was timed too; its measured extra time over
         # the unmarked step, against the sum of forward times, scales that option's times
         # (a re-run costs more than its forward: the engine's hooks, the policy's dispatch
         # mode, the gradients' temporaries).
-        scale = [1.0] * len(OPTIONS)
+        scale = [1.0] * columns
         keep_s = self.option_step_s.get("keep")
-        for o in range(1, len(OPTIONS)):
-            step_s = self.option_step_s.get(OPTIONS[o])
+        for o in range(1, columns):
+            step_s = self.option_step_s.get(self.options[o])
             if keep_s is None or step_s is None:
                 continue
             choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
@@ -132,6 +230,11 @@ class BlockCosts:
                 sum(chain_time[i] for i in range(n - 1) if choice[i] == choice[i + 1] == OUTPUT))
             if raw > 0:
                 scale[o] = min(4.0, max(0.5, (step_s - keep_s) / raw))
+        # A child's re-run pays the engine's hooks as a block's does, per second of forward
+        # at least: an option inside blocks is not scaled below ``recompute``, so a timing
+        # that came out low by chance does not make it look cheaper than re-running blocks.
+        for o in range(len(BLOCK_OPTIONS), columns):
+            scale[o] = max(scale[o], scale[RECOMPUTE])
         self.time_scale = scale
         time_of = [[t * scale[o] for o, t in enumerate(row)] for row in time_of]
         chain_time = [t * scale[OUTPUT] for t in chain_time]
@@ -141,19 +244,19 @@ class BlockCosts:
         # block moments only
         rough = Problem(kept=self.kept, time=time_of, rebuilt=keep_kept, fixed=fixed,
                         output=self.output_bytes, end=-float("inf"), chain_time=chain_time,
-                        last_held=keep_kept, tail=-float("inf"))
+                        last_held=keep_kept, tail=-float("inf"), options=self.options)
         # Each option's uniform run tells what its backward holds beyond the rough model
         # (gradient temporaries, the rebuilt output of a cell mark): added for that option.
-        gaps = [0.0] * len(OPTIONS)
-        for o in range(len(OPTIONS)):
-            if OPTIONS[o] in self.peaks:
+        gaps = [0.0] * columns
+        for o in range(columns):
+            if self.options[o] in self.peaks:
                 choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
-                gaps[o] = max(0.0, self.peaks[OPTIONS[o]] - evaluate(rough, choice)[0])
+                gaps[o] = max(0.0, self.peaks[self.options[o]] - evaluate(rough, choice)[0])
         self.transient_bytes = gaps
         return Problem(kept=self.kept, time=time_of,
                        rebuilt=[[k + g for g in gaps] for k in keep_kept],
                        fixed=fixed, output=self.output_bytes, end=end, chain_time=chain_time,
-                       base=base, last_held=keep_kept, tail=tail)
+                       base=base, last_held=keep_kept, tail=tail, options=self.options)
 
 
 def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, torch.nn.Module]]:
@@ -222,6 +325,9 @@ class _Ops(TorchDispatchMode):
         self.block: int | None = None
         self.total: dict[int, float] = {}
         self.recomputed: dict[int, float] = {}
+        self.parts: list[tuple[int, str]] = []  # the children of the block running now
+        self.part_total: dict[tuple[int, str], float] = {}
+        self.part_outs: dict[tuple[int, str], set] = {}  # storages of each child's output
         self._propagating = 0
         self._patches: list = []
 
@@ -257,6 +363,8 @@ class _Ops(TorchDispatchMode):
                             if isinstance(t, torch.Tensor))
                 cost = flops / self.throughput + moved / self.bandwidth
             self.total[self.block] = self.total.get(self.block, 0.0) + cost
+            for part in self.parts:
+                self.part_total[part] = self.part_total.get(part, 0.0) + cost
             if not save_compute_intensive.saves(func.name()):
                 self.recomputed[self.block] = self.recomputed.get(self.block, 0.0) + cost
         return out
@@ -291,6 +399,20 @@ def _trace(model: torch.nn.Module, inputs: tuple, blocks: list, loss_fn: Callabl
 
     handles = [h for _, m in blocks for h in (m.register_forward_pre_hook(pre, with_kwargs=True),
                                               m.register_forward_hook(post, with_kwargs=True))]
+
+    def enter(key: tuple[int, str]) -> Callable:
+        def hook(*_: Any) -> None:
+            ops.parts.append(key)
+        return hook
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        ops.part_outs.setdefault(ops.parts.pop(), set()).update(keys(output))
+        alive.append(output)
+
+    for i, (_, block) in enumerate(blocks):  # each child's own cost (options inside blocks)
+        for child, kid in block.named_children():
+            handles.append(kid.register_forward_pre_hook(enter((i, child))))
+            handles.append(kid.register_forward_hook(leave))
     try:
         with torch.no_grad(), ops:
             loss_fn(model(*inputs))
@@ -345,45 +467,76 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
         chain.append(k == n - 1 or (bool(mine & later[0]) and not any(mine & s for s in later[1:])))
     reports = {}
     measured = model
+    names = [name for name, _ in blocks]
+    leaving = {names[k]: {child for (i, child), out in ops.part_outs.items()
+                          if i == idx[k] and out & outs.get(i, set())} for k in range(n)}
+    inner: dict[str, list[str]] = {name: [] for name in names}  # options inside each block
+    columns: list[str] = []
+    pending = ["keep", *(o for o in options if o not in ("keep", CHILDREN))]
+    uniform: dict[str, dict[str, str]] = {}  # option -> the blocks its run marks
+    steps: dict[str, float] = {}  # option -> seconds of a step with its blocks marked
     try:
-        for option in ("keep", *(o for o in options if o != "keep")):
-            say(f"measuring '{option}' on {n} blocks")
+        while pending:
+            option = pending.pop(0)
+            chosen = {name: option for name in names if option in BLOCK_OPTIONS or option in inner[name]}
+            uniform[option] = chosen
+            say(f"measuring '{option}' on {len(chosen)} blocks")
             if build is not None:  # NOTE [Planning a rank]
-                net = build(dict.fromkeys((name for name, _ in blocks), option))
+                net = build(chosen)
                 reports[option] = measure(net, inputs, loss_fn=loss_fn, optimizer=optimizer,
                                           estimated=fake, api=API)
                 if option == "keep":
                     measured, blocks = net, _named(net, blocks)
-                continue
-            marked = [m for _, m in blocks] if option != "keep" else []
-            for m in marked:
-                recompute_module(m, **MARKS[option])
-            try:
-                reports[option] = measure(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
-                                          repeat=0 if fake else repeat,
-                                          estimated=fake, api=API)
-            finally:
-                for m in marked:
-                    unmark_module(m)
-            if state is not None:
-                model.load_state_dict(state)
+            else:
+                marked = mark_choices(dict(blocks), chosen)
+                try:
+                    reports[option] = measure(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
+                                              repeat=0 if fake or option != "keep" else repeat,
+                                              estimated=fake, api=API)
+                finally:
+                    for m in marked:
+                        unmark_module(m)
+                if state is not None:
+                    model.load_state_dict(state)
+            if option == "keep" and CHILDREN in options:  # NOTE [Options inside blocks]
+                unmarked = {r.name: r for r in reports["keep"].rows}
+                inner = {name: child_options(name, m, unmarked, leaving[name]) for name, m in blocks}
+                columns = list(dict.fromkeys(c for name in names for c in inner[name]))
+                pending += columns
+        if not fake and build is None and repeat:
+            say(f"timing the {len(uniform)} options, interleaved")
+            steps = _interleaved_steps(model, inputs, loss_fn, dict(blocks), uniform, repeat)
     finally:
         if state is not None:
             model.load_state_dict(state)
             model.zero_grad(set_to_none=True)
     rows = {o: {r.name: r for r in rep.rows} for o, rep in reports.items()}
     keep = rows["keep"]
-    kept = [[float(rows[o][name].kept) if o in rows else None for o in OPTIONS] for name, _ in blocks]
+    every = [*BLOCK_OPTIONS, *columns]
+    kept = [[float(rows[o][name].kept) if o in rows and (o in BLOCK_OPTIONS or o in inner[name]) else None
+             for o in every] for name in names]
     for k in range(n):
         if not chain[k] and kept[k][OUTPUT] is not None:
             kept[k][OUTPUT] = None
+
+    def child_seconds(k: int, child: str) -> float:
+        if fake:
+            once = ops.part_total.get((idx[k], child), 0.0)
+        else:
+            once = (keep[f"{names[k]}.{child}"].forward_ms or 0.0) / 1e3
+        # an operator mark runs twice in backward: once to hand its output to whoever saved
+        # it, once to rebuild what it saved itself (NOTE [Output pass] in _engine/region.py)
+        return once if child_mark(dict(blocks[k][1].named_children())[child]) == {} else 2 * once
+
+    child_s = [[sum(child_seconds(k, c) for c in children_in(o)) if o in inner[names[k]] else 0.0
+                for o in columns] for k in range(n)]
     if fake:
         forward = [ops.total.get(i, 0.0) for i in idx]
         step = 3 * sum(ops.total.values())
         timed = f"roofline ({device})"
     else:
         forward = [(keep[name].forward_ms or 0.0) / 1e3 for name, _ in blocks]
-        step = (reports["keep"].step_ms or 0.0) / 1e3
+        step = steps["keep"] if steps else (reports["keep"].step_ms or 0.0) / 1e3
         timed = "measured, each option scaled by its own timed run"
     share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in idx]
     grads = [sum(local_nbytes(p) for p in m.parameters() if p.requires_grad) for _, m in blocks]
@@ -398,8 +551,33 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
         phases={o: r.peak_phase for o, r in reports.items()}, step_s=step, timed=timed,
         phase_peaks={o: dict(r.phase_peaks) for o, r in reports.items()},
         optimizer_peak=reports["keep"].phase_peaks.get("optimizer"),
-        option_step_s={} if fake else {o: (r.step_ms or 0.0) / 1e3 for o, r in reports.items()},
+        option_step_s=steps,
+        options=every, child_s=child_s,
     )
+
+
+def _interleaved_steps(model: torch.nn.Module, inputs: tuple, loss_fn: Callable,
+                       blocks: Mapping[str, torch.nn.Module], uniform: Mapping[str, Mapping[str, str]],
+                       rounds: int) -> dict[str, float]:
+    """Seconds of a forward and backward with each option's blocks marked (``uniform``: option ->
+    ``{block: option}``), the least of ``rounds`` rounds after one to warm up. Each round steps
+    every option once, in a rotating order, so a busy spell of the machine slows them alike."""
+    order = list(uniform)
+    best: dict[str, float] = {}
+    for r in range(rounds + 1):
+        for option in order[r % len(order):] + order[:r % len(order)]:
+            marked = mark_choices(blocks, uniform[option])
+            try:
+                start = time.perf_counter()
+                loss_fn(model(*inputs)).backward()
+                elapsed = time.perf_counter() - start
+            finally:
+                for m in marked:
+                    unmark_module(m)
+                model.zero_grad(set_to_none=True)
+            if r:
+                best[option] = min(best.get(option, elapsed), elapsed)
+    return best
 
 
 def _named(model: torch.nn.Module, blocks: list) -> list[tuple[str, torch.nn.Module]]:
@@ -479,6 +657,8 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
             except (TypeError, IndexError):  # the forward does not iterate over the container
                 return None
     two, three = measured[small], measured[large]
+    if two.options != three.options:  # the short models' blocks differ: measure the whole one
+        return None
 
     def grow(a: float, b: float) -> float:
         return b + (n - large) * (b - a)
@@ -508,4 +688,5 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
         phases=phases, phase_peaks={o: {ph: int(v) for ph, v in g.items()} for o, g in grown.items()},
         step_s=grow(two.step_s, three.step_s) if two.step_s is not None else None,
         timed=three.timed + f"; {n} identical blocks composed from runs with {small} and {large}",
+        options=three.options, child_s=spread(three.child_s),
     )

@@ -23,11 +23,12 @@ from remat._marks import mark_of, marked_modules, recompute_module, unmark_modul
 from remat.memory._report import format_bytes
 from remat.memory.profile import OptimizerLike
 from remat.plan._cost import (
-    MARKS,
     Builder,
     composed_costs,
     find_blocks,
     identical_container,
+    mark_choices,
+    marks_of,
     measure_costs,
     measure_peak,
 )
@@ -45,7 +46,9 @@ class Decision:
     Args:
         name: the block's qualified module name.
         type: its class name.
-        choice: ``"keep"``, ``"recompute"``, ``"selective"`` or ``"output"`` (``output_recompute``).
+        choice: ``"keep"``, ``"recompute"``, ``"selective"``, ``"output"`` (``output_recompute``),
+            or an option inside the block, ``"children:attn"`` / ``"children:fc+gelu"``: the
+            children named are marked, not the block (NOTE [Options inside blocks]).
         kept_bytes: bytes the block keeps for backward under ``choice``.
         extra_s: predicted extra seconds per step.
     """
@@ -103,13 +106,15 @@ class Plan:
         return self.predicted_extra_s / self.step_s if self.step_s else 0.0
 
     def apply(self, model: torch.nn.Module) -> list[str]:
-        """Mark ``model``'s blocks as this plan says; return the names marked.
+        """Mark ``model``'s blocks (or, for ``children:`` options, their children) as this
+        plan says, through :func:`remat.recompute_module`; return the names marked.
 
         Args:
             model: a model with the planned block names (the planned one or a copy).
 
         Raises:
-            ValueError: a block is missing or already marked otherwise; nothing is marked then.
+            ValueError: a block or a child is missing, or a module is already marked
+                otherwise; nothing is marked then.
         """
         api = "remat.Plan.apply"
         named = dict(model.named_modules())
@@ -117,14 +122,14 @@ class Plan:
         if missing:
             raise ValueError(f"{api}: {type(model).__name__} has no module {missing[0]!r} "
                              f"(and {len(missing) - 1} more missing); apply the plan to the model it was made for")
-        chosen = [(d.name, named[d.name], d.choice) for d in self.decisions if d.choice != "keep"]
-        for name, module, choice in chosen:
+        chosen = [m for d in self.decisions for m in marks_of(d.name, named[d.name], d.choice, api)]
+        for name, module, kwargs in chosen:
             old = mark_of(module)
-            if old is not None and old != _spec_of(choice):
+            if old is not None and old != _spec_of(kwargs):
                 raise ValueError(f"{api}: module {name!r} is already marked otherwise; "
                                  f"call remat.unmark(model) first")
-        for _, module, choice in chosen:
-            recompute_module(module, **MARKS[choice])
+        for _, module, kwargs in chosen:
+            recompute_module(module, **kwargs)
         return [name for name, _, _ in chosen]
 
     def to_json(self) -> str:
@@ -160,10 +165,11 @@ class Plan:
         names = [r[0].name if len(r) == 1 else f"{r[0].name}..{r[-1].name.rpartition('.')[2]} "
                  f"({len(r)})" for r in runs]
         width = max([len(n) for n in names] + [5])
-        lines = [head, f"{'block':<{width}}  {'type':<16} {'choice':<10} {'kept':>12} {'extra ms':>9}"]
+        chosen = max([len(d.choice) for d in self.decisions] + [10])
+        lines = [head, f"{'block':<{width}}  {'type':<16} {'choice':<{chosen}} {'kept':>12} {'extra ms':>9}"]
         for name, run in zip(names, runs):
             d = run[0]
-            lines.append(f"{name:<{width}}  {d.type[:16]:<16} {d.choice:<10} "
+            lines.append(f"{name:<{width}}  {d.type[:16]:<16} {d.choice:<{chosen}} "
                          f"{format_bytes(d.kept_bytes):>12} {1e3 * d.extra_s:>9.2f}")
         return "\n".join(lines)
 
@@ -200,9 +206,9 @@ def _same_row(a: Decision, b: Decision) -> bool:
         b.type, b.choice, b.kept_bytes, round(b.extra_s, 12))
 
 
-def _spec_of(choice: str) -> Any:
+def _spec_of(kwargs: dict) -> Any:
     probe = torch.nn.Identity()
-    recompute_module(probe, **MARKS[choice])
+    recompute_module(probe, **kwargs)
     return mark_of(probe)
 
 
@@ -247,7 +253,8 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
          progress: Callable[[str], None] | None = None, compose: bool = True,
          world_size: int | None = None, parallelize: Callable | None = None,
          rank: int | None = None) -> Plan:
-    """Choose, per block, keep / recompute / selective / output_recompute for a memory budget.
+    """Choose, per block, keep / recompute / selective / output_recompute, or marks on some of
+    the block's children, for a memory budget.
 
     The plan has the least predicted extra time among those whose predicted step
     peak (parameters, gradients, optimizer state, activations, temporaries, as
@@ -266,7 +273,12 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
         optimizer: as for :func:`remat.profile` (default ``"adam"``; its state counts).
         blocks: the modules to plan: names, or a module type; default: the children of
             the model's innermost ``ModuleList`` / ``Sequential`` containers.
-        options: the options allowed (a subset of ``remat.plan.OPTIONS``; ``"keep"`` always).
+        options: the option families allowed, a subset of ``remat.plan.OPTIONS`` (``"keep"``
+            always): ``"keep"``, ``"recompute"``, ``"selective"``, ``"output"`` mark whole
+            blocks; ``"children"`` marks some children of a block (``"children:attn"``:
+            its attention recomputed, the rest kept; NOTE [Options inside blocks]).
+            ``options=("keep", "recompute", "selective", "output")`` (``BLOCK_OPTIONS`` of
+            ``remat.plan``) restricts the plan to whole blocks.
         device: device whose roofline times fake-tensor plans (``"cuda"``; default: the inputs').
         throughput: FLOP/s of that device for fake-tensor plans.
         dtype: build a factory's model in this dtype (fake-tensor plans).
@@ -461,7 +473,7 @@ def _uniform(costs: Any, problem: Problem, budget: float) -> tuple | None:
     from remat.plan._solve import Solution, evaluate
 
     best = None
-    for o, option in enumerate(OPTIONS):
+    for o, option in enumerate(problem.options):
         measured = costs.peaks.get(option, float("inf"))
         if measured > budget or any(problem.kept[i][o] is None for i in range(problem.blocks)):
             continue  # (the run marked every block alike; a plan that cannot is another plan)
@@ -477,15 +489,12 @@ def _measure_choices(model: torch.nn.Module, inputs: tuple, names: list, choices
     if build is not None:  # NOTE [Planning a rank]: a fresh model, marked, then sharded
         return measure_peak(build(dict(zip(names, choices))), inputs, loss_fn=loss_fn,
                             optimizer=optimizer, fake=fake, optimizer_peak=optimizer_peak)
-    modules = dict(model.named_modules())
-    marked = [(modules[n], c) for n, c in zip(names, choices) if c != "keep"]
-    for module, choice in marked:
-        recompute_module(module, **MARKS[choice])
+    marked = mark_choices(dict(model.named_modules()), dict(zip(names, choices)))
     try:
         return measure_peak(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake,
                             optimizer_peak=optimizer_peak)
     finally:
-        for module, _ in marked:
+        for module in marked:
             unmark_module(module)
 
 
@@ -493,7 +502,7 @@ def _make(costs: Any, problem: Problem, solution: Any, budget: float, least: flo
           measured: int | None) -> Plan:
     decisions = []
     for i, (name, kind, choice) in enumerate(zip(costs.names, costs.types, solution.choices)):
-        o = OPTIONS.index(choice)
+        o = problem.options.index(choice)
         extra = problem.time[i][o]
         if choice == "output" and i + 1 < len(solution.choices) and solution.choices[i + 1] == "output":
             extra += problem.extra_time(i)

@@ -23,6 +23,12 @@ block followed by another ``output`` block (it runs once more to hand its output
 An option that is not allowed has ``kept`` None (``output`` where a block's output
 feeds more than the next block).
 
+Options past the first four recompute parts of a block (the ``children`` family,
+``"children:attn"``, ``"children:fc+gelu"``: NOTE [Options inside blocks] in ``_cost.py``);
+to the solvers they are columns like ``recompute``: bytes kept, bytes held in the
+block's backward, extra time. ``Problem.options`` names the columns; a block without
+the children of a column has ``kept`` None there.
+
 Example:
     >>> from remat.plan._solve import Problem, solve
     >>> p = Problem(kept=[[8, 2, 4, 0]] * 3, time=[[0, 3, 1, 4]] * 3, rebuilt=[8] * 3,
@@ -34,14 +40,21 @@ Example:
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import itertools
 import math
 import time as _time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-OPTIONS = ("keep", "recompute", "selective", "output")
+#: the options that mark a whole block: the first four columns of every :class:`Problem`
+BLOCK_OPTIONS = ("keep", "recompute", "selective", "output")
 KEEP, RECOMPUTE, SELECTIVE, OUTPUT = range(4)
+#: the family of options that mark children of a block, named ``"children:<child>+<child>"``
+CHILDREN = "children"
+#: the option families a plan may use (``remat.plan(options=...)``)
+OPTIONS = (*BLOCK_OPTIONS, CHILDREN)
 
 
 class BudgetError(ValueError):
@@ -82,6 +95,8 @@ class Problem:
             backward rebuilds it: it is re-run whole (default: ``output[i]``).
         tail: bytes alive besides the blocks' in the backward of what follows the last
             block, where a chain ending at the last block is rebuilt (None: at the end of forward).
+        options: the name of each column of ``kept`` and ``time``: :data:`BLOCK_OPTIONS`, then
+            options inside blocks (``"children:attn"``).
     """
 
     kept: Sequence[Sequence[float | None]]
@@ -94,6 +109,7 @@ class Problem:
     base: float = 0.0
     last_held: Sequence[float] | None = None
     tail: float | None = None
+    options: Sequence[str] = BLOCK_OPTIONS
 
     def __post_init__(self) -> None:
         n = len(self.kept)
@@ -101,6 +117,14 @@ class Problem:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"remat.plan: Problem.{name} has {len(getattr(self, name))} "
                                  f"entries for {n} blocks")
+        if tuple(self.options[:len(BLOCK_OPTIONS)]) != BLOCK_OPTIONS:
+            raise ValueError(f"remat.plan: Problem.options must start with {BLOCK_OPTIONS}, "
+                             f"got {tuple(self.options)}")
+        k = len(self.options)
+        short = [i for i in range(n) if len(self.kept[i]) != k or len(self.time[i]) != k]
+        if short:
+            raise ValueError(f"remat.plan: block {short[0]} of the Problem has {len(self.kept[short[0]])} "
+                             f"kept and {len(self.time[short[0]])} time entries for {k} options")
         if any(k[KEEP] is None for k in self.kept):
             raise ValueError("remat.plan: every block must allow 'keep'")
 
@@ -124,7 +148,7 @@ class Problem:
 
     def allowed(self, i: int) -> list[int]:
         """Options block ``i`` may take."""
-        return [o for o in range(len(OPTIONS)) if self.kept[i][o] is not None]
+        return [o for o in range(len(self.options)) if self.kept[i][o] is not None]
 
     def last_moment(self, kept: float, chain: float) -> float:
         """The end of forward and the backward after the last block, with ``kept`` bytes
@@ -197,12 +221,26 @@ def solve_chain(problem: Problem, budget: float, *, resolution: float = 1.0) -> 
 
 
 def _dp(problem: Problem, budget: float, resolution: float) -> tuple[int, ...] | None:
-    if resolution <= 1:
-        return _dp_rounded(problem, budget, 1.0, math.ceil)
-    # Bytes rounded to the nearest step keep the plans at the budget's edge (an exact
-    # check of the peak follows); rounded up, every plan found fits (the fallback).
-    return (_dp_rounded(problem, budget, resolution, round)
-            or _dp_rounded(problem, budget, resolution, math.ceil))
+    with _no_collection():
+        if resolution <= 1:
+            return _dp_rounded(problem, budget, 1.0, math.ceil)
+        # Bytes rounded to the nearest step keep the plans at the budget's edge (an exact
+        # check of the peak follows); rounded up, every plan found fits (the fallback).
+        return (_dp_rounded(problem, budget, resolution, round)
+                or _dp_rounded(problem, budget, resolution, math.ceil))
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """The dynamic program makes many small tuples and no cycles: the garbage collector,
+    which would walk every object of the process (a traced model's too), waits."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _dp_rounded(problem: Problem, budget: float, resolution: float,
@@ -220,7 +258,7 @@ def _dp_rounded(problem: Problem, budget: float, resolution: float,
     for i in range(problem.blocks):
         # per option: (option, memory moment without the prefix, bytes kept, seconds)
         moves = [(o, up(problem.fixed[i] + problem.rebuilt_of(i, o)), up(problem.kept[i][o]),
-                  problem.time[i][o]) for o in problem.allowed(i)]
+                  problem.time[i][o]) for o in _undominated(problem, i)]
         held_last = up(problem.held_last(i - 1)) if i else 0
         carried = up(problem.output[i - 1]) if i else 0
         extra = problem.extra_time(i - 1) if i else 0.0
@@ -264,6 +302,23 @@ def _dp_rounded(problem: Problem, budget: float, resolution: float,
         if peak <= budget and (best is None or (total, peak) < best[:2]):
             best = (total, peak, choice)
     return None if best is None else best[2]
+
+
+def _undominated(problem: Problem, i: int) -> list[int]:
+    """Options of block ``i`` that no other option beats or ties on bytes kept, bytes held in
+    its backward and time (``output`` aside: its chain holds more): a plan with a dominated
+    option is no better than the same plan with the option that dominates it."""
+    allowed = problem.allowed(i)
+
+    def costs(o: int) -> tuple:
+        return (problem.kept[i][o], problem.rebuilt_of(i, o), problem.time[i][o])
+
+    def beats(a: int, b: int) -> bool:
+        ca, cb = costs(a), costs(b)
+        return all(x <= y for x, y in zip(ca, cb)) and (ca != cb or a < b)
+
+    return [o for o in allowed
+            if o == OUTPUT or not any(beats(p, o) for p in allowed if p != o and p != OUTPUT)]
 
 
 def _pareto(states: dict) -> dict:
@@ -316,7 +371,7 @@ def solve_milp(problem: Problem, budget: float, *, time_limit: float = 10.0) -> 
             "pip install scipy (or remat[plan])"
         ) from err
     start = _time.perf_counter()
-    n, k = problem.blocks, len(OPTIONS)
+    n, k = problem.blocks, len(problem.options)
     x = {(i, o): i * k + o for i in range(n) for o in range(k)}
     nvar = n * k
     z = {}
@@ -422,7 +477,7 @@ def floor(problem: Problem) -> float:
     keep = evaluate(problem, [KEEP] * problem.blocks)[0]
     high = max(keep, *(evaluate(problem, [o if problem.kept[i][o] is not None else KEEP
                                           for i in range(problem.blocks)])[0]
-                       for o in range(len(OPTIONS))))
+                       for o in range(len(problem.options))))
     low = 0.0
     resolution = max(1.0, high / 2 ** 20)
     while high - low > resolution:
@@ -445,5 +500,5 @@ def _infeasible(problem: Problem, budget: float) -> BudgetError:
 
 def _solution(problem: Problem, choice: Sequence[int], solver: str, start: float) -> Solution:
     peak, total = evaluate(problem, choice)
-    return Solution(tuple(OPTIONS[c] for c in choice), peak, total, solver,
+    return Solution(tuple(problem.options[c] for c in choice), peak, total, solver,
                     _time.perf_counter() - start)
