@@ -15,7 +15,6 @@ import gc
 import io
 import os
 import queue as queue_module
-import socket
 import traceback
 from collections.abc import Callable
 
@@ -27,6 +26,7 @@ from torch import nn
 
 import remat
 from remat.memory._tracker import local_nbytes
+from tests.test_parallel import _free_port, _pack
 
 PG_TIMEOUT_S = 30
 DEADLINE_S = 120
@@ -36,13 +36,7 @@ TP_HIDDEN, FSDP_HIDDEN = 256, 255  # 255: FSDP2 shards the MLP unevenly, ranks d
 STEPS = 3
 
 
-# --- the harness (as tests/test_parallel.py's) -------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# --- the harness (tests/test_parallel.py's, with an inbox each rank reads) ----------------
 
 
 def _entry(rank: int, port: int, body: str, inbox: mp.Queue, queue: mp.Queue) -> None:
@@ -59,12 +53,6 @@ def _entry(rank: int, port: int, body: str, inbox: mp.Queue, queue: mp.Queue) ->
         queue.put((rank, _pack(result)))
     finally:
         dist.destroy_process_group()
-
-
-def _pack(value: object) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
 
 
 def _spawn(body: str, feed: Callable[[], object], deadline: float = DEADLINE_S) -> tuple[dict, list]:
