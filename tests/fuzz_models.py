@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
+import functools
 import gc
 import random
 import re
@@ -327,11 +328,28 @@ def call(module: nn.Module, mode: tuple | None, args: tuple, kwargs: dict) -> An
     opts = dict(opts)
     if "context" in opts:
         opts["context_fn"] = CONTEXTS[opts.pop("context")]()
+    fn = _form(module, opts.pop("form", "module"))
     if api == "recompute":
-        return remat.recompute(module, *args, **opts, **kwargs)
+        return remat.recompute(fn, *args, **opts, **kwargs)
     if api == "checkpoint":
-        return remat.checkpoint(module, *args, **opts, **kwargs)
+        return remat.checkpoint(fn, *args, **opts, **kwargs)
     raise AssertionError(api)
+
+
+FORMS = ("module", "bound", "lambda", "partial")
+
+
+def _form(module: nn.Module, form: str) -> Callable:
+    """The callable a functional mark wraps: the module, its bound ``forward``, a lambda or a
+    ``functools.partial`` over it (``remat.recompute`` takes modules only: it gets the module).
+    A bound ``forward`` skips the module's own hooks, so a hooked module is called whole."""
+    if form == "bound" and not (module._forward_hooks or module._forward_pre_hooks):
+        return module.forward
+    if form == "lambda":
+        return lambda *a, **k: module(*a, **k)
+    if form == "partial":
+        return functools.partial(module)
+    return module
 
 
 class Stage(remat.nn.Cell):
@@ -508,17 +526,32 @@ def _draw_primitive(r, modules):
     return {"kind": "primitive", "path": r.choice(names)} if names else None
 
 
-def _draw_call(r, modules):
-    path = r.choice(_blocks_and_stages(modules))
+def _draw_call(r, modules, path=None):
+    path = path or r.choice(_blocks_and_stages(modules))
     if r.random() < 0.5:
         api, opts = "checkpoint", {"use_reentrant": r.random() < 0.4}
         if not opts["use_reentrant"] and r.random() < 0.3:
             opts["context"] = r.choice(sorted(CONTEXTS))
+        opts["form"] = r.choice(FORMS)
     else:
         api, opts = "recompute", {"use_reentrant": r.random() < 0.5}
         if not opts["use_reentrant"] and r.random() < 0.4:
             opts["output_recompute"] = True
+    if r.random() < 0.25:
+        opts["early_stop"] = False
     return {"kind": "call", "api": api, "path": path, "opts": opts}
+
+
+def _draw_marked_call(r, modules):
+    """A block that carries a mark and whose call is also wrapped, in any form (issue 17)."""
+    path = r.choice(_blocks_and_stages(modules))
+    mark = {"kind": r.choice(("cell", "module")), "path": path, "opts": _options(r)}
+    return {"kind": "marked_call", "mark": mark, "call": _draw_call(r, modules, path)}
+
+
+def _apply_marked_call(model, mark):
+    MARKS[mark["mark"]["kind"]].apply(model, mark["mark"])
+    _apply_call(model, mark["call"])
 
 
 def _draw_chain(r, modules):
@@ -577,6 +610,7 @@ MARKS: dict[str, MarkKind] = {
     "chain": MarkKind(0.7, _draw_chain, _apply_chain),
     "blocks": MarkKind(1.0, _draw_blocks, _apply_blocks),
     "name": MarkKind(0.8, _draw_name, _apply_name),
+    "marked_call": MarkKind(1.5, _draw_marked_call, _apply_marked_call),
 }
 
 
@@ -604,7 +638,8 @@ class Case:
 
     @property
     def reentrant(self) -> bool:
-        return any(m["opts"].get("use_reentrant") for m in self.plan if "opts" in m)
+        marks = [x for m in self.plan for x in ([m["mark"], m["call"]] if "mark" in m else [m])]
+        return any(m["opts"].get("use_reentrant") for m in marks if "opts" in m)
 
     def show(self) -> str:
         lines = [(f"case {self.seed}: x{list(self.x_shape)} requires_grad={self.x_requires_grad} "
@@ -681,6 +716,8 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
                    key=lambda k: k != "type")  # a type mark first, so other marks avoid its modules
     for kind in kinds:
         mark = MARKS[kind].draw(r, modules)
+        if mark is not None and kind == "marked_call":
+            mark["path"] = mark["mark"]["path"]
         if mark is None or any(id(modules[p]) in marked for p in mark.get("paths", [mark.get("path")]) if p):
             continue
         if kind == "type" and any(m["kind"] == "type" for m in case.plan):
@@ -691,7 +728,7 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
             typed.add(mark["type"])
         if compiled and kind == "call" and mark["opts"].get("context"):
             continue
-        at_call_sites = kind == "call" or (kind == "chain" and mark["use"] == "recompute")
+        at_call_sites = kind in ("call", "marked_call") or (kind == "chain" and mark["use"] == "recompute")
         sites = mark.get("paths", [mark.get("path")])
         if at_call_sites and any(p in called for p in sites):
             continue  # one functional mark per call site
@@ -709,8 +746,11 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
 DOCUMENTED_ERRORS: list[tuple[type, str, str]] = [
     (TypeError, r"use_reentrant=True\) (got argument|returned output) .* tensors? .*inside lists",
      "Limits of use_reentrant=True: tensors nested in lists, tuples or dicts"),
-    (remat.RecomputeError, r"cannot see which parameters it uses",
-     "Limits of use_reentrant=True: torch.autograd.grad through an opaque callable object"),
+    (remat.RecomputeError, r"\(use_reentrant=True\): its recomputation (reads|reaches) a tensor "
+                           r"that requires grad .* which its forward did not read",
+     "Limits of use_reentrant=True: a re-run that reads other tensors than its forward"),
+    (remat.RecomputeError, r"changes in place .* a tensor that requires grad and that it neither",
+     "Limits: a region changing in place a tensor that requires grad it did not take"),
     (ValueError, r"^Unexpected keyword arguments", "use_reentrant=True: no keyword arguments (torch's)"),
     (ValueError, r"Passing `context_fn` or `debug` is only supported when use_reentrant=False",
      "Limits of use_reentrant=True: no context_fn"),
@@ -1082,6 +1122,8 @@ def regions(case: Case, model: nn.Module) -> list[Region]:
             found.append(Region(mark["path"], "primitive", False, True, False))
         elif mark["kind"] == "call":
             found.append(Region(mark["path"], mark["api"], reentrant, out, selective))
+        elif mark["kind"] == "marked_call":
+            found += regions(Case(case.seed, case.desc, [mark["mark"], mark["call"]]), model)
         elif mark["kind"] == "chain":
             api = "cell" if mark["use"] == "cell" else "recompute"
             found += [Region(p, api, False, True, False) for p in mark["paths"]]

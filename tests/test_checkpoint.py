@@ -351,19 +351,36 @@ def test_reentrant_rejects_tensors_in_lists_and_autograd_grad_and_second_backwar
         def __call__(self, t):
             return lin(t)
 
-    with pytest.raises(remat.RecomputeError, match=r"cannot see which parameters.*torch.autograd.grad"):
-        torch.autograd.grad(remat.checkpoint(Opaque(), x, use_reentrant=True).sum(), x)
+    # refused before (remat walked Python objects and could not enter this one); the region
+    # now observes what it reads (NOTE [Observed reads]), so torch.autograd.grad is exact
+    want = torch.autograd.grad(lin(x).sum(), [x, *lin.parameters()])
+    got = torch.autograd.grad(remat.checkpoint(Opaque(), x, use_reentrant=True).sum(),
+                              [x, *lin.parameters()])
+    assert_same(list(want), list(got))
     y = remat.checkpoint(lin, x, use_reentrant=True).sum()
     y.backward()
     with pytest.raises(remat.RecomputeError, match=r"second time.*retain_graph=True"):
         y.backward()
 
 
-@pytest.mark.parametrize("wrap", ["module", "closure", "bound_method"])
+class _Opaque:
+    """A callable object: neither a module nor a function."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, t):
+        return self.model(t)
+
+
+@pytest.mark.parametrize("wrap", ["module", "closure", "bound_method", "object", "marked"])
 def test_reentrant_works_with_autograd_grad_unlike_torch(wrap):
     model = MLP()
     x = torch.randn(4, 16, requires_grad=True)
-    fn = {"module": model, "closure": lambda t: model(t), "bound_method": model.forward}[wrap]
+    if wrap == "marked":  # the bound method of a marked module: a MarkedForward object
+        remat.recompute_module(model)
+    fn = {"module": model, "closure": lambda t: model(t), "bound_method": model.forward,
+          "object": _Opaque(model), "marked": model.forward}[wrap]
     params = list(model.parameters())
     expected = torch.autograd.grad(model(x).pow(2).sum(), [x, *params])
     got = torch.autograd.grad(remat.checkpoint(fn, x, use_reentrant=True).pow(2).sum(), [x, *params])

@@ -111,12 +111,27 @@ def test_closure_reading_the_argument_sends_both_contributions(call):
     assert_same(run(False), run(True))
 
 
-def test_closure_tensor_computed_from_the_regions_parameters_is_refused():
-    lin, x = nn.Linear(4, 4), torch.randn(3, 4)
-    h = lin(x)
-    out = remat.checkpoint(lambda a: lin(a) * h, torch.randn(3, 4), use_reentrant=True)
-    with pytest.raises(remat.RecomputeError, match=r"reads a tensor through its closure.*use_reentrant=False"):
-        torch.autograd.grad(out.sum(), list(lin.parameters()))
+@pytest.mark.parametrize("call", ["backward", "grad"])
+def test_closure_tensor_computed_from_the_regions_parameters(call):
+    """Refused before (the nested backward ran on past ``h`` into ``lin``'s parameters); the
+    re-run now reads an alias of ``h`` (NOTE [Observed reads]), so each path is counted once."""
+    torch.manual_seed(0)
+    lin, x, a = nn.Linear(4, 4), torch.randn(3, 4), torch.randn(3, 4, requires_grad=True)
+
+    def run(mark):
+        h = lin(x)
+        f = lambda t: lin(t) * h
+        out = remat.checkpoint(f, a, use_reentrant=True) if mark else f(a)
+        wrt = [*lin.parameters(), a]
+        if call == "grad":
+            return list(torch.autograd.grad(out.pow(2).sum(), wrt))
+        out.pow(2).sum().backward()
+        grads = [p.grad for p in wrt]
+        for p in wrt:
+            p.grad = None
+        return grads
+
+    assert_same(run(False), run(True))
 
 
 # -- 8: an in-place operator on an output that is a view --------------------------------------
@@ -464,8 +479,9 @@ class _MemoNet(nn.Module):
 def test_tensor_held_as_a_module_attribute(call, calls):
     """``self.memo``, a non-leaf tensor the module reads besides its argument: before the fix
     the nested backward stopped there and its contribution to ``a.*`` and to the input was
-    lost, silently (both ``backward`` and ``torch.autograd.grad``). Now it is an input of the
-    Function (aliased in the re-run like a parameter), read as it was in forward."""
+    lost, silently. Now it is an input of the Function (NOTE [Observed reads]). With two
+    calls the attribute is replaced before the first call's backward: its re-run would read
+    the second memo, not the one its forward read, so it is refused (typed, in backward)."""
     torch.manual_seed(0)
     plain, x0 = _MemoNet(calls), torch.randn(3, 4)
     marked = copy.deepcopy(plain)
@@ -480,4 +496,10 @@ def test_tensor_held_as_a_module_attribute(call, calls):
         loss.backward()
         return [p.grad for p in params]
 
-    assert_same(run(plain), run(marked))
+    want = run(plain)
+    if calls == 2:
+        with pytest.raises(remat.RecomputeError, match="reads a tensor that requires grad.*which "
+                                                       "its forward did not read"):
+            run(marked)
+        return
+    assert_same(want, run(marked))

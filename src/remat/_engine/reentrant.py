@@ -2,25 +2,29 @@
 
 The forward ran without grad; the Function's backward re-runs the region with
 grad and back-propagates through the re-run. Limits, each with a clear error:
-tensors nested in containers, ``torch.autograd.grad`` through an opaque callable,
-a second backward after the graph was freed, a closure tensor computed from the
+tensors nested in containers, a second backward after the graph was freed, a closure tensor computed from the
 region's own parameters, an argument read and then changed in place.
 
 NOTE [Reentrant gradients]
 Every gradient leaves the region through its Function, as from any other
-operator: the tensors the region reaches besides its arguments (parameters of
-the modules it reaches, tensors read through its closure; NOTE [What a region
-reaches]) are inputs of the Function too, and its backward returns their
-gradients (one ``torch.autograd.grad`` over the re-run) instead of
-accumulating them itself. So ``torch.autograd.grad`` and ``backward(inputs=...)``
-get them, DDP sees each parameter's gradient arrive once, and a closure that
-reads a tensor the region also takes as an argument sends both contributions
-on. Arguments are re-run as fresh leaves; under ``create_graph=True`` they are
+operator: the tensors the region reads besides its arguments (parameters,
+tensors read through its closure, module attributes: NOTE [Observed reads] in
+``observe.py``) are inputs of the Function too, and its backward returns their
+gradients (one ``torch.autograd.grad`` over the re-run) instead of accumulating
+them itself. So ``torch.autograd.grad`` and ``backward(inputs=...)`` get them,
+DDP sees each parameter's gradient arrive once, and a closure that reads a
+tensor the region also takes as an argument sends both contributions on.
+Arguments are re-run as fresh leaves; under ``create_graph=True`` they are
 re-run through :class:`_Boundary` instead, so the returned gradients stay
 differentiable down to the real inputs (a gradient penalty), while the nested
 ``torch.autograd.grad`` still stops there. A tensor read through the closure
 cannot be stopped at: if the nested backward runs on past it (it was computed
 from the region's own parameters), the region is refused (:func:`_closure_stops`).
+Before the nested backward the re-run's graph is checked (``observe.check_graph``):
+a path to a tensor that is not an input of the Function is refused, never lost.
+The gradient hooks of the tensors read (``param.register_hook``) are silenced
+while the nested backward captures their gradients (:func:`_hooks_off`): they run
+once, when the Function hands the gradient on.
 
 NOTE [Written arguments]
 An argument the forward wrote in place is re-run from a copy of its new value
@@ -38,15 +42,6 @@ down to its history before the write, which marking it dirty replaced: a
 :class:`_Link` taken in forward keeps that history (without memory of its own),
 and the re-run's argument is a :class:`_Boundary` over it (without it the second
 backward ran into the region's own Function, endlessly).
-The nested backward differentiates aliases of the parameters, not the parameters:
-the re-run finds each reached module's parameter slots (taken in forward,
-:func:`parameter_slots`) holding an alias, so a hook registered on a parameter
-(``param.register_hook``) runs once, when the Function hands the gradient on,
-and not also where the nested backward captures it. A parameter the re-run reads
-other than through its module (a list of weights kept aside) is differentiated
-as well, with its hooks silenced there (:func:`_hooks_off`).
-Only an opaque callable (no reached tensors known) still accumulates parameter
-gradients from its own backward, as torch's reentrant checkpoint does.
 The gradients a region's re-run sends to one tensor are summed inside the
 nested backward before the engine adds other consumers'; so a tensor read twice
 or more inside a region and again outside it may differ from the unmarked model
@@ -65,14 +60,50 @@ from torch.utils import _pytree as pytree
 
 from remat._engine import collectives as _collectives
 from remat._engine import state as _state
+from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import _UNANNOTATED, StateGuard, _allocates, _storage_key, _written_args
-from remat._engine.reach import quiet
+from remat._engine.observe import CheckReads, Observe, Substitute, check_graph, replayed_state
 
 
-def apply(frame: Any, output: Any, tensors: list) -> Any:
+class ReentrantFrame(RegionCore):
+    """A region run as a custom ``autograd.Function`` (``use_reentrant=True``).
+
+    Its forward runs without grad on :attr:`aliases` of the arguments (NOTE
+    [Observed reads]); :func:`close` hands the output to :class:`Reentrant`.
+    """
+
+    def __init__(self, fn: Any, args: tuple, kwargs: dict, spec: Any, name: str,
+                 contexts: tuple | None) -> None:
+        super().__init__(fn, args, kwargs, spec, name, contexts)
+        self.aliases = [x.detach() if x.requires_grad else x for x in self.arguments]
+        self.versions = [x._version for x in self.arguments]
+        self.written: set[int] = set()  # arguments the forward changed in place
+        self.params: list[torch.Tensor] = []  # the tensors it read besides its arguments
+        self.state: list = []  # NOTE [Observed writes]
+        self.pending: Any = None  # the output, until the Function returns it
+        # NOTE [Written arguments]
+        self.dirty: list[int] = []
+        self.links: dict[int, torch.Tensor] = {}
+        self.targets: list | None = None
+        self.target_of: dict[int, int] = {}
+        self.bases: list | None = None
+        self.views: dict[int, tuple] = {}
+        self.n_targets = self.n_bases = 0
+
+
+def close(frame: ReentrantFrame, observe: Observe, output: Any) -> Any:
+    """Finish a reentrant region's forward: what it read and wrote, then the Function."""
+    check_outputs(frame.name, output)
+    frame.params = list(observe.reads.values())  # NOTE [Observed reads]
+    frame.state = observe.state  # NOTE [Observed writes]
+    tensors, frame.arguments, frame.aliases = frame.arguments, [], []  # the Function saves them
+    frame.written = {i for i, (x, v) in enumerate(zip(tensors, frame.versions)) if x._version != v}
+    return apply(frame, output, tensors)
+
+
+def apply(frame: ReentrantFrame, output: Any, tensors: list) -> Any:
     """Wrap a region's forward ``output`` in :class:`Reentrant`; return what the caller sees."""
-    _settle_slots(frame)
     frame.dirty = [i for i in sorted(frame.written) if tensors[i].requires_grad]
     _written_targets(frame, tensors)
     if frame.dirty and torch.is_grad_enabled():  # NOTE [Written arguments]
@@ -88,7 +119,7 @@ def apply(frame: Any, output: Any, tensors: list) -> Any:
     return result if isinstance(output, tuple) else result[0]
 
 
-def _written_targets(frame: Any, tensors: list) -> None:
+def _written_targets(frame: ReentrantFrame, tensors: list) -> None:
     """What the Function marks dirty for the arguments the forward wrote (NOTE [Written arguments]).
 
     An argument that is not a view is marked itself; for a view, its base is (autograd
@@ -126,7 +157,7 @@ class Reentrant(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, frame: Any, n_inputs: int, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, frame: ReentrantFrame, n_inputs: int, *tensors: torch.Tensor) -> Any:
         ctx.frame, ctx.n_inputs = frame, n_inputs
         ctx.save_for_backward(*tensors[:n_inputs])
         out, frame.pending = frame.pending, None
@@ -138,18 +169,7 @@ class Reentrant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        frame: Any = ctx.frame
-        in_backward_call = torch.autograd._is_checkpoint_valid()
-        if not in_backward_call and frame.opaque:
-            raise RecomputeError(
-                f"remat: region '{frame.name}' uses use_reentrant=True and remat cannot see which "
-                f"parameters it uses, so it does not work with torch.autograd.grad or "
-                f"backward(inputs=...); pass a module, or use use_reentrant=False. "
-                f"Checkpointing is not compatible with .grad() or when an `inputs` parameter is "
-                f"passed to .backward() (torch 2.13: When use_reentrant=True, "
-                f"torch.utils.checkpoint is incompatible with .grad() or passing an `inputs` "
-                f"parameter to .backward().)"
-            )
+        frame: ReentrantFrame = ctx.frame
         try:
             tensors = ctx.saved_tensors
         except RuntimeError as err:
@@ -161,10 +181,7 @@ class Reentrant(torch.autograd.Function):
                 f"use use_reentrant=False (torch: Trying to backward through the graph a second "
                 f"time, or directly access saved tensors after they have already been freed)"
             ) from err
-        with quiet(frame.quiet_norms):  # its inner backward reads the saved statistics
-            if frame.opaque:
-                return _accumulate(frame, tensors, grads)
-            return _differentiate(frame, tensors, grads)
+        return _differentiate(frame, tensors, grads)
 
 
 class _Boundary(torch.autograd.Function):
@@ -205,7 +222,7 @@ def _not_a_view(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) and x._is_view() else x
 
 
-def _feed(frame: Any, i: int, x: torch.Tensor, wrt: torch.Tensor | None) -> torch.Tensor:
+def _feed(frame: ReentrantFrame, i: int, x: torch.Tensor, wrt: torch.Tensor | None) -> torch.Tensor:
     feed = wrt if wrt is not None else x.detach()
     if i not in frame.written:
         return feed
@@ -213,7 +230,7 @@ def _feed(frame: Any, i: int, x: torch.Tensor, wrt: torch.Tensor | None) -> torc
         return feed.clone()
 
 
-def _pairs(frame: Any, outs: tuple, feeds: list, grads: tuple) -> tuple[list, list, list]:
+def _pairs(frame: ReentrantFrame, outs: tuple, feeds: list, grads: tuple) -> tuple[list, list, list]:
     """The re-run's outputs and the gradients they get; the gradients of the written bases.
 
     NOTE [Written arguments]: a written view's new value gets its slice of its base's
@@ -240,7 +257,7 @@ def _pairs(frame: Any, outs: tuple, feeds: list, grads: tuple) -> tuple[list, li
     return [o for o, _ in pairs], [g for _, g in pairs], bases
 
 
-def _differentiate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
+def _differentiate(frame: ReentrantFrame, tensors: tuple, grads: tuple) -> tuple:
     """NOTE [Reentrant gradients]: every gradient returned through the Function."""
     create_graph = torch.is_grad_enabled()
     stop = [True]
@@ -255,117 +272,32 @@ def _differentiate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
         else:
             wrts.append(x.detach().requires_grad_())
     feeds = [_feed(frame, i, x, w) for i, (x, w) in enumerate(zip(tensors, wrts))]
-    # the aliases stay in place through the nested backward: a reentrant region nested in
-    # this one re-runs there, and must find (and alias in turn) the tensors it took as inputs
-    with _aliased_parameters(frame, create_graph, stop) as aliases:
-        rerun, replay = _rerun(frame, feeds)
-        outs, out_grads, bases = _pairs(frame, rerun, feeds, grads)
-        # a parameter the re-run also read directly (not through its module: a list of
-        # weights kept aside, say) is differentiated too
-        direct = [p for p in frame.params if id(p) in aliases and p.is_leaf]
-        if create_graph and direct:
-            direct = _read_directly(outs, direct, frame.params)
-        wrt = [w for w in wrts if w is not None] + [aliases.get(id(p), p) for p in frame.params]
-        wrt += direct
-        found: list = [None] * len(wrt)
-        if outs and wrt:
-            try:
-                with _closure_stops(frame), _hooks_off(direct):
-                    found = list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
-                                                     create_graph=create_graph))
-            finally:
-                stop[0] = False
+    # NOTE [Observed reads]: the nested backward stops at an alias of each non-leaf read
+    nonleaf = [p for p in frame.params if p.grad_fn is not None]
+    aliases = {id(p): _Boundary.apply(stop, p) if create_graph else p.detach().requires_grad_()
+               for p in nonleaf}
+    allowed = {id(t) for t in (*feeds, *wrts, *frame.params, *aliases.values()) if t is not None}
+    rerun, replay = _rerun(frame, feeds, aliases, allowed)
+    outs, out_grads, bases = _pairs(frame, rerun, feeds, grads)
+    wrt = [w for w in wrts if w is not None] + frame.params + list(aliases.values())
+    found: list = [None] * len(wrt)
+    if outs and wrt:
+        check_graph(frame.name, outs, wrt)  # NOTE [Observed reads]
+        try:
+            with _closure_stops(frame), _hooks_off(frame.params):
+                found = list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
+                                                 create_graph=create_graph))
+        finally:
+            stop[0] = False
     _wait_issued(replay)
-    if direct:
-        extra = found[len(found) - len(direct):]
-        del found[len(found) - len(direct):]
-        at = {id(p): j for j, p in enumerate(direct)}
-        base = len(found) - len(frame.params)
-        for k, p in enumerate(frame.params):
-            g = extra[at[id(p)]] if id(p) in at else None
-            if g is not None:
-                found[base + k] = g if found[base + k] is None else found[base + k] + g
+    for p in reversed(nonleaf):  # the alias's gradient goes to the tensor it stands for
+        g = found.pop()
+        k = len(found) - len(frame.params) + next(j for j, q in enumerate(frame.params) if q is p)
+        if g is not None:
+            found[k] = g if found[k] is None else found[k] + g
     found.reverse()
     input_grads = [None if w is None else found.pop() for w in wrts]
     return (None, None, *input_grads, *reversed(found), *bases)
-
-
-def _read_directly(outs: list, params: list, reached: list) -> list:
-    """Those of ``params`` the re-run's graph reaches other than through their aliases.
-
-    Under ``create_graph=True`` a parameter's alias leads to the parameter (through a
-    stopped :class:`_Boundary`), so asking the nested backward for the parameter itself
-    would call its gradient hooks with None; it is asked only when read directly.
-    """
-    ids = {id(p) for p in params}
-    stops = {p.grad_fn for p in reached if p.grad_fn is not None}
-    found: set[int] = set()
-    seen: set = set()
-    todo = [o.grad_fn for o in outs if o.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen or node in stops:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "_BoundaryBackward":
-            continue
-        variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) in ids:
-            found.add(id(variable))
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return [p for p in params if id(p) in found]
-
-
-def parameter_slots(modules: list, params: list) -> list:
-    """Where the region's modules hold ``params``, taken in forward: (dict, name, tensor).
-
-    The dict is a module's ``_parameters``, or its ``__dict__`` for a tensor it holds as
-    a plain attribute (``self.memo = h``, read in ``forward``): the re-run reads the
-    tensor the forward read, and its gradient goes back through the Function.
-
-    NOTE [Reentrant gradients]: the backward re-runs the region with aliases in these
-    slots. Taken when the region runs forward, so a region nested in another reentrant
-    region (whose re-run sees the outer region's aliases) aliases the very tensors its
-    Function took as inputs, whenever its backward runs. Parameters that are tensor
-    subclasses (``DTensor`` under FSDP or tensor parallelism, whose wrappers swap
-    parameters themselves) are left out.
-    """
-    wanted = {id(p) for p in params if type(p) in (torch.nn.Parameter, torch.Tensor)}
-    slots: list = []
-    seen: set[int] = set()
-    todo = list(modules) if wanted else []
-    while todo:
-        module = todo.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        slots += [(module._parameters, name, p) for name, p in module._parameters.items()
-                  if p is not None and id(p) in wanted]
-        slots += [(module.__dict__, name, t) for name, t in module.__dict__.items()
-                  if isinstance(t, torch.Tensor) and id(t) in wanted]
-        todo.extend(m for m in module._modules.values() if m is not None)
-    return slots
-
-
-_MISSING = object()
-
-
-def _settle_slots(frame: Any) -> None:
-    """Drop the slots the forward itself filled anew (``self.memo = ...`` inside the region).
-
-    The re-run fills them again; a tensor held as an attribute only there (a stale one
-    from an earlier step, whose graph may be gone) is no input of the Function.
-    """
-    kept, changed = [], set()
-    for slot, name, t in frame.slots:
-        if slot.get(name, _MISSING) is t:
-            kept.append((slot, name, t))
-        elif not isinstance(t, torch.nn.Parameter):
-            changed.add(id(t))
-    changed -= {id(t) for _, _, t in kept}
-    frame.slots = kept
-    if changed:
-        frame.params = [p for p in frame.params if id(p) not in changed]
 
 
 @contextlib.contextmanager
@@ -388,54 +320,7 @@ def _hooks_off(params: list) -> Any:
 
 
 @contextlib.contextmanager
-def _aliased_parameters(frame: Any, create_graph: bool, stop: list) -> Any:
-    """Re-run the region's modules with aliases of their parameters (NOTE [Reentrant gradients]).
-
-    The nested ``torch.autograd.grad`` captures each gradient at the alias, so the
-    parameter's own gradient hooks (``register_hook``) run once, when the Function
-    returns the gradient to it, not also inside the nested backward. Under
-    ``create_graph=True`` the alias is a :class:`_Boundary` over the parameter, so the
-    returned gradient stays differentiable down to it. A parameter shared by several
-    modules gets one alias; every slot is restored afterwards.
-    """
-    aliases: dict[int, torch.Tensor] = {}
-    swapped: list = []
-    try:
-        for slot, name, p in frame.slots:
-            alias = aliases.get(id(p))
-            if alias is None:
-                if create_graph:
-                    alias = _Boundary.apply(stop, p)
-                elif isinstance(p, torch.nn.Parameter):
-                    alias = torch.nn.Parameter(p.detach(), requires_grad=True)
-                else:
-                    alias = p.detach().requires_grad_()
-                aliases[id(p)] = alias
-            swapped.append((slot, name, slot.get(name, _MISSING)))
-            slot[name] = alias
-        yield aliases
-    finally:
-        for slot, name, before in reversed(swapped):
-            if before is _MISSING:
-                slot.pop(name, None)
-            else:
-                slot[name] = before
-
-
-def _accumulate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
-    """An opaque region in a ``backward`` call: parameters accumulate as torch's do."""
-    leaves = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
-    feeds = [_feed(frame, i, x, x) for i, x in enumerate(leaves)]
-    rerun, replay = _rerun(frame, feeds)
-    outs, out_grads, bases = _pairs(frame, rerun, feeds, grads)
-    if outs:
-        torch.autograd.backward(outs, out_grads)
-    _wait_issued(replay)
-    return (None, None, *[x.grad if x.requires_grad else None for x in leaves], *bases)
-
-
-@contextlib.contextmanager
-def _closure_stops(frame: Any) -> Any:
+def _closure_stops(frame: ReentrantFrame) -> Any:
     """Refuse a nested backward that would run on past a tensor read through the closure.
 
     Its gradient goes back through the Function; running on from it as well would
@@ -457,19 +342,19 @@ def _closure_stops(frame: Any) -> Any:
             handle.remove()
 
 
-def _rerun(frame: Any, inputs: list) -> tuple[tuple, Any]:
-    """Re-run the region; return its outputs and the mode that saw its collectives."""
-    leaves = list(frame.leaves)
-    for slot, x in zip(frame.tensor_slots, inputs):
-        leaves[slot] = x
-    args, kwargs = frame.unflatten(leaves)
+def _rerun(frame: ReentrantFrame, inputs: list, aliases: dict, allowed: set) -> tuple[tuple, Any]:
+    """Re-run the region; return its outputs and the mode that saw its collectives.
+
+    ``aliases`` stand for the non-leaf tensors the forward read; a read of a tensor
+    that requires grad outside ``allowed`` is refused (NOTE [Observed reads]).
+    """
+    args, kwargs = frame.call_with(inputs)
     frame.runs += 1
-    if frame.written:
-        guard: Any = _WrittenArguments(frame, inputs)
-    else:
-        guard = StateGuard() if frame.guard else contextlib.nullcontext()
+    guard = _WrittenArguments(frame, inputs) if frame.written else contextlib.nullcontext()
     replay = _collectives.replaying(frame, wait_issued=True)  # NOTE [Kept collectives]
-    with _state.recomputing(), frame.replay.context(), torch.enable_grad(), guard, replay:
+    substitute = Substitute(aliases) if aliases else contextlib.nullcontext()
+    with _state.recomputing(), replayed_state(frame.state), frame.replay.context(), \
+            torch.enable_grad(), guard, replay, substitute, CheckReads(frame.name, allowed):
         out = frame.fn(*args, **kwargs)
     return (out if isinstance(out, tuple) else (out,)), replay
 
@@ -492,7 +377,7 @@ class _WrittenArguments(StateGuard):
     exact only when nothing read an argument before its last write.
     """
 
-    def __init__(self, frame: Any, feeds: list) -> None:
+    def __init__(self, frame: ReentrantFrame, feeds: list) -> None:
         super().__init__()
         self.name = frame.name
         self.watched = {_storage_key(feeds[i]): i for i in frame.written}

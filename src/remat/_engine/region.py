@@ -78,11 +78,11 @@ from remat._engine import collectives as _collectives
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
 from remat._engine import reentrant as _reentrant
-from remat._engine import rng as _rng
 from remat._engine import state as _state
+from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
-from remat._engine.modes import OpTrace, StateGuard
-from remat._engine.reach import differentiable, norms_writing_only, quiet, reachable, state_tensors
+from remat._engine.modes import OpTrace
+from remat._engine.observe import Observe, replayed_state
 from remat._engine.selective import policy_context
 from remat._policy import save_all
 from remat._spec import RegionSpec
@@ -145,27 +145,13 @@ class _SaveInputs(torch.autograd.Function):
         raise AssertionError("remat internal error: the input saver was differentiated")
 
 
-class _Frame:
-    """One forward run of a region, and what it needs to re-run it."""
+class _Frame(RegionCore):
+    """A region run with saved-tensor hooks (``use_reentrant=False``): its holders and re-runs."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, name: str,
                  contexts: tuple | None) -> None:
-        self.fn, self.spec, self.name = fn, spec, name
-        self.contexts = contexts
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-            leaves, self.treespec = list(args), None  # the common case, without pytree
-        else:
-            leaves, self.treespec = pytree.tree_flatten((args, kwargs))
-        self.tensor_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        tensors = [leaves[i] for i in self.tensor_slots]
-        self.replay = _rng.capture(tensors, spec.preserve_rng_state)
-        # the arguments' tensors are inputs; what else the arguments hold is walked
-        reached = reachable(fn, [x for x in self.leaves if x is not None])
-        self.watch = state_tensors(reached, tensors) if reached is not None else None
-        self.modules = reached[0] if reached is not None else []
-        self.guard = True
-        self.quiet_norms: list = []
+        super().__init__(fn, args, kwargs, spec, name, contexts)
+        self.state: list = []  # NOTE [Observed writes]
         self.holders: list[weakref.ref] = []
         self.metas: list[tuple] = []
         self.out_refs: list[weakref.ref] = []
@@ -173,26 +159,17 @@ class _Frame:
         self.cached_inputs: dict[int, tuple] = {}
         self.stored: set[int] = set()
         self.counter: dict[int, int] = {}
-        self.runs = 0
         self.trace: OpTrace | None = OpTrace() if spec.debug else None
         self.recompute_trace: OpTrace | None = None
         self.saver: torch.Tensor | None = None
-        self.pending: Any = None
         self.input_versions: list | None = None  # until close: NOTE [Regions that write their inputs]
         self.keep_all = False
         self.lost: list[int] = []
         self.recent: list[torch.Tensor] = []  # what the latest saving operator saved
         self.recent_op = -1
-        if spec.use_reentrant:
-            self.pending_inputs = tensors  # handed to Reentrant.apply, which saves them
-            self.versions = [x._version for x in tensors]
-            self.written: set[int] = set()
-            self.params = differentiable(reached)  # NOTE [Reentrant gradients]
-            self.slots = _reentrant.parameter_slots(self.modules, self.params)
-            self.opaque = reached is None
-        else:
-            self._save_inputs(tensors)
-            self.input_versions = [(t, t._version) for t in tensors]
+        self._save_inputs(self.arguments)
+        self.input_versions = [(t, t._version) for t in self.arguments]
+        self.arguments = []  # saved through the hooks around the region, not held here
 
     # -- inputs ----------------------------------------------------------------
     def _save_inputs(self, tensors: list) -> None:
@@ -216,11 +193,6 @@ class _Frame:
         for slot, x in zip(self.tensor_slots, saved):
             leaves[slot] = x
         return self.unflatten(leaves)
-
-    def unflatten(self, leaves: list) -> tuple[tuple, dict]:
-        if self.treespec is None:
-            return tuple(leaves), {}
-        return pytree.tree_unflatten(leaves, self.treespec)
 
     # -- forward packing ---------------------------------------------------------
     def pack(self, x: torch.Tensor) -> _Holder:
@@ -398,15 +370,13 @@ class _Frame:
         mismatches: list[str] = []
         with contextlib.ExitStack() as stack:
             stack.enter_context(_state.recomputing())
-            stack.enter_context(quiet(self.quiet_norms))  # outside every mode (NOTE [Quiet batch norms])
+            stack.enter_context(replayed_state(self.state))  # outside every mode (NOTE [Observed writes])
             stack.enter_context(self.replay.context())
             stack.enter_context(torch.enable_grad())
             stack.enter_context(_RecomputeHooks(self, gid, stop_at, mismatches, store))
             stack.enter_context(_collectives.replaying(self))  # NOTE [Kept collectives]
             if self.contexts is not None:
                 stack.enter_context(self.contexts[1])
-            if self.guard:
-                stack.enter_context(StateGuard())
             if self.trace is not None:
                 self.recompute_trace = stack.enter_context(OpTrace())
             try:
@@ -515,10 +485,12 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
 
 
 class _Handle:
-    """An open region: what close_region needs to finish it."""
+    """An open region: what close_region needs to finish it, and what to call forward with."""
 
-    def __init__(self, frame: _Frame | None, stack: contextlib.ExitStack) -> None:
-        self.frame, self.stack = frame, stack
+    def __init__(self, frame: Any, stack: contextlib.ExitStack, args: tuple, kwargs: dict,
+                 observe: Observe | None = None) -> None:
+        self.frame, self.stack, self.args, self.kwargs = frame, stack, args, kwargs
+        self.observe = observe
         self.exc = sys.exc_info()[1]
 
 
@@ -542,22 +514,30 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         context_fn: returns the (forward, recomputation) context pair, as in torch.
 
     Returns:
-        A handle for :func:`close_region`.
+        A handle for :func:`close_region`; call the forward with its ``args`` and ``kwargs``.
     """
     _outputs.pop_hook()
     stack = contextlib.ExitStack()
     if not torch.is_grad_enabled() or spec.policy == save_all:
-        return _Handle(None, stack)
+        return _Handle(None, stack, args, kwargs)
     spec = _flags.resolve(spec)  # NOTE [Global switches]
+    contexts = _contexts(spec, context_fn)
     if spec.use_reentrant:
         _reentrant.check_args(name, args, kwargs)
-    frame = _Frame(fn, args, kwargs, spec, name, _contexts(spec, context_fn))
+        frame: Any = _reentrant.ReentrantFrame(fn, args, kwargs, spec, name, contexts)
+        args, kwargs = frame.call_with(frame.aliases)  # NOTE [Observed reads]
+        observe = Observe(name, frame.aliases, reads=True)
+    else:
+        frame = _Frame(fn, args, kwargs, spec, name, contexts)
+        observe = Observe(name, [t for t, _ in frame.input_versions], reads=False)
     try:
         stack.enter_context(_collectives.recording(frame))  # NOTE [Kept collectives]
         if spec.use_reentrant:
             stack.enter_context(torch.no_grad())
+            stack.enter_context(observe)
         else:
             stack.enter_context(_ForwardHooks(frame))
+            stack.enter_context(observe)  # below the region's own modes: it copies state
             if frame.contexts is not None:
                 stack.enter_context(frame.contexts[0])
             if frame.trace is not None:
@@ -565,7 +545,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
     except BaseException:
         stack.close()
         raise
-    return _Handle(frame, stack)
+    return _Handle(frame, stack, args, kwargs, observe)
 
 
 def close_region(handle: _Handle, output: Any) -> Any:
@@ -582,17 +562,10 @@ def close_region(handle: _Handle, output: Any) -> Any:
     frame = handle.frame
     if frame is None:
         return output
-    if frame.watch is not None:  # NOTE [Guard only when needed]
-        written = [t for t, v in frame.watch if t._version != v]
-        frame.watch = None
-        frame.quiet_norms = norms_writing_only(frame.modules, written)
-        frame.guard = bool(written) and not frame.quiet_norms
+    if frame.spec.use_reentrant:
+        return _reentrant.close(frame, handle.observe, output)
+    frame.state = handle.observe.state  # NOTE [Observed writes]
     spec = frame.spec
-    if spec.use_reentrant:
-        _reentrant.check_outputs(frame.name, output)
-        tensors, frame.pending_inputs = frame.pending_inputs, []
-        frame.written = {i for i, (x, v) in enumerate(zip(tensors, frame.versions)) if x._version != v}
-        return _reentrant.apply(frame, output, tensors)
     if not frame.keep_all and frame.inputs_written():  # NOTE [Regions that write their inputs]
         frame.start_keeping()
     frame.input_versions, frame.recent = None, []
@@ -618,9 +591,8 @@ def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
         return run_marked(fn, args, kwargs, spec)
     handle = open_region(fn, args, kwargs, spec, name=name, context_fn=context_fn)
     try:
-        output = fn(*args, **kwargs)
+        output = fn(*handle.args, **handle.kwargs)
     except BaseException:
         handle.stack.__exit__(*sys.exc_info())
         raise
     return close_region(handle, output)
-

@@ -1,0 +1,66 @@
+"""What both implementations of a region share (engine).
+
+A region is a callable run with its arguments (NOTE [Regions] in ``region.py``).
+:class:`RegionCore` holds what either implementation needs to run it again: the
+callable, its arguments split into tensors and the rest, the options, the random
+and autocast state to replay, and what the forward wrote. The saved-tensor hooks
+implementation (``region.py``) and the ``autograd.Function`` one
+(``reentrant.py``) each extend it with the fields of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from remat._engine import rng as _rng
+from remat._spec import RegionSpec
+
+
+class RegionCore:
+    """One forward run of a region: what re-running it needs, for both implementations.
+
+    Args:
+        fn: what recomputation re-runs.
+        args, kwargs: its arguments.
+        spec: the region's options.
+        name: how errors name the region.
+        contexts: the (forward, recomputation) context pair of a ``context_fn`` or a
+            policy, or None.
+    """
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, name: str,
+                 contexts: tuple | None) -> None:
+        self.fn, self.spec, self.name, self.contexts = fn, spec, name, contexts
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            leaves, self.treespec = list(args), None  # the common case, without pytree
+        else:
+            leaves, self.treespec = pytree.tree_flatten((args, kwargs))
+        self.tensor_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.leaves: list = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.arguments: list[torch.Tensor] = [leaves[i] for i in self.tensor_slots]
+        self.replay = _rng.capture(self.arguments, spec.preserve_rng_state)
+        self.guard = True  # re-run under the state guard (NOTE [Guard only when needed])
+        self.quiet_stats: list[torch.Tensor] = []  # NOTE [Quiet batch norms]
+        self.kept_collectives: list | None = None  # NOTE [Kept collectives]
+        self.runs = 0
+
+    def unflatten(self, leaves: list) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` from the flat leaves."""
+        if self.treespec is None:
+            return tuple(leaves), {}
+        return pytree.tree_unflatten(leaves, self.treespec)
+
+    def call_with(self, tensors: list) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with the tensor arguments replaced by ``tensors``."""
+        leaves = list(self.leaves)
+        for slot, x in zip(self.tensor_slots, tensors, strict=True):
+            leaves[slot] = x
+        return self.unflatten(leaves)
+
+    def settle_writes(self, written: list, quiet_stats: list) -> None:
+        """What the forward wrote decides how the re-run runs (NOTE [Guard only when needed])."""
+        self.quiet_stats = quiet_stats
+        self.guard = bool(written) and not quiet_stats

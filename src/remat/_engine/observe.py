@@ -1,0 +1,245 @@
+"""What a region reads and writes, learned by watching its forward run (engine).
+
+NOTE [Observed reads]
+A ``use_reentrant=True`` region runs forward without grad and again, with grad,
+inside its ``autograd.Function``'s backward. Every gradient it owes a tensor it
+did not take as an argument (a parameter, a buffer that requires grad, a tensor
+read through a closure, a keyword argument, a module attribute: whatever the
+callable is) must leave through the Function, so those tensors must be inputs of
+the Function. They are learned by watching the forward: :class:`Observe`, a
+dispatch mode, sees every tensor every operator of the region reads. A tensor
+that requires grad, that no operator of the region produced and that is not an
+argument is a read of the region. The arguments that require grad are handed to
+the region as aliases (``detach()``: same storage, same version counter), so a
+read of the argument itself (through a closure) is told apart from a read of the
+argument, and both gradients flow.
+
+In backward the re-run must read the same tensors. Two modes watch it: one
+(:class:`Substitute`, above autograd) hands it an alias of each non-leaf tensor the
+forward read, so the nested backward stops there and the tensor's own history gets
+its gradient through the Function only (a tensor computed from the region's own
+parameters, ``self.memo = f(h)``, would otherwise send part of its gradient to
+them twice); the other (:class:`CheckReads`, below autograd) refuses a read of a
+tensor that requires grad which the forward did not read (an attribute replaced
+between forward and backward): its value is not the one the forward used.
+What neither can see (a custom ``autograd.Function`` whose forward
+never reads a tensor it returns a gradient for) is caught in backward: the
+re-run's graph is checked before it is differentiated (:func:`check_graph`); a
+path to a tensor that is not an input of the Function would lose its gradient,
+so it is refused with a typed error instead.
+
+NOTE [Observed writes]
+The same mode sees every tensor the forward writes in place that it neither
+created nor took as an argument: a buffer, batch norm's running statistics, a
+counter. Re-running the region would write them a second time, and would read
+them as the forward left them, not as the forward found them. So before the
+first write that updates such a tensor (an in-place operator, which reads it), or
+that overwrites one the region read before, its value is copied (a tensor only
+overwritten, as FSDP's all-gather fills its parameters, is written alike by the
+re-run and needs nothing); the re-run starts from those
+values and, once done, puts back what the tensors held when it began (written
+through ``.data``: no version bump, as batch norm's own kernel updates its
+statistics without one). The re-run so reads exactly what the forward read and
+leaves the state as it found it (NOTE [No double state updates]). A region
+that writes nothing pays nothing; one that writes batch-norm statistics pays a
+copy of a few numbers per channel. A written tensor that requires grad (its
+history would change) is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat._engine.errors import RecomputeError
+from remat._engine.modes import _UNANNOTATED, _allocates, _storage_key, _written_args
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return _storage_key(t)
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor) has no storage
+        return None
+
+
+class Observe(TorchDispatchMode):
+    """Watch a region's forward: what it reads and what state it writes.
+
+    NOTE [Observed reads], NOTE [Observed writes].
+
+    Args:
+        name: how errors name the region.
+        arguments: the tensors the region is called with (neither reads nor state).
+        reads: whether to record reads (a reentrant region's extra inputs).
+    """
+
+    def __init__(self, name: str, arguments: list, reads: bool) -> None:
+        super().__init__()
+        self.name = name
+        self.arguments = {id(t) for t in arguments}
+        self.argument_storages = {_storage(t) for t in arguments} - {None}
+        self.want_reads = reads
+        self.produced: set[int] = set()  # ids of tensors the region's operators returned
+        self.fresh: set[int] = set()  # storages the region's operators allocated
+        self.reads: dict[int, torch.Tensor] = {}
+        self.state: list[tuple[torch.Tensor, torch.Tensor]] = []  # (written tensor, value before)
+        self._state_ids: set[int] = set()
+        self._read_storages: set[int] = set()  # storages of tensors it read and did not produce
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        outside = [t for t in pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor) and id(t) not in self.produced]
+        if self.want_reads:
+            for t in outside:
+                if t.requires_grad and id(t) not in self.arguments:
+                    self.reads.setdefault(id(t), t)
+        if func._schema.is_mutable or func in _UNANNOTATED:
+            self._note_writes(func, args, kwargs)
+        if outside and _allocates(func):  # a view reads nothing yet
+            self._read_storages.update(_storage(t) for t in outside)
+        out = func(*args, **kwargs)
+        allocates = _allocates(func)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.produced.add(id(t))
+                if allocates and (key := _storage(t)) is not None:
+                    self.fresh.add(key)
+        return out
+
+    def _note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        for i, name in _written_args(func):
+            written = args[i] if i < len(args) else kwargs.get(name)
+            for t in written if isinstance(written, (list, tuple)) else (written,):
+                if isinstance(t, torch.Tensor) and id(t) not in self._state_ids:
+                    self._note_write(func, i, t)
+
+    def _note_write(self, func: Any, position: int, t: torch.Tensor) -> None:
+        key = _storage(t)
+        if key in self.fresh or key in self.argument_storages or id(t) in self.arguments:
+            return  # the region's own tensors; arguments have rules of their own
+        if _overwrites(func, position) and key not in self._read_storages:
+            return  # written, not updated, and not read before: a re-run writes it alike
+        if t.requires_grad:
+            raise RecomputeError(
+                f"remat: region '{self.name}' changes in place ({func}) a tensor that "
+                f"requires grad and that it neither created nor took as an argument "
+                f"(shape {list(t.shape)}); recomputing it would change that tensor's history "
+                f"again; pass the tensor as an argument of the region, or change it outside"
+            )
+        self._state_ids.add(id(t))
+        self.state.append((t, t.detach().clone()))
+
+
+_OVERWRITE = {"copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "exponential_",
+              "random_", "geometric_", "cauchy_", "log_normal_", "set_"}
+
+
+def _overwrites(func: Any, position: int) -> bool:
+    """True when ``func`` writes its argument ``position`` without reading it (an ``out=``)."""
+    arg = func._schema.arguments[position]
+    return arg.kwarg_only or func._schema.name.split("::")[-1] in _OVERWRITE
+
+
+@contextlib.contextmanager
+def replayed_state(state: list) -> Iterator[None]:
+    """Run a re-run from the state the forward found; put back what is there now.
+
+    NOTE [Observed writes]. ``state`` holds ``(tensor, value before the forward's
+    first write)`` pairs, in the order the forward wrote them.
+    """
+    if not state:
+        yield
+        return
+    # a storage a framework freed since (FSDP's gathered parameters) holds nothing to restore
+    state = [(t, before) for t, before in state if t.untyped_storage().nbytes()]
+    with torch.no_grad():
+        now = [t.detach().clone() for t, _ in state]
+        for t, before in reversed(state):  # overlapping views: the earliest value wins
+            t.data.copy_(before)  # no version bump: see the NOTE
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for (t, _), value in zip(state, now):
+                t.data.copy_(value)
+
+
+class Substitute(TorchFunctionMode):
+    """Hand a re-run ``aliases[id(t)]`` wherever it passes ``t`` to torch (NOTE [Observed reads])."""
+
+    def __init__(self, aliases: dict[int, torch.Tensor]) -> None:
+        super().__init__()
+        self.aliases = aliases
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: self.aliases.get(id(t), t), (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+class CheckReads(TorchDispatchMode):
+    """Refuse a re-run reading a tensor that requires grad which the forward did not read.
+
+    NOTE [Observed reads]. ``allowed``: the ids of the tensors the re-run may read
+    besides those it produces.
+    """
+
+    def __init__(self, name: str, allowed: set[int]) -> None:
+        super().__init__()
+        self.name, self.allowed = name, allowed
+        self.produced: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in pytree.tree_leaves((args, kwargs)):
+            if (isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in self.produced
+                    and id(t) not in self.allowed):
+                raise RecomputeError(
+                    f"remat: region '{self.name}' (use_reentrant=True): its recomputation reads "
+                    f"a tensor that requires grad (shape {list(t.shape)}, by {func}) which its "
+                    f"forward did not read: the region reads other tensors in backward than in "
+                    f"forward (a module attribute replaced after the region ran?), so its "
+                    f"gradients would be wrong; keep what the region reads until backward, or "
+                    f"pass the tensor as an argument"
+                )
+        out = func(*args, **kwargs)
+        self.produced.update(id(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def check_graph(name: str, outs: list, wrt: list) -> None:
+    """Refuse a re-run whose graph reaches a tensor that is not an input of the Function.
+
+    NOTE [Observed reads]: such a gradient would be lost. Walks the re-run's autograd
+    graph from ``outs``; stops at ``wrt`` (their ``grad_fn``, or their gradient
+    accumulator for leaves).
+    """
+    leaf_ids = {id(t) for t in wrt if t.grad_fn is None}
+    stops = {t.grad_fn for t in wrt if t.grad_fn is not None}
+    seen: set = set()
+    todo = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if id(variable) not in leaf_ids:
+                raise RecomputeError(
+                    f"remat: region '{name}' (use_reentrant=True): its recomputation reaches a "
+                    f"tensor that requires grad (shape {list(variable.shape)}) which its forward "
+                    f"did not read, so that tensor's gradient would be lost (a custom "
+                    f"autograd.Function that returns a gradient for an input its forward never "
+                    f"reads, or state that changed between forward and backward); use "
+                    f"use_reentrant=False, or make the forward read it"
+                )
+            continue
+        todo.extend(next_node for next_node, _ in node.next_functions)
