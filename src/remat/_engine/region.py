@@ -12,6 +12,18 @@ NOTE [Early stop]
 Re-running stops as soon as the last holder still needed is rebuilt: holders
 that autograd already freed, and holders kept in forward, are not waited for.
 
+NOTE [Backward inside a region's forward]
+A region whose forward calls backward itself (``torch.autograd.grad`` inside
+the checkpointed function, as ``checkpoint(grad(f))`` does) unpacks its own
+holders while it is still running: the region re-runs, whole, before its
+forward has finished. That re-run saves more tensors than the holders made so
+far (everything after the backward call, and the backward call's own re-runs
+of inner regions), so without early stop the count check cannot hold; as in
+torch's checkpoint (``forward_completed``/``ignore_saved_mismatch``), a re-run
+that starts before the region has closed rebuilds the holders that exist and
+is not held to "more tensors than forward saved". Shapes are still checked,
+and a re-run after the region closed is checked in full.
+
 NOTE [Graph tasks]
 Each backward call (``backward``, ``torch.autograd.grad``) is a graph task with
 its own id. A region re-runs once per graph task that needs it, so
@@ -183,6 +195,7 @@ class _Frame:
         self.lost: list[int] = []
         self.recent: list[torch.Tensor] = []  # what the latest saving operator saved
         self.recent_op = -1
+        self.closed = False  # NOTE [Backward inside a region's forward]
         if spec.use_reentrant:
             self.pending_inputs = tensors  # handed to Reentrant.apply, which saves them
             self.versions = [x._version for x in tensors]
@@ -385,6 +398,7 @@ class _Frame:
         if self.spec.output_recompute:
             _outputs.pop_after_backward()
         need_outputs = not store or self._refs_pending(gid)
+        during_forward = not self.closed  # NOTE [Backward inside a region's forward]
         stop_at = self._last_needed(gid) if self.spec.early_stop and not need_outputs else None
         self.counter[gid] = 0
         self.runs += 1
@@ -413,7 +427,7 @@ class _Frame:
                 out = self.fn(*args, **kwargs)
             except _Stop:
                 out = None
-        self._check(gid, stop_at, mismatches)
+        self._check(gid, stop_at, mismatches, during_forward)
         if need_outputs:
             flat = pytree.tree_leaves(out)
             self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
@@ -437,7 +451,8 @@ class _Frame:
                 j, (size, stride, offset) = holder.out_of
                 holder.rebuilt[gid] = outputs[j].as_strided(size, stride, offset)
 
-    def _check(self, gid: object, stop_at: int | None, mismatches: list[str]) -> None:
+    def _check(self, gid: object, stop_at: int | None, mismatches: list[str],
+               during_forward: bool = False) -> None:
         """Compare what the re-run saved with what forward saved (torch's three cases)."""
         if self.spec.determinism_check == "none":
             return
@@ -448,7 +463,7 @@ class _Frame:
                          "and recomputation.")
             lines.append(f"number of tensors saved during the original forward and recomputation: "
                          f"{saved} and {count}")
-        elif count > saved:  # only without early stop: an early stop ends the re-run at the last one
+        elif count > saved and not during_forward:  # without early stop; NOTE [Backward inside a region's forward]
             lines.append(
                 f"trying to save more tensors during recomputation than during the original "
                 f"forward pass: forward saved {saved}, recomputation saved {count}"
@@ -582,6 +597,7 @@ def close_region(handle: _Handle, output: Any) -> Any:
     frame = handle.frame
     if frame is None:
         return output
+    frame.closed = True  # NOTE [Backward inside a region's forward]
     if frame.watch is not None:  # NOTE [Guard only when needed]
         written = [t for t, v in frame.watch if t._version != v]
         frame.watch = None
