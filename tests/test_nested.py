@@ -8,6 +8,9 @@ and ``remat.set_checkpoint_early_stop`` in place of torch's; torch's assertions 
 from __future__ import annotations
 
 import collections
+import contextlib
+import copy
+import functools
 import weakref
 
 import pytest
@@ -349,3 +352,172 @@ def test_nested_checkpoint_set_early_stop_no_recompution_needed():
         out = remat.checkpoint(fn2, a, use_reentrant=False)
     out.backward()
     assert counter[0] == 1
+
+
+# -- Part 2: a region over a module that is itself marked ---------------------------------
+#
+# The outer region is remat.checkpoint over the module in every form (the module, its bound
+# forward, a lambda, a functools.partial), remat.recompute or remat.checkpoint_sequential; the
+# module carries a mark of its own. Two SGD steps must match the unmarked model bitwise: loss,
+# every gradient, batch-norm buffers and the random state.
+
+
+class Nested(remat.nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Sequential(
+            torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        )
+        self.out = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.out(self.inner(x))
+
+
+class Frozen(remat.nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.fc1.weight.requires_grad_(False)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Norm(remat.nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+class Drop(remat.nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.drop(self.fc1(x))))
+
+
+class Net(torch.nn.Module):
+    """``blk`` between two layers; ``inplace``: the block's output is written in place after it;
+    ``first``: the block reads the data (which does not require grad), no layer before it."""
+
+    def __init__(self, blk: torch.nn.Module, inplace: bool = False, first: bool = False) -> None:
+        super().__init__()
+        self.pre = None if first else torch.nn.Linear(4, 4)
+        self.blk, self.head = blk, torch.nn.Linear(4, 2)
+        self.inplace = inplace
+
+    def forward(self, x, run=None):
+        h = x if self.pre is None else self.pre(x)
+        h = self.blk(h) if run is None else run(self.blk, h)
+        if self.inplace:
+            h = h.mul_(2).relu_()
+        return self.head(h)
+
+
+MODELS = {
+    "nested": lambda: Net(Nested()),
+    "frozen": lambda: Net(Frozen()),
+    "batchnorm": lambda: Net(Norm()),
+    "dropout": lambda: Net(Drop()),
+    "inplace_after": lambda: Net(Nested(), inplace=True),
+    "data_input": lambda: Net(Nested(), first=True),
+}
+
+MARKS = {
+    "module": lambda blk: remat.recompute_module(blk),
+    "module_reentrant": lambda blk: remat.recompute_module(blk, use_reentrant=True),
+    "module_output": lambda blk: remat.recompute_module(blk, output_recompute=True),
+    "module_early_stop_False": lambda blk: remat.recompute_module(blk, early_stop=False),
+    "cell": lambda blk: blk.recompute(),
+}
+
+# outer region: (use_reentrant, early_stop argument, under set_checkpoint_early_stop(False))
+OUTERS = {
+    "hooks": (False, None, False),
+    "hooks_early_stop_False": (False, False, False),
+    "hooks_global_early_stop_False": (False, None, True),
+    "reentrant": (True, None, False),
+    "reentrant_global_early_stop_False": (True, None, True),
+}
+
+FORMS = ["module", "method", "lambda", "partial", "recompute", "sequential"]
+
+
+def _outer(form: str, reentrant: bool, early_stop: bool | None):
+    kw = {"use_reentrant": reentrant}
+    if early_stop is not None:
+        kw["early_stop"] = early_stop
+
+    def run(blk, h):
+        if form == "module":
+            return remat.checkpoint(blk, h, **kw)
+        if form == "method":
+            return remat.checkpoint(blk.forward, h, **kw)
+        if form == "lambda":
+            return remat.checkpoint(lambda t: blk(t), h, **kw)
+        if form == "partial":
+            return remat.checkpoint(functools.partial(blk), h, **kw)
+        if form == "recompute":
+            return remat.recompute(blk, h, use_reentrant=reentrant)
+        return remat.checkpoint_sequential([blk, torch.nn.Identity()], 2, h, use_reentrant=reentrant)
+
+    return run
+
+
+def _cases():
+    for form in FORMS:
+        for outer, (reentrant, early_stop, _) in OUTERS.items():
+            if early_stop is not None and form in ("recompute", "sequential"):
+                continue  # no early_stop argument there; the global switch covers them
+            for mark in MARKS:
+                for model in MODELS:
+                    marks = ()
+                    if reentrant:
+                        marks = (pytest.mark.xfail(strict=False, reason="reentrant observation: being fixed on main"),)
+                    yield pytest.param(form, outer, mark, model, marks=marks, id=f"{form}-{outer}-{mark}-{model}")
+
+
+def _state(net: torch.nn.Module) -> list:
+    return [b.clone() for b in net.buffers()]
+
+
+def _train(net: torch.nn.Module, run, early_stop_global: bool) -> list:
+    """Two SGD steps; what must match: per step the loss, gradients, buffers and RNG state."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    seen = []
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        x = torch.randn(3, 4, requires_grad=net.pre is not None)
+        ctx = remat.set_checkpoint_early_stop(False) if early_stop_global else contextlib.nullcontext()
+        with ctx:
+            loss = net(x, run).square().sum()
+        loss.backward()
+        seen.append(("loss", loss.detach()))
+        seen += [(f"grad {name}", p.grad) for name, p in net.named_parameters()]
+        seen.append(("grad x", x.grad))
+        seen += [(f"buffer {name}", b.clone()) for name, b in net.named_buffers()]
+        seen.append(("rng", torch.get_rng_state()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return seen
+
+
+@pytest.mark.parametrize("form, outer, mark, model", list(_cases()))
+def test_region_over_marked_module(form, outer, mark, model):
+    reentrant, early_stop, early_stop_global = OUTERS[outer]
+    base = MODELS[model]()
+    plain, marked = copy.deepcopy(base), copy.deepcopy(base)
+    MARKS[mark](marked.blk)
+    expected = _train(plain, None, False)
+    actual = _train(marked, _outer(form, reentrant, early_stop), early_stop_global)
+    assert [k for k, _ in actual] == [k for k, _ in expected]
+    for (what, a), (_, e) in zip(actual, expected):
+        assert (a is None) == (e is None), what
+        if a is not None:
+            assert torch.equal(a, e), f"{what} differs"
