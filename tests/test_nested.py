@@ -354,6 +354,36 @@ def test_nested_checkpoint_set_early_stop_no_recompution_needed():
     assert counter[0] == 1
 
 
+# -- Backward inside a region's own forward (NOTE [Backward inside a region's forward]) --------
+
+
+def _grad_inside(x):
+    y = x.sin().exp()
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)  # re-runs the region it is in
+    return (y * g).cos()
+
+
+@pytest.mark.parametrize("early_stop", EARLY_STOP)
+def test_backward_inside_forward(early_stop):
+    x = torch.randn(3, requires_grad=True)
+    expected = torch.autograd.grad(_grad_inside(x).sum(), x)
+    with remat.set_checkpoint_early_stop(early_stop):
+        out = remat.checkpoint(_grad_inside, x, use_reentrant=False)
+    assert torch.equal(torch.autograd.grad(out.sum(), x)[0], expected[0])
+
+
+def test_backward_inside_forward_still_checks_reruns_after_forward():
+    def fn(x):
+        out = _grad_inside(x)
+        return out.exp() if remat.is_recomputing() else out  # one more saved tensor on re-runs
+
+    x = torch.randn(3, requires_grad=True)
+    with remat.set_checkpoint_early_stop(False):
+        out = remat.checkpoint(fn, x, use_reentrant=False)  # its re-run inside forward: exempt
+    with pytest.raises(remat.CheckpointError, match="trying to save more tensors during recomputation"):
+        out.sum().backward()
+
+
 # -- Part 2: a region over a module that is itself marked ---------------------------------
 #
 # The outer region is remat.checkpoint over the module in every form (the module, its bound
