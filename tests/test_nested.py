@@ -551,3 +551,24 @@ def test_region_over_marked_module(form, outer, mark, model):
         assert (a is None) == (e is None), what
         if a is not None:
             assert torch.equal(a, e), f"{what} differs"
+
+
+def _with_grad_inside(blk, t):
+    y = blk(t)
+    (g,) = torch.autograd.grad(y.sum(), t, create_graph=True)  # backward inside the outer region
+    return y + 0 * g
+
+
+@pytest.mark.parametrize("mark", list(MARKS))
+@pytest.mark.parametrize("model", ["batchnorm", "dropout"])
+def test_backward_inside_outer_region_over_marked_module(mark, model):
+    base = MODELS[model]()
+    plain, marked = copy.deepcopy(base), copy.deepcopy(base)
+    MARKS[mark](marked.blk)
+    expected = _train(plain, _with_grad_inside, False)
+    outer = functools.partial(remat.checkpoint, _with_grad_inside, use_reentrant=False)
+    actual = _train(marked, outer, True)
+    for (what, a), (_, e) in zip(actual, expected):
+        assert (a is None) == (e is None), what
+        if a is not None:
+            assert torch.equal(a, e), f"{what} differs"
