@@ -746,8 +746,8 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
 DOCUMENTED_ERRORS: list[tuple[type, str, str]] = [
     (TypeError, r"use_reentrant=True\) (got argument|returned output) .* tensors? .*inside lists",
      "Limits of use_reentrant=True: tensors nested in lists, tuples or dicts"),
-    (remat.RecomputeError, r"\(use_reentrant=True\): its recomputation (reads|reaches) a tensor "
-                           r"that requires grad .* which its forward did not read",
+    (remat.RecomputeError, (r"\(use_reentrant=True\): its recomputation (reads|reaches) a tensor "
+                            r"that requires grad .* which its forward did not read"),
      "Limits of use_reentrant=True: a re-run that reads other tensors than its forward"),
     (remat.RecomputeError, r"changes in place .* a tensor that requires grad and that it neither",
      "Limits: a region changing in place a tensor that requires grad it did not take"),

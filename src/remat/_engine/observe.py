@@ -94,6 +94,8 @@ class Observe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _replaying[0]:  # the engine's own copies (replayed_state), not the region's
+            return func(*args, **kwargs)
         outside = [t for t in pytree.tree_leaves((args, kwargs))
                    if isinstance(t, torch.Tensor) and id(t) not in self.produced]
         if self.want_reads:
@@ -147,28 +149,48 @@ def _overwrites(func: Any, position: int) -> bool:
     return arg.kwarg_only or func._schema.name.split("::")[-1] in _OVERWRITE
 
 
+_replaying = [False]
+
+
 @contextlib.contextmanager
 def replayed_state(state: list) -> Iterator[None]:
     """Run a re-run from the state the forward found; put back what is there now.
 
     NOTE [Observed writes]. ``state`` holds ``(tensor, value before the forward's
-    first write)`` pairs, in the order the forward wrote them.
+    first write)`` pairs, in the order the forward wrote them. It is the forward's
+    own list: a re-run inside the region's forward (a backward call there) finds
+    what the forward wrote so far, and what it writes beyond that is noted by the
+    forward's :class:`Observe` and put back to the value the forward will find.
     """
     if not state:
         yield
         return
-    # a storage a framework freed since (FSDP's gathered parameters) holds nothing to restore
-    state = [(t, before) for t, before in state if t.untyped_storage().nbytes()]
-    with torch.no_grad():
-        now = [t.detach().clone() for t, _ in state]
+    n = len(state)
+    with _engine_copies():
+        # a storage a framework freed since (FSDP's gathered parameters) holds nothing
+        now = [t.detach().clone() if t.untyped_storage().nbytes() else None for t, _ in state]
         for t, before in reversed(state):  # overlapping views: the earliest value wins
-            t.data.copy_(before)  # no version bump: see the NOTE
+            if t.untyped_storage().nbytes():
+                t.data.copy_(before)  # no version bump: see the NOTE
     try:
         yield
     finally:
-        with torch.no_grad():
+        with _engine_copies():
+            for t, before in reversed(state[n:]):
+                t.data.copy_(before)
             for (t, _), value in zip(state, now):
-                t.data.copy_(value)
+                if value is not None:
+                    t.data.copy_(value)
+
+
+@contextlib.contextmanager
+def _engine_copies() -> Iterator[None]:
+    saved, _replaying[0] = _replaying[0], True
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        _replaying[0] = saved
 
 
 class Substitute(TorchFunctionMode):

@@ -12,6 +12,18 @@ NOTE [Early stop]
 Re-running stops as soon as the last holder still needed is rebuilt: holders
 that autograd already freed, and holders kept in forward, are not waited for.
 
+NOTE [Backward inside a region's forward]
+A region whose forward calls backward itself (``torch.autograd.grad`` inside
+the checkpointed function, as ``checkpoint(grad(f))`` does) unpacks its own
+holders while it is still running: the region re-runs, whole, before its
+forward has finished. That re-run saves more tensors than the holders made so
+far (everything after the backward call, and the backward call's own re-runs
+of inner regions), so without early stop the count check cannot hold; as in
+torch's checkpoint (``forward_completed``/``ignore_saved_mismatch``), a re-run
+that starts before the region has closed rebuilds the holders that exist and
+is not held to "more tensors than forward saved". Shapes are still checked,
+and a re-run after the region closed is checked in full.
+
 NOTE [Graph tasks]
 Each backward call (``backward``, ``torch.autograd.grad``) is a graph task with
 its own id. A region re-runs once per graph task that needs it, so
@@ -167,6 +179,7 @@ class _Frame(RegionCore):
         self.lost: list[int] = []
         self.recent: list[torch.Tensor] = []  # what the latest saving operator saved
         self.recent_op = -1
+        self.closed = False  # NOTE [Backward inside a region's forward]
         self._save_inputs(self.arguments)
         self.input_versions = [(t, t._version) for t in self.arguments]
         self.arguments = []  # saved through the hooks around the region, not held here
@@ -357,6 +370,7 @@ class _Frame(RegionCore):
         if self.spec.output_recompute:
             _outputs.pop_after_backward()
         need_outputs = not store or self._refs_pending(gid)
+        during_forward = not self.closed  # NOTE [Backward inside a region's forward]
         stop_at = self._last_needed(gid) if self.spec.early_stop and not need_outputs else None
         self.counter[gid] = 0
         self.runs += 1
@@ -383,7 +397,7 @@ class _Frame(RegionCore):
                 out = self.fn(*args, **kwargs)
             except _Stop:
                 out = None
-        self._check(gid, stop_at, mismatches)
+        self._check(gid, stop_at, mismatches, during_forward)
         if need_outputs:
             flat = pytree.tree_leaves(out)
             self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
@@ -407,7 +421,8 @@ class _Frame(RegionCore):
                 j, (size, stride, offset) = holder.out_of
                 holder.rebuilt[gid] = outputs[j].as_strided(size, stride, offset)
 
-    def _check(self, gid: object, stop_at: int | None, mismatches: list[str]) -> None:
+    def _check(self, gid: object, stop_at: int | None, mismatches: list[str],
+               during_forward: bool = False) -> None:
         """Compare what the re-run saved with what forward saved (torch's three cases)."""
         if self.spec.determinism_check == "none":
             return
@@ -418,7 +433,7 @@ class _Frame(RegionCore):
                          "and recomputation.")
             lines.append(f"number of tensors saved during the original forward and recomputation: "
                          f"{saved} and {count}")
-        elif count > saved:  # only without early stop: an early stop ends the re-run at the last one
+        elif count > saved and not during_forward:  # without early stop; NOTE [Backward inside a region's forward]
             lines.append(
                 f"trying to save more tensors during recomputation than during the original "
                 f"forward pass: forward saved {saved}, recomputation saved {count}"
@@ -530,6 +545,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
     else:
         frame = _Frame(fn, args, kwargs, spec, name, contexts)
         observe = Observe(name, [t for t, _ in frame.input_versions], reads=False)
+        frame.state = observe.state  # filled as the forward runs (NOTE [Observed writes])
     try:
         stack.enter_context(_collectives.recording(frame))  # NOTE [Kept collectives]
         if spec.use_reentrant:
@@ -564,7 +580,7 @@ def close_region(handle: _Handle, output: Any) -> Any:
         return output
     if frame.spec.use_reentrant:
         return _reentrant.close(frame, handle.observe, output)
-    frame.state = handle.observe.state  # NOTE [Observed writes]
+    frame.closed = True  # NOTE [Backward inside a region's forward]
     spec = frame.spec
     if not frame.keep_all and frame.inputs_written():  # NOTE [Regions that write their inputs]
         frame.start_keeping()
