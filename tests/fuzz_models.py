@@ -537,7 +537,7 @@ def _draw_call(r, modules, path=None):
         api, opts = "recompute", {"use_reentrant": r.random() < 0.5}
         if not opts["use_reentrant"] and r.random() < 0.4:
             opts["output_recompute"] = True
-    if r.random() < 0.25:
+    if api == "checkpoint" and r.random() < 0.25:
         opts["early_stop"] = False
     return {"kind": "call", "api": api, "path": path, "opts": opts}
 

@@ -61,6 +61,15 @@ from remat._engine.errors import RecomputeError
 from remat._engine.modes import _UNANNOTATED, _allocates, _storage_key, _written_args
 
 
+def _subclass_call(args: tuple, kwargs: dict) -> bool:
+    """True for an operator on a tensor subclass (``DTensor``): the operators its
+    ``__torch_dispatch__`` runs on the local tensors come back through the modes; they
+    are the subclass's business, not reads of the region (:func:`_inside_subclass`)."""
+    return any(isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter)
+               and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+               for t in pytree.tree_leaves((args, kwargs)))
+
+
 def _storage(t: torch.Tensor) -> int | None:
     try:
         return _storage_key(t)
@@ -68,7 +77,22 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
-class Observe(TorchDispatchMode):
+class _Watch(TorchDispatchMode):
+    """A dispatch mode that looks past the local operators of tensor subclasses."""
+
+    depth = 0
+
+    def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if not _subclass_call(args, kwargs):
+            return func(*args, **kwargs)
+        self.depth += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.depth -= 1
+
+
+class Observe(_Watch):
     """Watch a region's forward: what it reads and what state it writes.
 
     NOTE [Observed reads], NOTE [Observed writes].
@@ -91,10 +115,11 @@ class Observe(TorchDispatchMode):
         self.state: list[tuple[torch.Tensor, torch.Tensor]] = []  # (written tensor, value before)
         self._state_ids: set[int] = set()
         self._read_storages: set[int] = set()  # storages of tensors it read and did not produce
+        self.depth = 0  # inside a tensor subclass's operator
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _replaying[0]:  # the engine's own copies (replayed_state), not the region's
+        if _replaying[0] or self.depth:  # the engine's own copies; a subclass's local operators
             return func(*args, **kwargs)
         outside = [t for t in pytree.tree_leaves((args, kwargs))
                    if isinstance(t, torch.Tensor) and id(t) not in self.produced]
@@ -106,7 +131,7 @@ class Observe(TorchDispatchMode):
             self._note_writes(func, args, kwargs)
         if outside and _allocates(func):  # a view reads nothing yet
             self._read_storages.update(_storage(t) for t in outside)
-        out = func(*args, **kwargs)
+        out = self._call(func, args, kwargs)
         allocates = _allocates(func)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -206,7 +231,7 @@ class Substitute(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class CheckReads(TorchDispatchMode):
+class CheckReads(_Watch):
     """Refuse a re-run reading a tensor that requires grad which the forward did not read.
 
     NOTE [Observed reads]. ``allowed``: the ids of the tensors the re-run may read
@@ -220,6 +245,8 @@ class CheckReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.depth:
+            return func(*args, **kwargs)
         for t in pytree.tree_leaves((args, kwargs)):
             if (isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in self.produced
                     and id(t) not in self.allowed):
@@ -231,7 +258,7 @@ class CheckReads(TorchDispatchMode):
                     f"gradients would be wrong; keep what the region reads until backward, or "
                     f"pass the tensor as an argument"
                 )
-        out = func(*args, **kwargs)
+        out = self._call(func, args, kwargs)
         self.produced.update(id(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
