@@ -234,13 +234,15 @@ class Substitute(TorchFunctionMode):
 class CheckReads(_Watch):
     """Refuse a re-run reading a tensor that requires grad which the forward did not read.
 
-    NOTE [Observed reads]. ``allowed``: the ids of the tensors the re-run may read
-    besides those it produces.
+    NOTE [Observed reads]. ``allowed``: the tensors the re-run may read besides those it
+    produces.
     """
 
-    def __init__(self, name: str, allowed: set[int]) -> None:
+    def __init__(self, name: str, allowed: list) -> None:
         super().__init__()
-        self.name, self.allowed = name, allowed
+        self.name, self.allowed = name, {id(t) for t in allowed}
+        # an alias made without an operator (a subclass's wrapper around a feed) reads the same
+        self.storages = {_storage(t) for t in allowed} - {None}
         self.produced: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -249,7 +251,7 @@ class CheckReads(_Watch):
             return func(*args, **kwargs)
         for t in pytree.tree_leaves((args, kwargs)):
             if (isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in self.produced
-                    and id(t) not in self.allowed):
+                    and id(t) not in self.allowed and _storage(t) not in self.storages):
                 raise RecomputeError(
                     f"remat: region '{self.name}' (use_reentrant=True): its recomputation reads "
                     f"a tensor that requires grad (shape {list(t.shape)}, by {func}) which its "

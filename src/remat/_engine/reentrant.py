@@ -276,7 +276,7 @@ def _differentiate(frame: ReentrantFrame, tensors: tuple, grads: tuple) -> tuple
     nonleaf = [p for p in frame.params if p.grad_fn is not None]
     aliases = {id(p): _Boundary.apply(stop, p) if create_graph else p.detach().requires_grad_()
                for p in nonleaf}
-    allowed = {id(t) for t in (*feeds, *wrts, *frame.params, *aliases.values()) if t is not None}
+    allowed = [t for t in (*feeds, *wrts, *frame.params, *aliases.values()) if t is not None]
     rerun, replay = _rerun(frame, feeds, aliases, allowed)
     outs, out_grads, bases = _pairs(frame, rerun, feeds, grads)
     wrt = [w for w in wrts if w is not None] + frame.params + list(aliases.values())
@@ -342,7 +342,7 @@ def _closure_stops(frame: ReentrantFrame) -> Any:
             handle.remove()
 
 
-def _rerun(frame: ReentrantFrame, inputs: list, aliases: dict, allowed: set) -> tuple[tuple, Any]:
+def _rerun(frame: ReentrantFrame, inputs: list, aliases: dict, allowed: list) -> tuple[tuple, Any]:
     """Re-run the region; return its outputs and the mode that saw its collectives.
 
     ``aliases`` stand for the non-leaf tensors the forward read; a read of a tensor
