@@ -223,9 +223,11 @@ def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **o
         )
     spec = mark_from_keywords(api, options, keep_outputs=False)
     extra = {"every_n_layers": every} if every != 1 else {}
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": spec.use_reentrant}, **extra
-    )
+    kwargs = {"use_reentrant": spec.use_reentrant}
+    if callable(getattr(model, "activation_checkpointing_enable", None)):  # its name since 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **extra)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **extra)
     model._set_gradient_checkpointing(
         enable=True, gradient_checkpointing_func=LayerCheckpoint(spec), **extra
     )
