@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import json
 import warnings
 
@@ -243,6 +244,11 @@ def _same_bits(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     assert differ == [], f"{len(differ)} of {len(want)} tensors differ (loss, grads, params)"
 
 
+def _cache_of(out: object) -> object:
+    """The model's cache in an output: ``cache`` since transformers 5.x, ``past_key_values`` before."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
 OPTIONS = {"reentrant": {"use_reentrant": True}, "non-reentrant": {"use_reentrant": False},
            "output-recompute": {"output_recompute": True}}
 
@@ -290,7 +296,7 @@ def test_the_cache_is_written_once_as_unmarked(kind, option):
         torch.manual_seed(0)
         out = model(**_batch(kind, 0))
         out.loss.backward()  # recomputation must not write the model's cache a second time
-        caches.append(out.cache)
+        caches.append(_cache_of(out))
     want, got = caches
     assert got.get_seq_length() == want.get_seq_length() == 10
     _same_bits([t for layer in got for t in layer if t is not None],
@@ -303,19 +309,19 @@ def test_the_cache_works_in_eval_and_generate(kind):
     marked = copy.deepcopy(base)
     remat.apply(marked, where="blocks", output_recompute=True)
     ids = _batch(kind, 0)["input_ids"]
-    assert marked(input_ids=ids, use_cache=True).cache.get_seq_length() == ids.shape[1]
+    assert _cache_of(marked(input_ids=ids, use_cache=True)).get_seq_length() == ids.shape[1]
     marked.eval()
     base.eval()
     with torch.no_grad():
         out = marked(input_ids=ids, use_cache=True)
-        assert out.cache.get_seq_length() == ids.shape[1]
+        assert _cache_of(out).get_seq_length() == ids.shape[1]
         kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
         assert torch.equal(marked.generate(ids, **kwargs), base.generate(ids, **kwargs))
     # evaluation with grad enabled keeps the cache too (and the marks recompute)
     out = marked(input_ids=ids, use_cache=True)
-    assert out.cache.get_seq_length() == ids.shape[1]
+    assert _cache_of(out).get_seq_length() == ids.shape[1]
     out.logits.sum().backward()
-    assert out.cache.get_seq_length() == ids.shape[1]
+    assert _cache_of(out).get_seq_length() == ids.shape[1]
 
 
 def test_a_cache_written_in_place_is_refused_with_the_fix():
@@ -324,11 +330,12 @@ def test_a_cache_written_in_place_is_refused_with_the_fix():
     remat.apply(model, where="blocks", use_reentrant=True)
     ids = _batch("llama", 0)["input_ids"]
     cache = tf.StaticCache(config=model.config, max_cache_len=16)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     assert cache.is_compileable  # what the guard asks: its layers are written in place
     with pytest.raises(TypeError, match=r"LlamaDecoderLayer.*StaticCache.*in place.*use_cache=False"):
-        model(input_ids=ids, cache=cache, use_cache=True)
+        model(input_ids=ids, **{key: cache}, use_cache=True)
     with torch.no_grad():  # no recomputation: the cache is used as it is
-        assert model(input_ids=ids, cache=cache, use_cache=True).cache is cache
+        assert _cache_of(model(input_ids=ids, **{key: cache}, use_cache=True)) is cache
     assert cache.get_seq_length() == ids.shape[1]
 
 

@@ -103,7 +103,11 @@ def _not_copyable(cache: Any) -> str | None:
     """Why a throwaway copy of ``cache`` would not be faithful, asked through its public API; None if it is."""
     if cache.is_compileable:
         return "writes its tensors in place (is_compileable is True)"
-    if not cache.is_croppable:
+    croppable = getattr(cache, "is_croppable", None)
+    if croppable is None:
+        return ("cannot tell whether its state can be cut back (no is_croppable: transformers "
+                "older than 5.17)")
+    if not croppable:
         return "holds state that cannot be cut back to an earlier length (is_croppable is False)"
     if any(getattr(cache, "is_linear", ())):
         return "holds recurrent states that are updated in place (is_linear)"
@@ -153,7 +157,7 @@ def _guarded(module: torch.nn.Module, cache: Any) -> CacheRun:
             f"{type(cache).__name__}, which {why}; recomputing the layer would write it a second "
             f"time, and remat cannot give the recomputation the cache as forward saw it. Pass "
             f"use_cache=False while training (Hugging Face's gradient checkpointing does the "
-            f"same), use a DynamicCache, or remat.unmark the layer"
+            f"same), use a DynamicCache (transformers>=5.17), or remat.unmark the layer"
         )
     return CacheRun(cache)
 
@@ -179,12 +183,21 @@ class LayerCheckpoint:
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
         from remat._engine import region
 
-        layer = getattr(function, "args", (None,))[0] if isinstance(function, functools.partial) else None
-        name = type(layer).__name__ if isinstance(layer, torch.nn.Module) else "layer"
+        name = _layer_name(function)
         return region.run(function, args, kwargs, self.spec, name=name)
 
     def __repr__(self) -> str:
         return f"remat.LayerCheckpoint({self.spec})"
+
+
+def _layer_name(function: Any) -> str:
+    """The class of the layer in ``partial(forward, layer)`` (5.24) or ``partial(layer.__call__)`` (5.17)."""
+    if isinstance(function, functools.partial):
+        candidates = (*function.args[:1], getattr(function.func, "__self__", None))
+        for layer in candidates:
+            if isinstance(layer, torch.nn.Module):
+                return type(layer).__name__
+    return "layer"
 
 
 def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **options: Any) -> list[str]:
