@@ -26,16 +26,17 @@ Example:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 
 def _is_hf_layer(module: torch.nn.Module) -> bool:
-    return any(
-        c.__name__ == "GradientCheckpointingLayer" and c.__module__.startswith("transformers.")
-        for c in type(module).__mro__
-    )
+    """A ``transformers.modeling_layers.GradientCheckpointingLayer`` (looked up, never imported)."""
+    layer = getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", None)
+    return isinstance(layer, type) and isinstance(module, layer)
 
 
 def _outermost(found: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:

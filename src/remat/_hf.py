@@ -1,29 +1,41 @@
 """Hugging Face transformers: the key/value cache of a marked layer (front end).
 
 NOTE [Cache of a marked layer]
-With ``use_cache=True`` (the default of most Hugging Face configs), each decoder
-layer appends its keys and values to the cache object it is given. Recomputing a
-marked layer would append them a second time: a longer cache, wrong attention
-in the re-run (with ``use_reentrant=True`` gradients silently wrong), or an error
-(T5). Hugging Face's own ``gradient_checkpointing_enable`` turns the cache off
-while training (``GradientCheckpointingLayer``). A mark does the same for a
-transformers module called in training mode with grad enabled, with a one-time
-warning: the model's cache is not written. But instead of no cache, the layer
-gets a throwaway copy of the cache as it was when the layer was called, and its
-recomputation another one: so forward and recomputation run exactly the code and
-the tensor layouts of an unmarked layer (bitwise the same gradients; without a
-cache, GPT-2's attention reads its keys in another memory layout). A cache whose
-layers are written in place (``StaticCache``, quantized caches) cannot be copied
-cheaply: the layer gets no cache and ``use_cache=False`` then, as in Hugging Face.
-In evaluation, under ``no_grad`` and in ``generate`` the call is left as it is,
-so the cache works there. Layers that only read the cache
-(``_can_checkpoint_with_cache``) keep it, as in Hugging Face. transformers is never
-imported here: modules and caches are recognized by their classes.
+With ``use_cache=True`` (the default of most Hugging Face configs) a decoder layer
+appends its keys and values to the ``Cache`` it is given, in training too.
+Recomputing a marked layer on that cache would append them a second time: a longer
+cache, wrong attention in the re-run (with ``use_reentrant=True`` gradients silently
+wrong), or an error (T5). So, whenever grad is enabled (a backward may recompute), a
+marked module called with a ``transformers.Cache`` argument is guarded (NOTE [Call
+guards] in ``_marks.py``):
+
+1. The first run of the region (forward) gets the model's cache and writes it once,
+   as the unmarked layer does; each recomputation gets a throwaway copy of the cache
+   as it was when the layer was called. So forward and recomputation read the same
+   tensors in the same layouts, and the model trains bitwise as unmarked (Hugging
+   Face's own switch instead drops the cache in training: GPT-2's keys then have
+   another layout, and its gradients change in the last bits).
+2. The copy shares the cache's tensors: it is a new ``Cache`` object with new cache
+   layer objects (``Cache.layers``), whose ``update`` rebinds their tensors instead of
+   writing them. What a cache does is asked through its public API, not guessed from
+   its class name: ``is_compileable`` (its layers are written in place, at static
+   addresses: ``StaticCache``), ``is_croppable`` False (state that cannot be cut back
+   to an earlier length: quantized caches), ``is_linear`` (recurrent states updated in
+   place) or offloading: such a cache cannot be copied so, and the call is refused
+   with a ``TypeError`` that names the fix (``use_cache=False`` in training, or a
+   ``DynamicCache``). Never wrong gradients; never a silently dropped past either.
+3. Layers that only read the cache (``GradientCheckpointingLayer._can_checkpoint_with_cache``)
+   keep it, as in Hugging Face. Under ``no_grad`` (``generate``, evaluation) the call
+   is left as it is.
+
+transformers is never imported here: its public classes (``Cache``,
+``GradientCheckpointingLayer``) are looked up in ``sys.modules``, where they are
+whenever a model or a cache of theirs exists.
 
 Example:
     >>> import torch
     >>> from remat._hf import guard_cache
-    >>> guard_cache(torch.nn.Linear(2, 2), (), {"past_key_values": object()}) is None  # not transformers
+    >>> guard_cache(torch.nn.Linear(2, 2), (), {"cache": object()}) is None  # no transformers cache
     True
 """
 
@@ -31,147 +43,126 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
-import warnings
+import sys
 from typing import Any
 
 import torch
 
-CACHE_OBJECTS = ("past_key_values", "past_key_value", "layer_past")
-_warned: set[str] = set()
+from remat._marks import PerRun, add_call_guard, mark_from_keywords
 
 
-def is_transformers_module(module: torch.nn.Module) -> bool:
-    """True when ``module``'s class, or one of its bases, comes from the transformers package."""
-    return _from_transformers(type(module))
+def public_class(module: str, name: str) -> type | None:
+    """The class ``name`` of the transformers module ``module`` if it is loaded, else None."""
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else None
 
 
-@functools.lru_cache(maxsize=1024)
-def _from_transformers(cls: type) -> bool:
-    return any(c.__module__.startswith("transformers.") for c in cls.__mro__)
+def is_hf_layer(module: torch.nn.Module) -> bool:
+    """True for a Hugging Face ``GradientCheckpointingLayer`` (what its own switch checkpoints)."""
+    layer = public_class("transformers.modeling_layers", "GradientCheckpointingLayer")
+    return layer is not None and isinstance(module, layer)
 
 
-@functools.lru_cache(maxsize=256)
-def _parameters(cls: type) -> tuple[str, ...]:
-    try:
-        signature = inspect.signature(cls.forward)
-    except (TypeError, ValueError):
-        return ()
-    return tuple(
-        name for name, p in list(signature.parameters.items())[1:]
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    )
+class CacheRun(PerRun):
+    """A cache argument of a marked layer: the cache itself for forward, copies after."""
 
-
-class CacheSnapshot:
-    """The cache a marked layer was called with, as it was then (NOTE [Cache of a marked layer])."""
-
-    __slots__ = ("cache",)
+    __slots__ = ("cache", "runs", "snapshot")
 
     def __init__(self, cache: Any) -> None:
-        self.cache = cache
+        self.cache, self.snapshot, self.runs = cache, _copy(cache), 0
 
-    def fresh(self) -> Any:
-        """A throwaway copy for one run of the layer."""
-        return _snapshot(self.cache)
-
-
-def _is_dynamic_layer(layer: Any) -> bool:
-    return any(c.__name__ == "DynamicLayer" for c in type(layer).__mro__) and not any(
-        "Quantized" in c.__name__ for c in type(layer).__mro__
-    )
+    def take(self) -> Any:
+        """The model's cache for the first run (forward), a throwaway copy for each re-run."""
+        self.runs += 1
+        return self.cache if self.runs == 1 else _copy(self.snapshot)
 
 
-def _snapshot(cache: Any) -> Any:
-    """A copy of ``cache`` that a layer may append to, sharing its tensors; None if unsupported."""
-    if all(hasattr(cache, a) for a in ("self_attention_cache", "cross_attention_cache", "is_updated")):
-        parts = [_snapshot(cache.self_attention_cache), _snapshot(cache.cross_attention_cache)]
-        if any(p is None for p in parts):
-            return None
-        new = copy.copy(cache)
-        new.self_attention_cache, new.cross_attention_cache = parts
-        new.is_updated = dict(cache.is_updated)
-        return new
-    layers = getattr(cache, "layers", None)
-    if type(cache).__name__ != "DynamicCache" or not isinstance(layers, list):
-        return None
-    if not all(_is_dynamic_layer(layer) for layer in layers):
-        return None
+def _copy(cache: Any) -> Any:
+    """A cache that a layer may update without touching ``cache``: new objects, shared tensors."""
+    base = public_class("transformers.cache_utils", "Cache")
     new = copy.copy(cache)
-    new.layers = [copy.copy(layer) for layer in layers]  # a layer rebinds its tensors on update
+    for name, value in vars(cache).items():
+        if base is not None and isinstance(value, base):
+            setattr(new, name, _copy(value))  # EncoderDecoderCache's two caches
+        elif name == "layers":
+            setattr(new, name, [_copy_layer(layer) for layer in value])
+        elif isinstance(value, (dict, list)):
+            setattr(new, name, copy.copy(value))  # EncoderDecoderCache.is_updated
     return new
 
 
-def fresh_caches(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Replace each :class:`CacheSnapshot` argument by a throwaway copy (for a re-run)."""
-    if not any(isinstance(a, CacheSnapshot) for a in (*args, *kwargs.values())):
-        return args, kwargs
-    return (
-        tuple(a.fresh() if isinstance(a, CacheSnapshot) else a for a in args),
-        {k: v.fresh() if isinstance(v, CacheSnapshot) else v for k, v in kwargs.items()},
-    )
+def _copy_layer(layer: Any) -> Any:
+    new = copy.copy(layer)
+    for name, value in vars(layer).items():
+        if isinstance(value, (dict, list)):
+            setattr(new, name, copy.copy(value))
+    return new
+
+
+def _not_copyable(cache: Any) -> str | None:
+    """Why a throwaway copy of ``cache`` would not be faithful, asked through its public API; None if it is."""
+    if cache.is_compileable:
+        return "writes its tensors in place (is_compileable is True)"
+    croppable = getattr(cache, "is_croppable", None)
+    if croppable is None:
+        return ("cannot tell whether its state can be cut back (no is_croppable: transformers "
+                "older than 5.17)")
+    if not croppable:
+        return "holds state that cannot be cut back to an earlier length (is_croppable is False)"
+    if any(getattr(cache, "is_linear", ())):
+        return "holds recurrent states that are updated in place (is_linear)"
+    if getattr(cache, "offloading", False):
+        return "offloads its layers to the CPU"
+    base = public_class("transformers.cache_utils", "Cache")
+    inner = [v for v in vars(cache).values() if isinstance(v, base)]
+    return next((why for why in map(_not_copyable, inner) if why is not None), None)
 
 
 def guard_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """The arguments a marked layer's region records, the cache replaced; None to leave them.
+    """The arguments a marked module's region records, each ``Cache`` a :class:`CacheRun`.
 
-    See NOTE [Cache of a marked layer]. Cache objects become :class:`CacheSnapshot`
-    (the region's re-run and the forward call each take a copy: :func:`fresh_caches`),
-    or, for a cache that cannot be copied, ``None`` with ``use_cache=False``.
+    See NOTE [Cache of a marked layer].
 
     Args:
         module: the marked module being called.
         args, kwargs: its arguments.
 
     Returns:
-        ``(args, kwargs)`` to record, or None when nothing changes (not training, grad
-        disabled, not a transformers module, no cache passed).
+        ``(args, kwargs)`` to record, or None when nothing changes (grad disabled, no
+        transformers ``Cache`` among the arguments, a layer that only reads its cache).
+
+    Raises:
+        TypeError: a cache that cannot be copied faithfully (StaticCache, quantized,
+            offloaded, recurrent states).
     """
-    if not (module.training and torch.is_grad_enabled() and is_transformers_module(module)):
+    base = public_class("transformers.cache_utils", "Cache")
+    if base is None or not torch.is_grad_enabled():
         return None
-    if getattr(module, "_can_checkpoint_with_cache", False):
+    if not any(isinstance(a, base) for a in (*args, *kwargs.values())):
         return None
-    names = _parameters(type(module))
-    new_args, new_kwargs = list(args), dict(kwargs)
-    found: list[tuple[str, int | None, Any]] = []
-    for name in CACHE_OBJECTS:
-        if new_kwargs.get(name) is not None:
-            found.append((name, None, new_kwargs[name]))
-        elif name in names and names.index(name) < len(new_args) and new_args[names.index(name)] is not None:
-            found.append((name, names.index(name), new_args[names.index(name)]))
-    if not found:
+    if is_hf_layer(module) and getattr(module, "_can_checkpoint_with_cache", False):
         return None
-    snapshots = [_snapshot(cache) for _, _, cache in found]
-    copied = all(snap is not None for snap in snapshots)
-    for (name, position, _), snap in zip(found, snapshots):
-        value = CacheSnapshot(snap) if copied else None
-        if position is None:
-            new_kwargs[name] = value
-        else:
-            new_args[position] = value
-    if not copied:
-        if new_kwargs.get("use_cache"):
-            new_kwargs["use_cache"] = False
-        elif "use_cache" in names and names.index("use_cache") < len(new_args):
-            new_args[names.index("use_cache")] = False
-    _warn_once(type(module).__name__, copied)
-    return tuple(new_args), new_kwargs
+
+    def guarded(value: Any) -> Any:
+        return _guarded(module, value) if isinstance(value, base) else value
+
+    return tuple(map(guarded, args)), {k: guarded(v) for k, v in kwargs.items()}
 
 
-def _warn_once(name: str, copied: bool) -> None:
-    if name in _warned:
-        return
-    _warned.add(name)
-    how = ("each run of the layer appends to a throwaway copy" if copied
-           else "the layer runs with use_cache=False and no cache")
-    warnings.warn(
-        f"remat: {name} is marked for recomputation and was called in training with a key/value "
-        f"cache, which its recomputation would write a second time; so while training the "
-        f"model's cache is not written ({how}), as with Hugging Face's gradient checkpointing; "
-        f"evaluation and generate() use the cache",
-        UserWarning,
-        stacklevel=4,
-    )
+def _guarded(module: torch.nn.Module, cache: Any) -> CacheRun:
+    why = _not_copyable(cache)
+    if why is not None:
+        raise TypeError(
+            f"remat mark on {type(module).__name__}: called with grad enabled and a "
+            f"{type(cache).__name__}, which {why}; recomputing the layer would write it a second "
+            f"time, and remat cannot give the recomputation the cache as forward saw it. Pass "
+            f"use_cache=False while training (Hugging Face's gradient checkpointing does the "
+            f"same), use a DynamicCache (transformers>=5.17), or remat.unmark the layer"
+        )
+    return CacheRun(cache)
+
+
+add_call_guard(guard_cache)
 
 
 class LayerCheckpoint:
@@ -192,12 +183,21 @@ class LayerCheckpoint:
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
         from remat._engine import region
 
-        layer = getattr(function, "args", (None,))[0] if isinstance(function, functools.partial) else None
-        name = type(layer).__name__ if isinstance(layer, torch.nn.Module) else "layer"
+        name = _layer_name(function)
         return region.run(function, args, kwargs, self.spec, name=name)
 
     def __repr__(self) -> str:
         return f"remat.LayerCheckpoint({self.spec})"
+
+
+def _layer_name(function: Any) -> str:
+    """The class of the layer in ``partial(forward, layer)`` (5.24) or ``partial(layer.__call__)`` (5.17)."""
+    if isinstance(function, functools.partial):
+        candidates = (*function.args[:1], getattr(function.func, "__self__", None))
+        for layer in candidates:
+            if isinstance(layer, torch.nn.Module):
+                return type(layer).__name__
+    return "layer"
 
 
 def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **options: Any) -> list[str]:
@@ -228,8 +228,6 @@ def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **o
         ...     print(str(err).split(" (")[0])
         remat.gradient_checkpointing_enable: expected a Hugging Face PreTrainedModel
     """
-    from remat._marks import mark_from_keywords
-
     api = "remat.gradient_checkpointing_enable"
     if not callable(getattr(model, "_set_gradient_checkpointing", None)):
         raise TypeError(
@@ -238,15 +236,13 @@ def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **o
         )
     spec = mark_from_keywords(api, options, keep_outputs=False)
     extra = {"every_n_layers": every} if every != 1 else {}
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": spec.use_reentrant}, **extra
-    )
+    kwargs = {"use_reentrant": spec.use_reentrant}
+    if callable(getattr(model, "activation_checkpointing_enable", None)):  # its name since 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **extra)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **extra)
     model._set_gradient_checkpointing(
         enable=True, gradient_checkpointing_func=LayerCheckpoint(spec), **extra
     )
     return [n for n, m in model.named_modules()
-            if getattr(m, "gradient_checkpointing", False) and _is_layer(m)]
-
-
-def _is_layer(module: torch.nn.Module) -> bool:
-    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+            if getattr(m, "gradient_checkpointing", False) and is_hf_layer(m)]

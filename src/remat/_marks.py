@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from remat import _compile_check, _hf
+from remat import _compile_check
 from remat._blocks import find_blocks
 from remat._engine import region as _region
 from remat._errors import check_bool, check_keywords
@@ -288,6 +288,43 @@ def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
 # ``remat.is_recomputing()``.
 
 
+# NOTE [Call guards]
+# An adapter for a library whose modules carry state across calls (Hugging Face's
+# key/value cache, ``_hf.py``) registers a guard with :func:`add_call_guard`. Before a
+# marked module's region starts, each guard may return new ``(args, kwargs)`` for the
+# region to record, in which an argument may be a :class:`PerRun`: each run of the
+# region (forward, then each recomputation) calls its ``take()`` for the value that run
+# gets. So the mark's core knows no library, and no library is imported by it.
+
+CallGuard = Callable[[torch.nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
+_CALL_GUARDS: list[CallGuard] = []
+
+
+class PerRun:
+    """An argument of a marked module's region that each run takes afresh (NOTE [Call guards])."""
+
+    __slots__ = ()
+
+    def take(self) -> Any:
+        """The value this run of the region gets."""
+        raise NotImplementedError
+
+
+def add_call_guard(guard: CallGuard) -> None:
+    """Register ``guard(module, args, kwargs) -> (args, kwargs) | None`` (NOTE [Call guards])."""
+    if guard not in _CALL_GUARDS:
+        _CALL_GUARDS.append(guard)
+
+
+def _taken(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if not any(isinstance(a, PerRun) for a in (*args, *kwargs.values())):
+        return args, kwargs
+    return (
+        tuple(a.take() if isinstance(a, PerRun) else a for a in args),
+        {k: v.take() if isinstance(v, PerRun) else v for k, v in kwargs.items()},
+    )
+
+
 class MarkedForward:
     """The ``forward`` of a marked module: runs the class's forward as a region.
 
@@ -319,9 +356,10 @@ class MarkedForward:
         spec = mark_of(module)
         if spec is None:
             return self.plain()(*args, **kwargs)
-        recorded = _hf.guard_cache(module, args, kwargs)  # NOTE [Cache of a marked layer]
-        if recorded is not None:
-            args, kwargs = recorded
+        for guard in _CALL_GUARDS:  # NOTE [Call guards]
+            guarded = guard(module, args, kwargs)
+            if guarded is not None:
+                args, kwargs = guarded
         apply_to_units(module, spec)  # NOTE [Sharded parameters under a mark]
         fn = functools.partial(_replay, module)  # a partial: the engine sees the module
         return _region.run(fn, args, kwargs, spec, name=type(module).__name__)
@@ -332,7 +370,7 @@ class MarkedForward:
 
 def _replay(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """What a marked module's region runs, in forward and in recomputation: its plain forward."""
-    args, kwargs = _hf.fresh_caches(args, kwargs)
+    args, kwargs = _taken(args, kwargs)
     marked = module.__dict__.get("forward")
     forward = marked.plain() if isinstance(marked, MarkedForward) else type(module).forward.__get__(module)
     with gathered_for_rerun(module):  # NOTE [Output pass over FSDP units]
