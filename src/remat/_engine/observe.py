@@ -232,7 +232,10 @@ class Substitute(TorchFunctionMode):
 
 
 class CheckReads(_Watch):
-    """Refuse a re-run reading a tensor that requires grad which the forward did not read.
+    """Refuse a re-run reading a leaf that requires grad which the forward did not read.
+
+    A tensor with a history (made by an ``autograd.Function`` the re-run calls, or
+    one from outside) is left to :func:`check_graph`, which follows its history.
 
     NOTE [Observed reads]. ``allowed``: the tensors the re-run may read besides those it
     produces.
@@ -250,8 +253,9 @@ class CheckReads(_Watch):
         if self.depth:
             return func(*args, **kwargs)
         for t in pytree.tree_leaves((args, kwargs)):
-            if (isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in self.produced
-                    and id(t) not in self.allowed and _storage(t) not in self.storages):
+            if (isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None
+                    and id(t) not in self.produced and id(t) not in self.allowed
+                    and _storage(t) not in self.storages):
                 raise RecomputeError(
                     f"remat: region '{self.name}' (use_reentrant=True): its recomputation reads "
                     f"a tensor that requires grad (shape {list(t.shape)}, by {func}) which its "
