@@ -3,7 +3,7 @@
 A region is a callable run with its arguments (NOTE [Regions] in ``region.py``).
 :class:`RegionCore` holds what either implementation needs to run it again: the
 callable, its arguments split into tensors and the rest, the options, the random
-and autocast state to replay, and what the forward wrote. The saved-tensor hooks
+and autocast state to replay. The saved-tensor hooks
 implementation (``region.py``) and the ``autograd.Function`` one
 (``reentrant.py``) each extend it with the fields of their own.
 """
@@ -42,8 +42,6 @@ class RegionCore:
         self.leaves: list = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         self.arguments: list[torch.Tensor] = [leaves[i] for i in self.tensor_slots]
         self.replay = _rng.capture(self.arguments, spec.preserve_rng_state)
-        self.guard = True  # re-run under the state guard (NOTE [Guard only when needed])
-        self.quiet_stats: list[torch.Tensor] = []  # NOTE [Quiet batch norms]
         self.kept_collectives: list | None = None  # NOTE [Kept collectives]
         self.runs = 0
 
@@ -59,8 +57,3 @@ class RegionCore:
         for slot, x in zip(self.tensor_slots, tensors, strict=True):
             leaves[slot] = x
         return self.unflatten(leaves)
-
-    def settle_writes(self, written: list, quiet_stats: list) -> None:
-        """What the forward wrote decides how the re-run runs (NOTE [Guard only when needed])."""
-        self.quiet_stats = quiet_stats
-        self.guard = bool(written) and not quiet_stats

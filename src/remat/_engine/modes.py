@@ -4,8 +4,10 @@ NOTE [No double state updates]
 Re-running a region runs its in-place writes a second time: BatchNorm would
 fold the batch statistics into ``running_mean`` twice and count
 ``num_batches_tracked`` twice (``torch.utils.checkpoint`` and MindSpore both
-do). During recomputation :class:`StateGuard` lets an operator write only to
-tensors the recomputation itself created. A write to any other tensor (a
+do). remat replays the state a region writes instead (NOTE [Observed writes] in
+``observe.py``). A reentrant region that wrote its own argument re-runs under
+:class:`StateGuard`, which lets an operator write only to tensors the
+recomputation itself created. A write to any other tensor (a
 buffer, a region input) is dropped: a pure in-place or ``out=`` operator is
 skipped and returns its target unchanged; an operator that also computes new
 outputs (``_native_batch_norm_legit``) writes into a throw-away copy. The

@@ -65,8 +65,8 @@ rebuilds it instead, as if it had not been kept; one that cannot raises
 autograd's own error.
 
 NOTE [Output recompute] (``outputs.py``) and NOTE [Output pass] (``_Frame.recompute``)
-say how a region's outputs are not kept either; NOTE [What a region reaches],
-[Guard only when needed] and [Quiet batch norms] (``reach.py``) how recomputation
+say how a region's outputs are not kept either; NOTE [Observed writes]
+(``observe.py``) how recomputation
 avoids writing module state twice at little cost.
 
 Two implementations share all of this: saved-tensor hooks (``use_reentrant=

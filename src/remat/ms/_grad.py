@@ -103,7 +103,7 @@ def _backward_to(targets: list[torch.Tensor], inputs: list[torch.Tensor]) -> lis
     """Gradients of ``sum(targets)`` with respect to ``inputs``; no ``.grad`` is touched.
 
     Works through ``use_reentrant=True`` regions too: remat's reentrant region
-    takes the parameters it reaches as inputs (NOTE [What a region reaches]).
+    takes the parameters it reaches as inputs (NOTE [Observed reads]).
     """
     ones = [torch.ones_like(t) for t in targets]
     return list(torch.autograd.grad(targets, inputs, ones, allow_unused=True))
