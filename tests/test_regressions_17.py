@@ -73,3 +73,58 @@ def test_output_recompute_with_reentrant_inplace_child_frees_finished_steps() ->
         del x, grads
         assert _alive(refs) == 0, f"step {step}: tensors of finished steps are still alive"
         assert not _outputs._registry and not _outputs.hook_active()
+
+
+class LinearBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.fc(x)))
+
+
+def _step(model: nn.Module, run, x: torch.Tensor) -> list:
+    xi = x.detach().clone().requires_grad_()
+    run(model, xi).square().sum().backward()
+    return [xi.grad, *(p.grad for p in model.parameters()), *model.buffers()]
+
+
+def _assert_equal(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(u, v), f"tensor {i} differs"
+
+
+def test_save_all_mark_under_checkpoint_with_save_all_context() -> None:
+    """Issue 17: a block marked with ``policy=save_all`` whose bound method (opaque to remat:
+    the mark's wrapper) is also checkpointed with a save_all ``context_fn`` raised "aten.clone
+    call #0 ran in recomputation but not in forward": the state guard's copy of the batch norm
+    statistics went through the context's mode."""
+    torch.manual_seed(0)
+    plain = LinearBatchNorm()
+    marked = remat.recompute_module(copy.deepcopy(plain), policy=remat.save_all)
+    x = torch.randn(3, 4)
+    want = _step(plain, lambda m, t: m(t), x)
+    got = _step(marked, lambda m, t: remat.checkpoint(
+        m.forward, t, use_reentrant=False, early_stop=False,
+        context_fn=remat.policy_context(remat.save_all)), x)
+    _assert_equal(want, got)
+
+
+def test_output_recompute_mark_under_checkpoint_with_torch_sac() -> None:
+    """Fuzz seed 1330 (shrunk): the same through torch's selective-checkpoint contexts."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    plain = LinearBatchNorm()
+    marked = remat.recompute_module(copy.deepcopy(plain), output_recompute=True)
+    x = torch.randn(3, 4)
+    want = _step(plain, lambda m, t: m(t), x)
+    got = _step(marked, lambda m, t: remat.checkpoint(
+        m.forward, t, use_reentrant=False, early_stop=False,
+        context_fn=lambda: create_selective_checkpoint_contexts(policy_fn)), x)
+    _assert_equal(want, got)
