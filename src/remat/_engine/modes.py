@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -118,12 +118,19 @@ class StateGuard(TorchDispatchMode):
         return stale
 
     def _with_copies(self, func, stale, args, kwargs) -> tuple[tuple, dict]:
+        """Throw-away copies of the stale targets, made outside every mode below this one.
+
+        The copies are the guard's, not the region's operators: a ``context_fn``'s
+        mode under the guard (a selective-recompute policy, torch's SAC) counts the
+        region's calls by index and never saw them in forward (issue 17).
+        """
         args, kwargs = list(args), dict(kwargs)
-        for i, name in stale:
-            if i < len(args):
-                args[i] = args[i].clone()
-            else:
-                kwargs[name] = kwargs[name].clone()
+        with _disable_current_modes():
+            for i, name in stale:
+                if i < len(args):
+                    args[i] = args[i].clone()
+                else:
+                    kwargs[name] = kwargs[name].clone()
         return tuple(args), kwargs
 
 

@@ -159,7 +159,7 @@ class Reentrant(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, frame: ReentrantFrame, n_inputs: int, *tensors: torch.Tensor) -> Any:
         ctx.frame, ctx.n_inputs = frame, n_inputs
-        ctx.save_for_backward(*tensors[:n_inputs])
+        ctx.save_for_backward(*_without_history(frame, tensors[:n_inputs]))
         out, frame.pending = frame.pending, None
         outs = tuple(_not_a_view(o) for o in (out if isinstance(out, tuple) else (out,)))
         if frame.targets:
@@ -181,6 +181,9 @@ class Reentrant(torch.autograd.Function):
                 f"use use_reentrant=False (torch: Trying to backward through the graph a second "
                 f"time, or directly access saved tensors after they have already been freed)"
             ) from err
+        if frame.views:  # saved without their history (_without_history): they require grad
+            tensors = tuple(x.detach().requires_grad_() if i in frame.views else x
+                            for i, x in enumerate(tensors))
         return _differentiate(frame, tensors, grads)
 
 
@@ -215,6 +218,26 @@ class _Link(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
         return grad
+
+
+def _without_history(frame: Any, inputs: tuple) -> tuple:
+    """The arguments to save, a written view's detached (NOTE [Written views are saved detached]).
+
+    NOTE [Written views are saved detached]
+    Marking a written view's base dirty gives the view a history that starts at
+    the Function's own node. Saved as itself (an input, not an output), the view
+    would keep that history, and so the node, alive: a reference cycle through
+    the autograd graph that only the region's backward breaks (it frees the
+    saved tensors). A region whose backward never runs (an unused output, or the
+    re-run of a reentrant region inside an ``output_recompute`` region's
+    recomputation) kept its whole graph, and the step's tensors, forever. The
+    backward reads a written argument's value only (its history is the
+    ``_Link``'s); a detached alias shares the view's version counter, so a later
+    in-place change is still caught.
+    """
+    if not frame.views:
+        return inputs
+    return tuple(x.detach() if i in frame.views else x for i, x in enumerate(inputs))
 
 
 def _not_a_view(x: Any) -> Any:
