@@ -434,7 +434,8 @@ def test_same_bytes_kept_as_torch_checkpoint():
 def test_no_engine_object_outlives_its_graph(options):
     import gc
 
-    from remat._engine import region as _region
+    from remat._engine import hooked as _hooked
+    from remat._engine import reentrant as _reentrant
 
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)])
     remat.apply(model, where=lambda name, m: name in ("0", "1", "2"), **options)
@@ -445,7 +446,7 @@ def test_no_engine_object_outlives_its_graph(options):
     gc.collect()
     with warnings.catch_warnings():  # gc.get_objects() trips deprecated torch attributes
         warnings.simplefilter("ignore")
-        alive = [o for o in gc.get_objects() if isinstance(o, (_region._Frame, _region._Holder, _outputs.OutputRef))]
+        alive = [o for o in gc.get_objects() if isinstance(o, (_hooked.HookedFrame, _hooked._Holder, _reentrant.ReentrantFrame, _outputs.OutputRef))]
     assert alive == [] and _outputs._registry == {} and not _outputs.hook_active()
 
 

@@ -4,7 +4,7 @@ A region is a callable run with its arguments (NOTE [Regions] in ``region.py``).
 :class:`RegionCore` holds what either implementation needs to run it again: the
 callable, its arguments split into tensors and the rest, the options, the random
 and autocast state to replay. The saved-tensor hooks
-implementation (``region.py``) and the ``autograd.Function`` one
+implementation (``hooked.py``) and the ``autograd.Function`` one
 (``reentrant.py``) each extend it with the fields of their own.
 """
 

@@ -16,7 +16,7 @@ regions. remat reads torch's switches; it never calls torch's checkpoint.
 - A :class:`GraphExecGroup` is the group torch's autograd records for the
   thread, so torch's and remat's groups are one and the same: they cannot nest
   in each other, and a region under either re-runs once per group instead of
-  once per backward call (NOTE [Graph tasks] in ``region.py``).
+  once per backward call (NOTE [Graph tasks] in ``hooked.py``).
 """
 
 from __future__ import annotations

@@ -525,7 +525,7 @@ def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_f
         else:
             once = (keep[f"{names[k]}.{child}"].forward_ms or 0.0) / 1e3
         # an operator mark runs twice in backward: once to hand its output to whoever saved
-        # it, once to rebuild what it saved itself (NOTE [Output pass] in _engine/region.py)
+        # it, once to rebuild what it saved itself (NOTE [Output pass] in _engine/hooked.py)
         return once if child_mark(dict(blocks[k][1].named_children())[child]) == {} else 2 * once
 
     child_s = [[sum(child_seconds(k, c) for c in children_in(o)) if o in inner[names[k]] else 0.0

@@ -1,0 +1,498 @@
+"""``use_reentrant=False``: a region whose saved tensors are held by saved-tensor hooks (engine).
+
+See NOTE [Regions] in ``region.py``. While the region runs forward, every tensor it
+saves is packed into a :class:`_Holder`; in backward the first unpack re-runs it.
+
+NOTE [Early stop]
+Re-running stops as soon as the last holder still needed is rebuilt: holders
+that autograd already freed, and holders kept in forward, are not waited for.
+
+NOTE [Backward inside a region's forward]
+A region whose forward calls backward itself (``torch.autograd.grad`` inside
+the checkpointed function, as ``checkpoint(grad(f))`` does) unpacks its own
+holders while it is still running: the region re-runs, whole, before its
+forward has finished. That re-run saves more tensors than the holders made so
+far (everything after the backward call, and the backward call's own re-runs
+of inner regions), so without early stop the count check cannot hold; as in
+torch's checkpoint (``forward_completed``/``ignore_saved_mismatch``), a re-run
+that starts before the region has closed rebuilds the holders that exist and
+is not held to "more tensors than forward saved". Shapes are still checked,
+and a re-run after the region closed is checked in full.
+
+NOTE [Graph tasks]
+Each backward call (``backward``, ``torch.autograd.grad``) is a graph task with
+its own id. A region re-runs once per graph task that needs it, so
+``backward(retain_graph=True)`` twice rebuilds twice and both are exact. A
+rebuilt tensor is dropped as soon as it is unpacked. Inside a
+``GraphExecGroup`` (remat's or torch's, NOTE [Global switches] in ``flags.py``)
+the group stands for the graph task: its backward calls share one re-run, and
+a saved tensor unpacked by two of them is an error.
+
+NOTE [Inputs come back as themselves]
+A saved tensor that does not require grad (a region input a custom
+``autograd.Function`` saves, say) is handed back as the very object the re-run
+saved, which for a region input is the input itself: ``ctx.saved_tensors[0] is
+x`` holds inside a region as it does outside one (and in torch's checkpoint).
+
+NOTE [Keep outputs]
+``Cell.recompute`` keeps the result of the cell's output operator. When the
+region closes, a holder whose tensor shares storage with one of the region's
+outputs (alive anyway) keeps the tensor instead of waiting for a rebuild.
+
+NOTE [Regions that write their inputs]
+A region that changes one of its inputs in place (``nn.ReLU(inplace=True)``
+marked on its own, a block that starts with an in-place activation) cannot be
+re-run: the input it would start from is gone. The input versions recorded
+when the region opened tell, at each new operator that saves a tensor and when
+the region closes. From the first sign on, the region keeps what it saves, as
+if it were not marked, and takes back every earlier saved tensor still alive;
+what the latest saving operator saved is held until the next one saves (an
+in-place operator such as dropout's ``mul_`` saves its other operands before
+it writes). It drops its saved inputs (stale, and a reference cycle through
+the autograd graph if kept). Its outputs are not registered for output
+recompute. An earlier saved tensor already gone (a temporary saved two saving
+operators before the write) can be neither kept nor rebuilt: a
+``RecomputeError`` says so when the region closes.
+
+A kept tensor records its version. If it is changed in place after it was
+kept (an in-place operator on a kept output), a region that can re-run
+rebuilds it instead, as if it had not been kept; one that cannot raises
+autograd's own error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from remat._engine import collectives as _collectives
+from remat._engine import flags as _flags
+from remat._engine import outputs as _outputs
+from remat._engine import state as _state
+from remat._engine.core import RegionCore
+from remat._engine.errors import RecomputeError
+from remat._engine.modes import OpTrace
+from remat._engine.observe import replayed_state
+from remat._spec import RegionSpec
+
+_sequence_nr = torch.autograd._get_sequence_nr
+
+
+def _graph_task() -> object:
+    """The key of this backward call's re-runs (NOTE [Graph tasks])."""
+    group = _flags.current_group()
+    if group is not None:
+        return group
+    gid = torch._C._current_graph_task_id()
+    return gid if gid != -1 else uuid.uuid4().int
+
+
+def _meta(x: torch.Tensor) -> tuple:
+    return (tuple(x.shape), x.dtype, x.device)
+
+
+def _show_meta(meta: tuple) -> str:
+    shape, dtype, device = meta
+    return f"shape {list(shape)}, {str(dtype).replace('torch.', '')}, {device}"
+
+
+class _Stop(Exception):
+    """Raised inside a re-run once the last needed tensor is rebuilt (NOTE [Early stop])."""
+
+
+class _Holder:
+    __slots__ = ("__weakref__", "index", "kept", "kept_version", "out_of", "probe", "rebuilt",
+                 "saved_by")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.kept: torch.Tensor | None = None
+        self.kept_version = 0
+        self.rebuilt: dict[int, torch.Tensor] = {}
+        self.probe: weakref.ref | None = None
+        self.out_of: tuple | None = None  # (output index, layout) when it is an output
+        self.saved_by: str | None = None
+
+    def keep(self, x: torch.Tensor) -> None:
+        self.kept, self.kept_version, self.probe = x.detach(), x._version, None
+
+    def kept_is_stale(self) -> bool:
+        return self.kept is not None and self.kept._version != self.kept_version
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves a region's tensor inputs through the saved-tensor hooks around the region."""
+
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return dummy.new_empty((0,))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> None:  # pragma: no cover - never differentiated
+        raise AssertionError("remat internal error: the input saver was differentiated")
+
+
+class HookedFrame(RegionCore):
+    """A region run with saved-tensor hooks (``use_reentrant=False``): its holders and re-runs."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, name: str,
+                 contexts: tuple | None) -> None:
+        super().__init__(fn, args, kwargs, spec, name, contexts)
+        self.state: list = []  # NOTE [Observed writes]
+        self.holders: list[weakref.ref] = []
+        self.metas: list[tuple] = []
+        self.out_refs: list[weakref.ref] = []
+        self.rebuilt_outputs: dict[int, list] = {}
+        self.cached_inputs: dict[int, tuple] = {}
+        self.stored: set[int] = set()
+        self.counter: dict[int, int] = {}
+        self.trace: OpTrace | None = OpTrace() if spec.debug else None
+        self.recompute_trace: OpTrace | None = None
+        self.saver: torch.Tensor | None = None
+        self.input_versions: list | None = None  # until close: NOTE [Regions that write their inputs]
+        self.keep_all = False
+        self.lost: list[int] = []
+        self.recent: list[torch.Tensor] = []  # what the latest saving operator saved
+        self.recent_op = -1
+        self.closed = False  # NOTE [Backward inside a region's forward]
+        self._save_inputs(self.arguments)
+        self.input_versions = [(t, t._version) for t in self.arguments]
+        self.arguments = []  # saved through the hooks around the region, not held here
+
+    def close(self, output: Any) -> Any:
+        """The forward returned ``output``: settle what the region keeps; return what the caller sees."""
+        self.closed = True  # NOTE [Backward inside a region's forward]
+        spec = self.spec
+        if not self.keep_all and self.inputs_written():  # NOTE [Regions that write their inputs]
+            self.start_keeping()
+        self.input_versions, self.recent = None, []
+        if self.keep_all:
+            self.finish_keeping()
+            return output
+        flat = pytree.tree_leaves(output)
+        if spec.output_recompute or spec.keep_outputs:
+            self.settle_outputs(flat)
+        if spec.output_recompute:
+            _outputs.register(self, flat)
+        return output
+
+    # -- inputs ----------------------------------------------------------------
+    def _save_inputs(self, tensors: list) -> None:
+        if tensors:
+            dummy = torch.empty((0,), requires_grad=True)
+            self.saver = _SaveInputs.apply(dummy, *tensors)
+
+    def inputs(self) -> tuple[tuple, dict]:
+        leaves = list(self.leaves)
+        try:
+            saved = self.saver.grad_fn.saved_tensors if self.saver is not None else ()
+        except RuntimeError as err:
+            if "modified by an inplace operation" not in str(err):
+                raise
+            raise RecomputeError(
+                f"remat: region '{self.name}' cannot be re-run: one of its inputs was changed in "
+                f"place after the region ran (one of the variables needed for gradient "
+                f"computation has been modified by an inplace operation). A region is rebuilt "
+                f"from its inputs in backward; change the input out of place, or clone it first"
+            ) from err
+        for slot, x in zip(self.tensor_slots, saved):
+            leaves[slot] = x
+        return self.unflatten(leaves)
+
+    # -- forward packing ---------------------------------------------------------
+    def pack(self, x: torch.Tensor) -> _Holder:
+        if self.input_versions and not self.keep_all:  # NOTE [Regions that write their inputs]
+            op = _sequence_nr()  # one autograd node per operator
+            if op != self.recent_op:
+                self._next_operator(op)
+            if not self.keep_all:
+                self.recent.append(x)
+        holder = _Holder(len(self.holders))
+        self.holders.append(weakref.ref(holder))
+        if self.spec.determinism_check == "default":
+            self.metas.append(_meta(x))
+        if self.keep_all:
+            holder.keep(x)
+        else:
+            holder.probe = weakref.ref(x)
+        if self.trace is not None:
+            holder.saved_by = self.trace.last_op
+        return holder
+
+    def _next_operator(self, op: int) -> None:
+        """A new operator saves: did an earlier one write an input?
+
+        An in-place operator saves its other operands before it writes, so what
+        the latest saving operator saved is held until the next one saves: a
+        write by it (or by operators that save nothing after it) is seen while
+        its tensors are still alive (NOTE [Regions that write their inputs]).
+        """
+        if self.inputs_written():
+            self.start_keeping()
+        else:
+            self.recent.clear()
+            self.recent_op = op
+
+    def inputs_written(self) -> bool:
+        """True when an input changed in place since the region opened."""
+        for t, v in self.input_versions or ():
+            if t._version != v:
+                return True
+        return False
+
+    def start_keeping(self) -> None:
+        """NOTE [Regions that write their inputs]: keep every saved tensor from now on."""
+        self.keep_all = True
+        for ref in self.holders:
+            holder = ref()
+            if holder is None or holder.kept is not None:
+                continue  # freed by autograd already: not needed
+            x = holder.probe() if holder.probe is not None else None
+            if x is None:
+                self.lost.append(holder.index)
+            else:
+                holder.keep(x)
+        self.recent.clear()
+
+    def finish_keeping(self) -> None:
+        """Close a region that keeps what it saved; it is never re-run."""
+        self.saver = None  # the saved inputs are stale
+        if self.lost:
+            raise RecomputeError(
+                f"remat: region '{self.name}' changed one of its inputs in place after it had "
+                f"saved {len(self.lost)} tensor(s) for backward that are gone, so they can be "
+                f"neither kept nor rebuilt (the input they come from was overwritten); make the "
+                f"in-place operation out-of-place (e.g. inplace=False) or move it out of the region"
+            )
+
+    def settle_outputs(self, flat_outputs: list) -> None:
+        """Match saved tensors with the outputs, once the region has returned.
+
+        A holder whose tensor shares storage with an output keeps it (NOTE [Keep
+        outputs]) or, under ``output_recompute``, will take it from the output
+        pass (NOTE [Output pass]).
+        """
+        where = {t.untyped_storage()._cdata: j for j, t in enumerate(flat_outputs)
+                 if isinstance(t, torch.Tensor)}
+        for ref in self.holders:
+            holder = ref()
+            if holder is None or holder.probe is None:
+                continue
+            x, holder.probe = holder.probe(), None
+            j = where.get(x.untyped_storage()._cdata) if x is not None else None
+            if j is None or x.dtype != flat_outputs[j].dtype:
+                continue
+            if self.spec.output_recompute:
+                holder.out_of = (j, (tuple(x.shape), x.stride(), x.storage_offset()))
+            else:
+                holder.keep(x)
+
+    def add_output_ref(self, ref: _outputs.OutputRef) -> None:
+        self.out_refs.append(weakref.ref(ref))
+
+    # -- backward ------------------------------------------------------------------
+    def unpack(self, holder: _Holder) -> torch.Tensor:
+        if holder.kept is not None:
+            if not holder.kept_is_stale():
+                return holder.kept
+            if self.keep_all:  # NOTE [Regions that write their inputs]
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: [{holder.kept.type()} {list(holder.kept.shape)}] is at "
+                    f"version {holder.kept._version}; expected version {holder.kept_version} instead "
+                    f"(saved by remat region '{self.name}')"
+                )
+        gid = _graph_task()
+        if gid not in holder.rebuilt:
+            if gid in self.stored:
+                raise RecomputeError(self._unpacked_twice(holder, gid))
+            self.recompute(gid)
+        return holder.rebuilt.pop(gid)
+
+    def _unpacked_twice(self, holder: _Holder, gid: object) -> str:
+        if gid is _flags.current_group():
+            return (
+                f"remat: region '{self.name}': saved tensor #{holder.index} is needed by two "
+                f"backward calls in one GraphExecGroup, which re-runs the region once for all of "
+                f"them. Unpack is being triggered for a tensor that was already unpacked once. "
+                f"Performing two backward calls that overlap (i.e. require the same saved "
+                f"activation in order to compute gradients) is not allowed while under the "
+                f"torch.utils.checkpoint.GraphExecGroup context. Run the overlapping call "
+                f"outside the group"
+            )
+        return (
+            f"remat: region '{self.name}': saved tensor #{holder.index} was unpacked twice in one "
+            f"backward. Unpack is being triggered for a tensor that was already unpacked once. "
+            f"If you are calling ctx.saved_tensors in backward, make sure to do so only once"
+        )
+
+    def rebuild_output(self, index: int, ref: _outputs.OutputRef) -> torch.Tensor:
+        """NOTE [Output pass]: rebuild an output for a consumer, keeping nothing else."""
+        gid = _graph_task()
+        ref.done.add(gid)
+        if gid not in self.rebuilt_outputs:
+            self.recompute(gid, store=False)
+        outputs = self.rebuilt_outputs[gid]
+        if not self._refs_pending(gid):
+            del self.rebuilt_outputs[gid]
+        return outputs[index]
+
+    def _refs_pending(self, gid: int) -> bool:
+        return any((r := ref()) is not None and gid not in r.done for ref in self.out_refs)
+
+    def _last_needed(self, gid: int | None = None) -> int:
+        alive = [
+            h.index for r in self.holders
+            if (h := r()) is not None and h.kept is None and gid not in h.rebuilt
+        ]
+        return max(alive) if alive else -1
+
+    def recompute(self, gid: int, store: bool = True) -> None:
+        """Re-run the region for graph task ``gid``.
+
+        NOTE [Output pass]: a consumer that needs an output of an
+        ``output_recompute`` region (the next region's recomputation) gets it
+        from a run that stores no saved tensor (``store=False``); the inputs it
+        used are held for the later run that rebuilds the saved tensors, when
+        this region's own backward comes. So a chain of marked regions is never
+        rebuilt all at once: backward holds one region's tensors at a time and
+        the chain's boundary outputs, as a chain of plain regions would.
+        """
+        self._drop_stale_kept()
+        if self.spec.output_recompute:
+            _outputs.pop_after_backward()
+        need_outputs = not store or self._refs_pending(gid)
+        during_forward = not self.closed  # NOTE [Backward inside a region's forward]
+        stop_at = self._last_needed(gid) if self.spec.early_stop and not need_outputs else None
+        self.counter[gid] = 0
+        self.runs += 1
+        if store:
+            self.stored.add(gid)
+            args, kwargs = self.cached_inputs.pop(gid, None) or self.inputs()
+        else:
+            args, kwargs = self.inputs()
+            if self._last_needed() >= 0:  # some saved tensors will be rebuilt later
+                self.cached_inputs[gid] = (args, kwargs)
+        mismatches: list[str] = []
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_state.recomputing())
+            stack.enter_context(replayed_state(self.state))  # outside every mode (NOTE [Observed writes])
+            stack.enter_context(self.replay.context())
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(_RecomputeHooks(self, gid, stop_at, mismatches, store))
+            stack.enter_context(_collectives.replaying(self))  # NOTE [Kept collectives]
+            if self.contexts is not None:
+                stack.enter_context(self.contexts[1])
+            if self.trace is not None:
+                self.recompute_trace = stack.enter_context(OpTrace())
+            try:
+                out = self.fn(*args, **kwargs)
+            except _Stop:
+                out = None
+        self._check(gid, stop_at, mismatches, during_forward)
+        if need_outputs:
+            flat = pytree.tree_leaves(out)
+            self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
+            self._fill_from_outputs(gid)
+
+    def _drop_stale_kept(self) -> None:
+        """Kept tensors changed in place since are rebuilt (NOTE [Regions that write their inputs])."""
+        if not self.spec.keep_outputs or self.spec.output_recompute:
+            return  # nothing kept
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None and holder.kept_is_stale():
+                holder.kept = None
+
+    def _fill_from_outputs(self, gid: int) -> None:
+        """Saved tensors that are outputs come from the output pass, not from another run."""
+        outputs = self.rebuilt_outputs[gid]
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None and holder.out_of is not None and gid not in holder.rebuilt:
+                j, (size, stride, offset) = holder.out_of
+                holder.rebuilt[gid] = outputs[j].as_strided(size, stride, offset)
+
+    def _check(self, gid: object, stop_at: int | None, mismatches: list[str],
+               during_forward: bool = False) -> None:
+        """Compare what the re-run saved with what forward saved (torch's three cases)."""
+        if self.spec.determinism_check == "none":
+            return
+        count, saved = self.counter[gid], len(self.holders)
+        lines = []
+        if count < (saved if stop_at is None else stop_at + 1):
+            lines.append("A different number of tensors was saved during the original forward "
+                         "and recomputation.")
+            lines.append(f"number of tensors saved during the original forward and recomputation: "
+                         f"{saved} and {count}")
+        elif count > saved and not during_forward:  # without early stop; NOTE [Backward inside a region's forward]
+            lines.append(
+                f"trying to save more tensors during recomputation than during the original "
+                f"forward pass: forward saved {saved}, recomputation saved {count}"
+            )
+        if mismatches:
+            lines.append(
+                "Recomputed values for the following tensors have different metadata than "
+                "during the forward pass:"
+            )
+            lines += mismatches
+        if lines:
+            raise RecomputeError(self._mismatch_message(lines))
+
+    def _mismatch_message(self, mismatches: list[str]) -> str:
+        text = (
+            f"remat: region '{self.name}' rebuilt tensors that differ from the ones saved in "
+            f"forward:\n  " + "\n  ".join(mismatches)
+        )
+        if self.trace is not None and self.recompute_trace is not None:
+            return (
+                f"{text}\n\nOperators run in forward:\n{self.trace.render()}\n\n"
+                f"Operators run in recomputation:\n{self.recompute_trace.render()}\n\n"
+                f"Detected non-determinism while running activation checkpointing. You are "
+                f"seeing this error because you passed `debug=True` to checkpoint (or turned "
+                f"debug on with set_checkpoint_debug_enabled(True)): compare the two lists above."
+            )
+        return text + (
+            "\nPass debug=True to print the operators run in forward and in recomputation, or "
+            "wrap the code in remat.set_checkpoint_debug_enabled(True)."
+        )
+
+
+class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
+    def __init__(self, frame: HookedFrame) -> None:
+        super().__init__(frame.pack, frame.unpack)
+
+
+class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Collect the tensors a re-run saves into the holders of the forward."""
+
+    def __init__(self, frame: HookedFrame, gid: int, stop_at: int | None, mismatches: list,
+                 store: bool) -> None:
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            index = frame.counter[gid]
+            frame.counter[gid] = index + 1
+            x = x.detach() if x.requires_grad else x  # NOTE [Inputs come back as themselves]
+            if index >= len(frame.holders):
+                return x
+            if frame.metas and frame.metas[index] != _meta(x):
+                holder = frame.holders[index]()
+                by = f" (saved by {holder.saved_by})" if holder is not None and holder.saved_by else ""
+                mismatches.append(
+                    f"tensor #{index}{by}: forward {_show_meta(frame.metas[index])}; "
+                    f"recomputation {_show_meta(_meta(x))}"
+                )
+            holder = frame.holders[index]() if store else None
+            if holder is not None and holder.kept is None and gid not in holder.rebuilt:
+                holder.rebuilt[gid] = x
+            if stop_at is not None and index >= stop_at:
+                raise _Stop
+            return x
+
+        super().__init__(pack, lambda x: x)
