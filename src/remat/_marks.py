@@ -10,6 +10,7 @@ wrapper steps aside; the graph pass reads ``_remat_spec`` instead.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 from collections.abc import Callable, Iterable
@@ -23,7 +24,6 @@ from remat._engine import region as _region
 from remat._errors import check_bool, check_keywords
 from remat._policy import Policy
 from remat._spec import RegionSpec
-from remat.parallel._fsdp import apply_to_units, gathered_for_rerun
 
 MARK_KEYWORDS = (
     "use_reentrant",
@@ -294,10 +294,21 @@ def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
 # marked module's region starts, each guard may return new ``(args, kwargs)`` for the
 # region to record, in which an argument may be a :class:`PerRun`: each run of the
 # region (forward, then each recomputation) calls its ``take()`` for the value that run
-# gets. So the mark's core knows no library, and no library is imported by it.
+# gets. An adapter for a library that wraps modules (FSDP2's units, ``parallel/_fsdp.py``)
+# registers a run context with :func:`add_run_context` instead: each run of a marked
+# module's forward (forward and every recomputation) runs inside ``context(module, spec)``.
+# So the mark's core knows no library, and no library is imported by it.
 
 CallGuard = Callable[[torch.nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
+RunContext = Callable[[torch.nn.Module, RegionSpec], contextlib.AbstractContextManager]
 _CALL_GUARDS: list[CallGuard] = []
+_RUN_CONTEXTS: list[RunContext] = []
+
+
+def add_run_context(context: RunContext) -> None:
+    """Register ``context(module, spec)``, entered around each run of a marked module (NOTE [Call guards])."""
+    if context not in _RUN_CONTEXTS:
+        _RUN_CONTEXTS.append(context)
 
 
 class PerRun:
@@ -360,7 +371,6 @@ class MarkedForward:
             guarded = guard(module, args, kwargs)
             if guarded is not None:
                 args, kwargs = guarded
-        apply_to_units(module, spec)  # NOTE [Sharded parameters under a mark]
         fn = functools.partial(_replay, module)  # a partial: the engine sees the module
         return _region.run(fn, args, kwargs, spec, name=type(module).__name__)
 
@@ -373,5 +383,10 @@ def _replay(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     args, kwargs = _taken(args, kwargs)
     marked = module.__dict__.get("forward")
     forward = marked.plain() if isinstance(marked, MarkedForward) else type(module).forward.__get__(module)
-    with gathered_for_rerun(module):  # NOTE [Output pass over FSDP units]
+    spec = mark_of(module)
+    if not _RUN_CONTEXTS or spec is None:
+        return forward(*args, **kwargs)
+    with contextlib.ExitStack() as stack:  # NOTE [Call guards]
+        for context in _RUN_CONTEXTS:
+            stack.enter_context(context(module, spec))
         return forward(*args, **kwargs)

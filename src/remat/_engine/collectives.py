@@ -47,6 +47,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
+from remat._engine.core import RegionCore
 from remat._errors import RecomputeError
 
 NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
@@ -169,7 +170,7 @@ class Replay(Issued):
         return pytree.tree_unflatten(leaves, entry.spec)
 
 
-def recording(frame: Any) -> contextlib.AbstractContextManager:
+def recording(frame: RegionCore) -> contextlib.AbstractContextManager:
     """While a region's forward runs: keep its collectives' results if its mark asks to."""
     if frame.spec.mp_comm_recompute:
         return contextlib.nullcontext()
@@ -177,7 +178,7 @@ def recording(frame: Any) -> contextlib.AbstractContextManager:
     return Record(frame.kept_collectives)
 
 
-def replaying(frame: Any, wait_issued: bool = False) -> Any:
+def replaying(frame: RegionCore, wait_issued: bool = False) -> Any:
     """While a region re-runs: hand out the kept results instead of issuing collectives.
 
     With ``wait_issued`` (a reentrant re-run), return a mode in any case while a

@@ -220,7 +220,7 @@ class _Link(torch.autograd.Function):
         return grad
 
 
-def _without_history(frame: Any, inputs: tuple) -> tuple:
+def _without_history(frame: ReentrantFrame, inputs: tuple) -> tuple:
     """The arguments to save, a written view's detached (NOTE [Written views are saved detached]).
 
     NOTE [Written views are saved detached]

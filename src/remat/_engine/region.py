@@ -33,6 +33,7 @@ from remat._engine import collectives as _collectives
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
 from remat._engine import reentrant as _reentrant
+from remat._engine.core import RegionCore
 from remat._engine.hooked import ForwardHooks, HookedFrame
 from remat._engine.observe import Observe
 from remat._engine.selective import policy_context
@@ -43,7 +44,7 @@ from remat._spec import RegionSpec
 class _Handle:
     """An open region: what close_region needs to finish it, and what to call forward with."""
 
-    def __init__(self, frame: Any, stack: contextlib.ExitStack, args: tuple, kwargs: dict,
+    def __init__(self, frame: RegionCore | None, stack: contextlib.ExitStack, args: tuple, kwargs: dict,
                  observe: Observe | None = None) -> None:
         self.frame, self.stack, self.args, self.kwargs = frame, stack, args, kwargs
         self.observe = observe
@@ -80,7 +81,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
     contexts = _contexts(spec, context_fn)
     if spec.use_reentrant:
         _reentrant.check_args(name, args, kwargs)
-        frame: Any = _reentrant.ReentrantFrame(fn, args, kwargs, spec, name, contexts)
+        frame: RegionCore = _reentrant.ReentrantFrame(fn, args, kwargs, spec, name, contexts)
         args, kwargs = frame.call_with(frame.aliases)  # NOTE [Observed reads]
         observe = Observe(name, frame.aliases, reads=True)
     else:

@@ -6,6 +6,7 @@
 (``_fsdp.py``). This package also counts collectives per phase.
 """
 
+from remat.parallel import _fsdp  # noqa: F401  (registers its run context with the marks)
 from remat.parallel._count import CollectiveCounter, count_collectives
 
 __all__ = ["CollectiveCounter", "count_collectives"]

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from remat._engine.state import is_recomputing
+from remat._marks import add_run_context
 from remat._spec import RegionSpec
 
 _APPLIED = "_remat_fsdp_applied"
@@ -111,6 +112,16 @@ def _reshard_after_output_pass(unit: Any, args: Any, output: Any) -> None:
         unit.reshard()
 
 
+def run_context(module: torch.nn.Module, spec: RegionSpec) -> contextlib.AbstractContextManager:
+    """Around each run of a marked module: its units' resharding set, a re-run gathered.
+
+    Registered with the marks (NOTE [Call guards] in ``_marks.py``); NOTE [Sharded
+    parameters under a mark], NOTE [Output pass over FSDP units].
+    """
+    apply_to_units(module, spec)
+    return gathered_for_rerun(module)
+
+
 @contextlib.contextmanager
 def gathered_for_rerun(module: torch.nn.Module) -> Iterator[None]:
     """While remat re-runs a marked FSDP2 unit's forward, hold its parameters gathered.
@@ -134,3 +145,6 @@ def gathered_for_rerun(module: torch.nn.Module) -> Iterator[None]:
             g.post_forward_mesh_info is not None for g in state._fsdp_param_groups
         ):
             module.reshard()
+
+
+add_run_context(run_context)  # NOTE [Call guards]: the mark's core imports no adapter
