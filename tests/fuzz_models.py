@@ -269,6 +269,39 @@ class InplaceInputLate(Block):
         return self.fc(a * 0.1 + x)
 
 
+class HFLayer(Block):
+    """A Hugging Face layer (``GradientCheckpointingLayer``) inside a block, called with a
+    fresh key/value cache it writes in training when ``cache`` is drawn (issue 17)."""
+
+    kind = "hf_layer"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        from transformers import GPT2Config
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        config = GPT2Config(n_embd=D, n_head=2, n_layer=1, resid_pdrop=0.0, attn_pdrop=0.0,
+                            embd_pdrop=0.0)
+        config._attn_implementation = "eager"
+        self.config, self.cache = config, p["cache"]
+        self.layer = GPT2Block(config, layer_idx=0)
+
+    def forward(self, x):
+        if not self.cache:
+            return self.layer(x)
+        from transformers import DynamicCache
+
+        return self.layer(x, DynamicCache(config=self.config), use_cache=True)
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class BlockKind:
     """A layer kind: its class, how often it is drawn, and its random parameters."""
@@ -296,6 +329,8 @@ BLOCKS: dict[str, BlockKind] = {
     "inplace_input_late": BlockKind(InplaceInputLate, 0.2),
     "closure": BlockKind(Closure, 0.5),
 }
+if _has_transformers():
+    BLOCKS["hf_layer"] = BlockKind(HFLayer, 0.4, lambda r: {"cache": r.random() < 0.5})
 
 
 def _wire_view(h):

@@ -117,16 +117,27 @@ def test_cases_are_reproducible_from_their_seed():
 
 
 def test_generator_covers_every_block_wire_and_mark_kind():
-    seen_blocks, seen_wires, seen_marks = set(), set(), set()
+    seen_blocks, seen_wires, seen_marks, seen_calls = set(), set(), set(), set()
     for seed in range(300):
         case = fm.make_case(seed)
         for stage in case.desc["stages"]:
             seen_blocks |= {b["kind"] for b in stage}
             seen_wires |= {b["wire"] for b in stage}
         seen_marks |= {m["kind"] for m in case.plan}
+        for m in case.plan:
+            call = m.get("call", m) if m["kind"] in ("call", "marked_call") else None
+            if call is not None:
+                o = call["opts"]
+                seen_calls.add((m["kind"], call["api"], o.get("form", "module"),
+                                bool(o.get("use_reentrant")), o.get("early_stop", True)))
     assert seen_blocks == set(fm.BLOCKS)
     assert seen_wires == set(fm.WIRES)
     assert seen_marks == set(fm.MARKS)
+    # a region over a marked block, in every form, both implementations, without early stop
+    over_marked = {c[2:] for c in seen_calls if c[0] == "marked_call" and c[1] == "checkpoint"}
+    assert {(form, reentrant) for form, reentrant, _ in over_marked} == {
+        (form, reentrant) for form in fm.FORMS for reentrant in (False, True)}
+    assert any(not early_stop for _, _, early_stop in over_marked)
 
 
 # --- the harness itself must catch what it claims to catch -----------------------------
