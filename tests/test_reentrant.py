@@ -501,5 +501,6 @@ def test_tensor_held_as_a_module_attribute(call, calls):
         with pytest.raises(remat.RecomputeError, match="(reads|reaches) a tensor that requires grad.*which "
                                                        "its forward did not read"):
             run(marked)
+        marked.b.memo = None  # the module held a graph through the region: let it go
         return
     assert_same(want, run(marked))

@@ -77,7 +77,7 @@ from remat._engine import outputs as _outputs
 from remat._engine import state as _state
 from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
-from remat._engine.modes import OpTrace
+from remat._engine.modes import OpTrace, _storage_key
 from remat._engine.observe import replayed_state
 from remat._spec import RegionSpec
 
@@ -172,16 +172,31 @@ class HookedFrame(RegionCore):
         spec = self.spec
         if not self.keep_all and self.inputs_written():  # NOTE [Regions that write their inputs]
             self.start_keeping()
+        inputs = [t for t, _ in self.input_versions or ()]
         self.input_versions, self.recent = None, []
         if self.keep_all:
             self.finish_keeping()
             return output
         flat = pytree.tree_leaves(output)
+        self._copy_returned_inputs(inputs, flat)
         if spec.output_recompute or spec.keep_outputs:
             self.settle_outputs(flat)
         if spec.output_recompute:
             _outputs.register(self, flat)
         return output
+
+    def _copy_returned_inputs(self, inputs: list, flat: list) -> None:
+        """Save a copy of each input the region returns, or returns a view of.
+
+        NOTE [Arguments returned as outputs] (``reentrant.py``): a caller may change
+        such an output in place, which would change the input the re-run starts from.
+        """
+        keys = {_storage_key(t) for t in flat if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        shared = [t.layout == torch.strided and t.device.type != "meta" and _storage_key(t) in keys
+                  for t in inputs]
+        if keys and any(shared):
+            self._save_inputs([t.detach().clone().requires_grad_(t.requires_grad) if s else t
+                               for t, s in zip(inputs, shared)])
 
     # -- inputs ----------------------------------------------------------------
     def _save_inputs(self, tensors: list) -> None:

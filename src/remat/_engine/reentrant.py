@@ -90,6 +90,7 @@ class ReentrantFrame(RegionCore):
         self.bases: list | None = None
         self.views: dict[int, tuple] = {}
         self.n_targets = self.n_bases = 0
+        self.copied: dict[int, bool] = {}  # NOTE [Arguments returned as outputs]
 
 
 def close(frame: ReentrantFrame, observe: Observe, output: Any) -> Any:
@@ -159,9 +160,15 @@ class Reentrant(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, frame: ReentrantFrame, n_inputs: int, *tensors: torch.Tensor) -> Any:
         ctx.frame, ctx.n_inputs = frame, n_inputs
-        ctx.save_for_backward(*_without_history(frame, tensors[:n_inputs]))
         out, frame.pending = frame.pending, None
-        outs = tuple(_not_a_view(o) for o in (out if isinstance(out, tuple) else (out,)))
+        outs = (out if isinstance(out, tuple) else (out,))
+        ctx.save_for_backward(*_without_history(frame, _returned_copied(frame, tensors[:n_inputs], outs)))
+        passed = [o for o in outs if isinstance(o, torch.Tensor)
+                  and any(o is x for x in tensors[:n_inputs])]  # NOTE [Arguments returned as outputs]
+        outs = tuple(o.detach() if any(o is p for p in passed) else _not_a_view(o) for o in outs)
+        if passed:
+            ctx.mark_non_differentiable(*[o for o, before in zip(outs, out if isinstance(out, tuple)
+                                                                   else (out,)) if any(before is p for p in passed)])
         if frame.targets:
             ctx.mark_dirty(*frame.targets)
             return (*outs, *frame.targets)
@@ -181,8 +188,9 @@ class Reentrant(torch.autograd.Function):
                 f"use use_reentrant=False (torch: Trying to backward through the graph a second "
                 f"time, or directly access saved tensors after they have already been freed)"
             ) from err
-        if frame.views:  # saved without their history (_without_history): they require grad
-            tensors = tuple(x.detach().requires_grad_() if i in frame.views else x
+        if frame.views or frame.copied:  # saved detached: they require grad as they did
+            tensors = tuple(x.detach().requires_grad_(frame.copied.get(i, True))
+                            if i in frame.views or i in frame.copied else x
                             for i, x in enumerate(tensors))
         return _differentiate(frame, tensors, grads)
 
@@ -218,6 +226,33 @@ class _Link(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
         return grad
+
+
+def _returned_copied(frame: ReentrantFrame, inputs: tuple, outs: tuple) -> tuple:
+    """The arguments to save, a copy of each one the region returns (or a view of it).
+
+    NOTE [Arguments returned as outputs]
+    A region may return its argument, or a view of it (a block passing its input
+    through). A caller may change that output in place, which the unmarked model
+    allows; it would also change the argument the re-run starts from. So such an
+    argument is saved as a copy (its bytes once more, for this case only), and an
+    output that is an argument itself (one that requires no grad: those that do are
+    run as aliases, NOTE [Observed reads]) is returned as an alias that requires no
+    grad either, as the argument did: a Function may not return its input as a view
+    that a later in-place operator would change.
+    """
+    frame.copied = {}
+    keys = {_storage_key(o) for o in outs if isinstance(o, torch.Tensor) and o.layout == torch.strided}
+    if not keys:
+        return inputs
+    saved = []
+    for i, x in enumerate(inputs):
+        if (i not in frame.written and x.layout == torch.strided and x.device.type != "meta"
+                and _storage_key(x) in keys):  # a written one: NOTE [Written arguments]
+            frame.copied[i] = x.requires_grad
+            x = x.detach().clone()
+        saved.append(x)
+    return tuple(saved)
 
 
 def _without_history(frame: ReentrantFrame, inputs: tuple) -> tuple:

@@ -1,0 +1,65 @@
+"""A region that returns its argument (a block passing its input through), changed in place
+afterwards by the caller (NOTE [Arguments returned as outputs])."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+
+
+class PassThrough(nn.Module):
+    """Returns ``(tanh(fc(x)), x)``: the second output is the argument itself, or a view of it."""
+
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.fc, self.view = nn.Linear(4, 4), view
+        self.fc.weight.requires_grad_(False)  # frozen, as in the fuzz case (seed 1383)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)), (x.transpose(0, 1) if self.view else x)
+
+
+def _step(block, head, x, wrap):
+    a, b = wrap(block, x)
+    b.relu_()  # the caller changes the passed-through input in place
+    return (head(a).sum() + b.sum() * 0.5).sum()
+
+
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("how", ["mark", "mark_reentrant", "checkpoint", "checkpoint_reentrant",
+                                 "recompute_early_stop_off"])
+@pytest.mark.parametrize("x_grad", [False, True])
+def test_an_argument_returned_and_changed_in_place_after(how, view, x_grad):
+    """Before: 'Output 1 of Reentrant is a view and is being modified inplace' (reentrant),
+    or 'cannot be re-run: one of its inputs was changed in place' (both): a crash where the
+    unmarked model runs. Now the argument is saved as a copy, and gradients are bitwise."""
+    torch.manual_seed(0)
+    block, head = PassThrough(view), nn.Linear(4, 1)
+    marked, mhead = copy.deepcopy(block), copy.deepcopy(head)
+    reentrant = how.endswith("reentrant")
+    if how.startswith("mark"):
+        remat.recompute_module(marked, use_reentrant=reentrant, early_stop=False)
+        wrap = lambda m, t: m(t)
+    elif how.startswith("checkpoint"):
+        wrap = lambda m, t: remat.checkpoint(m, t, use_reentrant=reentrant)
+    else:
+        wrap = lambda m, t: remat.checkpoint(m, t, use_reentrant=False, early_stop=False)
+    x0 = torch.randn(3, 4)
+    for _ in range(2):
+        x, xm = x0.clone().requires_grad_(x_grad), x0.clone().requires_grad_(x_grad)
+        h, hm = x * 1.0, xm * 1.0  # a non-leaf: in-place changes are allowed on it
+        _step(block, head, h, lambda m, t: m(t)).backward()
+        _step(marked, mhead, hm, wrap).backward()
+        assert torch.equal(h, hm)
+        for p, q in zip([*block.parameters(), *head.parameters()],
+                        [*marked.parameters(), *mhead.parameters()], strict=True):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad)
+        if x_grad:
+            assert torch.equal(x.grad, xm.grad)
