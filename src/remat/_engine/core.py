@@ -57,3 +57,7 @@ class RegionCore:
         for slot, x in zip(self.tensor_slots, tensors, strict=True):
             leaves[slot] = x
         return self.unflatten(leaves)
+
+    def abandon(self) -> None:
+        """The forward raised: drop the tensors the frame holds (see ``region._abandon``)."""
+        self.arguments = []

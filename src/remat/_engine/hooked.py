@@ -166,6 +166,10 @@ class HookedFrame(RegionCore):
         self.input_versions = [(t, t._version) for t in self.arguments]
         self.arguments = []  # saved through the hooks around the region, not held here
 
+    def abandon(self) -> None:
+        super().abandon()
+        self.input_versions, self.recent, self.saver = None, [], None
+
     def close(self, output: Any) -> Any:
         """The forward returned ``output``: settle what the region keeps; return what the caller sees."""
         self.closed = True  # NOTE [Backward inside a region's forward]

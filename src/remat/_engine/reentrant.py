@@ -92,6 +92,10 @@ class ReentrantFrame(RegionCore):
         self.n_targets = self.n_bases = 0
         self.copied: dict[int, bool] = {}  # NOTE [Arguments returned as outputs]
 
+    def abandon(self) -> None:
+        super().abandon()
+        self.aliases, self.pending, self.params = [], None, []
+
 
 def close(frame: ReentrantFrame, observe: Observe, output: Any) -> Any:
     """Finish a reentrant region's forward: what it read and wrote, then the Function."""

@@ -114,7 +114,7 @@ def close_region(handle: _Handle, output: Any) -> Any:
     """
     error = sys.exc_info()[1]
     if error is not None and error is not handle.exc:
-        handle.stack.__exit__(type(error), error, error.__traceback__)
+        _abandon(handle, type(error), error, error.__traceback__)
         return None
     handle.stack.close()
     frame = handle.frame
@@ -138,6 +138,20 @@ def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
     try:
         output = fn(*handle.args, **handle.kwargs)
     except BaseException:
-        handle.stack.__exit__(*sys.exc_info())
+        _abandon(handle, *sys.exc_info())
         raise
     return close_region(handle, output)
+
+
+def _abandon(handle: _Handle, *exc_info: Any) -> None:
+    """The forward raised: pop the region's hooks and modes, and let go of what it holds.
+
+    A frame holds tensors its forward saved until it closes (NOTE [Regions that write
+    their inputs]); those tensors' graphs lead back to the frame through its hooks, a
+    cycle through the autograd graph that Python's collector cannot break.
+    """
+    try:
+        handle.stack.__exit__(*exc_info)
+    finally:
+        if handle.frame is not None:
+            handle.frame.abandon()
