@@ -504,3 +504,35 @@ def test_tensor_held_as_a_module_attribute(call, calls):
         marked.b.memo = None  # the module held a graph through the region: let it go
         return
     assert_same(want, run(marked))
+
+
+class _Gated(nn.Module):
+    def __init__(self, fc: nn.Linear) -> None:
+        super().__init__()
+        self.fc = fc
+
+    def forward(self, x, gate=None):
+        return torch.tanh(self.fc(x) + gate)
+
+
+def test_closure_tensor_from_shared_weights_handed_to_a_nested_reentrant_region():
+    """Shared fuzz seed 3774: the outer region reads ``h`` (computed from a weight the region
+    also uses) through its closure and hands it to a marked reentrant block; the block's
+    Function took ``h`` itself, not the outer re-run's alias of it, so the nested backward
+    ran on past ``h`` and the region was refused. Now the engine hands it the alias."""
+    torch.manual_seed(0)
+    fc = nn.Linear(4, 4)
+    b0, b1 = _Gated(fc), _Gated(fc)  # a shared weight
+    plain = nn.ModuleList([b0, b1])
+    marked = copy.deepcopy(plain)
+    remat.recompute_module(marked[1], use_reentrant=True)
+
+    def run(net, mark):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        h = net[0](x, gate=x)
+        f = lambda t: net[1](t, gate=h)
+        out = remat.checkpoint(f, h, use_reentrant=True) if mark else f(h)
+        out.pow(2).sum().backward()
+        return [x.grad, *[p.grad for p in net.parameters()]]
+
+    assert_same(run(plain, False), run(marked, True))

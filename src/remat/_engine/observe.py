@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -219,16 +219,37 @@ def _engine_copies() -> Iterator[None]:
 
 
 class Substitute(TorchFunctionMode):
-    """Hand a re-run ``aliases[id(t)]`` wherever it passes ``t`` to torch (NOTE [Observed reads])."""
+    """Hand a re-run ``aliases[id(t)]`` wherever it passes ``t`` to torch (NOTE [Observed reads]).
+
+    A custom ``autograd.Function`` is applied without a torch function; the engine's own
+    (a reentrant region nested in the re-run) asks :func:`substituted` for its inputs.
+    """
+
+    active: ClassVar[list[Substitute]] = []
 
     def __init__(self, aliases: dict[int, torch.Tensor]) -> None:
         super().__init__()
         self.aliases = aliases
 
+    def __enter__(self) -> Any:
+        Substitute.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        Substitute.active.remove(self)
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         args, kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: self.aliases.get(id(t), t), (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+def substituted(tensors: list) -> list:
+    """``tensors``, each replaced by the alias an enclosing re-run reads in its place."""
+    for mode in reversed(Substitute.active):
+        tensors = [mode.aliases.get(id(t), t) for t in tensors]
+    return tensors
 
 
 class CheckReads(_Watch):

@@ -63,7 +63,14 @@ from remat._engine import state as _state
 from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import _UNANNOTATED, StateGuard, _allocates, _storage_key, _written_args
-from remat._engine.observe import CheckReads, Observe, Substitute, check_graph, replayed_state
+from remat._engine.observe import (
+    CheckReads,
+    Observe,
+    Substitute,
+    check_graph,
+    replayed_state,
+    substituted,
+)
 
 
 class ReentrantFrame(RegionCore):
@@ -116,7 +123,8 @@ def apply(frame: ReentrantFrame, output: Any, tensors: list) -> Any:
     frame.pending = output
     bases = frame.bases
     frame.bases = None  # tensors the frame must not hold: the Function's outputs lead to it
-    result = Reentrant.apply(frame, len(tensors), *tensors, *frame.params, *bases)
+    inputs = substituted([*tensors, *frame.params]) if Substitute.active else [*tensors, *frame.params]
+    result = Reentrant.apply(frame, len(tensors), *inputs, *bases)
     frame.targets = None
     if not frame.n_targets:
         return result
