@@ -34,3 +34,22 @@ def test_an_error_inside_nested_regions_frees_their_saved_tensors(outer_reentran
 
     alive = [o for o in gc.get_objects() if isinstance(o, (hooked.HookedFrame, reentrant.ReentrantFrame))]
     assert alive == []
+
+
+def test_the_output_hook_is_popped_when_the_last_output_dies_in_backward():
+    """Shared fuzz seed 2125: the last registered ``output_recompute`` output died while
+    backward tore its graph down; the pop made there was undone when the engine restored
+    the caller's saved-tensor hooks, so remat's hook stayed pushed after the step
+    (``torch.func`` refuses to run under one)."""
+    add = remat.ops.Add()
+    add.recompute()  # a primitive mark: an output_recompute region
+    a, w = torch.randn(2, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    y = add(a, a)  # registered: remat's hook is pushed
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # someone else's
+        z = y * w  # saves y itself: it is freed in backward, right after this operator's step
+    del y
+    assert _outputs.hook_active()
+    z.sum().backward()  # the graph, and y with it, goes here
+    del z
+    gc.collect()
+    assert _outputs._registry == {} and not _outputs.hook_active()

@@ -79,7 +79,12 @@ def _forget(key: int, token: int) -> None:
     if entry is not None and entry[3] == token:
         del _registry[key]
     if not _registry:
-        pop_hook()
+        if torch._C._current_graph_task_id() != -1:
+            # freed while a backward tears its graph down: a pop here would be undone
+            # when the engine restores the caller's state (see _PopWhenReleased)
+            pop_after_backward()
+        else:
+            pop_hook()
 
 
 def lookup(x: torch.Tensor) -> OutputRef | None:
