@@ -22,6 +22,11 @@ def test_an_error_inside_nested_regions_frees_their_saved_tensors(outer_reentran
     """Before: the outer regions, never closed, held the tensors their forward had saved,
     whose graphs led back to them through their hooks; with an ``output_recompute`` region
     inside, its output stayed registered (remat's saved-tensor hook stayed armed)."""
+    from remat._engine import hooked, reentrant
+
+    kinds = (hooked.HookedFrame, reentrant.ReentrantFrame)
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, kinds)}  # other tests' graphs
     inner = remat.recompute_module(nn.Sequential(nn.Linear(4, 4), nn.GELU()), output_recompute=True)
     stage = nn.Sequential(inner, nn.Linear(4, 4), Boom())
     remat.recompute_module(stage, output_recompute=True)
@@ -30,9 +35,7 @@ def test_an_error_inside_nested_regions_frees_their_saved_tensors(outer_reentran
         remat.checkpoint(stage.forward, x, use_reentrant=outer_reentrant)
     gc.collect()
     assert _outputs._registry == {} and not _outputs.hook_active()
-    from remat._engine import hooked, reentrant
-
-    alive = [o for o in gc.get_objects() if isinstance(o, (hooked.HookedFrame, reentrant.ReentrantFrame))]
+    alive = [o for o in gc.get_objects() if isinstance(o, kinds) and id(o) not in before]
     assert alive == []
 
 
