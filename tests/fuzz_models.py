@@ -173,15 +173,20 @@ class Concat(Block):
 
 
 class TupleOut(Block):
+    """Two outputs; with ``pass`` the second is the block's own input, passed through
+    (a caller may change it in place: NOTE [Arguments returned as outputs])."""
+
     kind = "tuple_out"
     tuple_out = True
 
     def __init__(self, p: dict) -> None:
         super().__init__()
         self.fc = nn.Linear(D, D)
+        self.p_pass = p.get("pass", False)
 
     def forward(self, x):
-        return self.fc(x), torch.sin(x)
+        return self.fc(x), (x if self.p_pass else torch.sin(x))
+
 
 
 class Keywords(Block):
@@ -320,7 +325,8 @@ BLOCKS: dict[str, BlockKind] = {
     "dropout": BlockKind(Drop, 0.7),
     "residual": BlockKind(Residual, 1.0, lambda r: {"act": r.choice(ACTS)}),
     "concat": BlockKind(Concat, 0.7),
-    "tuple_out": BlockKind(TupleOut, 0.8, lambda r: {"combine": r.choice(("add", "mul", "first"))}),
+    "tuple_out": BlockKind(TupleOut, 0.8, lambda r: {"combine": r.choice(("add", "mul", "first", "relu_second")),
+                                                     "pass": r.random() < 0.4}),
     "keywords": BlockKind(Keywords, 0.8, lambda r: {
         "scale": r.choice((0.5, 2.0)), "mode": r.choice(("plain", "tanh")), "gate": r.random() < 0.5}),
     "skip": BlockKind(Skip, 0.8),
@@ -349,7 +355,8 @@ WIRES: dict[str, tuple[Callable, float, bool]] = {
 
 
 # How a stage merges a "tuple_out" block's two outputs.
-COMBINE: dict[str, Callable] = {"add": lambda a, c: a + c, "mul": lambda a, c: a * c, "first": lambda a, c: a}
+COMBINE: dict[str, Callable] = {"add": lambda a, c: a + c, "mul": lambda a, c: a * c, "first": lambda a, c: a,
+                                "relu_second": lambda a, c: a + c.relu_()}  # c may be the block's input
 
 
 # --- the model ------------------------------------------------------------------

@@ -63,3 +63,44 @@ def test_an_argument_returned_and_changed_in_place_after(how, view, x_grad):
                 assert torch.equal(p.grad, q.grad)
         if x_grad:
             assert torch.equal(x.grad, xm.grad)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_an_argument_returned_changed_in_place_and_read_again_through_its_own_name(reentrant):
+    """Own fuzz case 1179: the region returned (an alias of) its argument; the caller changed
+    that output in place and read the argument again. The argument's history must include
+    the change, as without the mark (before: the gradient through the argument skipped the
+    ``relu_``, silently)."""
+    torch.manual_seed(0)
+    block, conv = PassThrough(view=False), nn.Conv1d(4, 4, 3, padding=1, bias=False)
+    marked, mconv = copy.deepcopy(block), copy.deepcopy(conv)
+    remat.recompute_module(marked, use_reentrant=reentrant)
+
+    def step(b, c):
+        x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        h = c(x.transpose(1, 2)).transpose(1, 2).transpose(0, 1)  # a view
+        a, passed = b(h)
+        y = a + passed.relu_()
+        (y.pow(2).sum() + h.sum()).backward()  # h read again: it holds the relu now
+        return [x.grad, *[p.grad for p in c.parameters()], *[p.grad for p in b.parameters()]]
+
+    for want, got in zip(step(block, conv), step(marked, mconv), strict=True):
+        assert (want is None) == (got is None)
+        if want is not None:
+            assert torch.equal(want, got)
+
+
+def test_an_output_recompute_region_does_not_register_the_input_it_passes_through():
+    """Own fuzz case 971: an ``output_recompute`` region returning its input registered that
+    input as an output of its own (to be rebuilt by a re-run, and kept in the registry for
+    as long as the input lived: remat's saved-tensor hook stayed armed after the step)."""
+    from remat._engine import outputs as _outputs
+
+    torch.manual_seed(0)
+    block = remat.recompute_module(PassThrough(view=False), output_recompute=True)
+    head = nn.Linear(4, 1)
+    x = torch.randn(3, 4, requires_grad=True)  # the caller keeps it
+    a, b = block(x)
+    (head(a).sum() + (b * 2).sum()).backward()
+    del a, b
+    assert _outputs._registry == {} and not _outputs.hook_active()

@@ -77,7 +77,7 @@ from remat._engine import outputs as _outputs
 from remat._engine import state as _state
 from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
-from remat._engine.modes import OpTrace, _storage_key
+from remat._engine.modes import OpTrace, storage_of
 from remat._engine.observe import replayed_state
 from remat._spec import RegionSpec
 
@@ -185,8 +185,9 @@ class HookedFrame(RegionCore):
         self._copy_returned_inputs(inputs, flat)
         if spec.output_recompute or spec.keep_outputs:
             self.settle_outputs(flat)
-        if spec.output_recompute:
-            _outputs.register(self, flat)
+        if spec.output_recompute:  # an input passed through is not this region's to rebuild
+            keys = {storage_of(t) for t in inputs} - {None}
+            _outputs.register(self, [None if storage_of(t) in keys else t for t in flat])
         return output
 
     def _copy_returned_inputs(self, inputs: list, flat: list) -> None:
@@ -195,9 +196,8 @@ class HookedFrame(RegionCore):
         NOTE [Arguments returned as outputs] (``reentrant.py``): a caller may change
         such an output in place, which would change the input the re-run starts from.
         """
-        keys = {_storage_key(t) for t in flat if isinstance(t, torch.Tensor) and t.layout == torch.strided}
-        shared = [t.layout == torch.strided and t.device.type != "meta" and _storage_key(t) in keys
-                  for t in inputs]
+        keys = {storage_of(t) for t in flat} - {None}
+        shared = [storage_of(t) in keys for t in inputs]
         if keys and any(shared):
             self._save_inputs([t.detach().clone().requires_grad_(t.requires_grad) if s else t
                                for t, s in zip(inputs, shared)])

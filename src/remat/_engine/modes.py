@@ -31,6 +31,17 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def storage_of(t: Any) -> int | None:
+    """The storage key of ``t``; None for a non-tensor, a sparse tensor or a wrapper
+    subclass (``DTensor``) that has no storage of its own."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _unannotated_writers() -> dict:
     """Operators that update running statistics without saying so in their schema."""
     table = {}

@@ -62,7 +62,14 @@ from remat._engine import collectives as _collectives
 from remat._engine import state as _state
 from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
-from remat._engine.modes import _UNANNOTATED, StateGuard, _allocates, _storage_key, _written_args
+from remat._engine.modes import (
+    _UNANNOTATED,
+    StateGuard,
+    _allocates,
+    _storage_key,
+    _written_args,
+    storage_of,
+)
 from remat._engine.observe import (
     CheckReads,
     Observe,
@@ -98,6 +105,8 @@ class ReentrantFrame(RegionCore):
         self.views: dict[int, tuple] = {}
         self.n_targets = self.n_bases = 0
         self.copied: dict[int, bool] = {}  # NOTE [Arguments returned as outputs]
+        self.passthrough: dict[int, int] = {}  # output position -> the argument it is
+        self.returned: set[int] = set()  # storages of the outputs
 
     def abandon(self) -> None:
         super().abandon()
@@ -109,9 +118,21 @@ def close(frame: ReentrantFrame, observe: Observe, output: Any) -> Any:
     check_outputs(frame.name, output)
     frame.params = list(observe.reads.values())  # NOTE [Observed reads]
     frame.state = observe.state  # NOTE [Observed writes]
-    tensors, frame.arguments, frame.aliases = frame.arguments, [], []  # the Function saves them
+    tensors, aliases = frame.arguments, frame.aliases
+    frame.arguments, frame.aliases = [], []  # the Function saves them
     frame.written = {i for i, (x, v) in enumerate(zip(tensors, frame.versions)) if x._version != v}
-    return apply(frame, output, tensors)
+    outs = output if isinstance(output, tuple) else (output,)
+    frame.returned = {storage_of(o) for o in outs} - {None}  # NOTE [Arguments returned as outputs]
+    frame.passthrough = {  # NOTE [Arguments returned as outputs]
+        j: i for j, o in enumerate(outs) for i, (x, a) in enumerate(zip(tensors, aliases))
+        if isinstance(o, torch.Tensor) and (o is x or o is a) and i not in frame.written}
+    if not frame.passthrough:
+        return apply(frame, output, tensors)
+    kept = tuple(o for j, o in enumerate(outs) if j not in frame.passthrough)
+    result = iter(apply(frame, kept, tensors) if kept or frame.written else ())
+    whole = tuple(tensors[frame.passthrough[j]] if j in frame.passthrough else next(result)
+                  for j in range(len(outs)))
+    return whole if isinstance(output, tuple) else whole[0]
 
 
 def apply(frame: ReentrantFrame, output: Any, tensors: list) -> Any:
@@ -174,13 +195,8 @@ class Reentrant(torch.autograd.Function):
         ctx.frame, ctx.n_inputs = frame, n_inputs
         out, frame.pending = frame.pending, None
         outs = (out if isinstance(out, tuple) else (out,))
-        ctx.save_for_backward(*_without_history(frame, _returned_copied(frame, tensors[:n_inputs], outs)))
-        passed = [o for o in outs if isinstance(o, torch.Tensor)
-                  and any(o is x for x in tensors[:n_inputs])]  # NOTE [Arguments returned as outputs]
-        outs = tuple(o.detach() if any(o is p for p in passed) else _not_a_view(o) for o in outs)
-        if passed:
-            ctx.mark_non_differentiable(*[o for o, before in zip(outs, out if isinstance(out, tuple)
-                                                                   else (out,)) if any(before is p for p in passed)])
+        ctx.save_for_backward(*_without_history(frame, _returned_copied(frame, tensors[:n_inputs])))
+        outs = tuple(_not_a_view(o) for o in outs)
         if frame.targets:
             ctx.mark_dirty(*frame.targets)
             return (*outs, *frame.targets)
@@ -240,27 +256,27 @@ class _Link(torch.autograd.Function):
         return grad
 
 
-def _returned_copied(frame: ReentrantFrame, inputs: tuple, outs: tuple) -> tuple:
+def _returned_copied(frame: ReentrantFrame, inputs: tuple) -> tuple:
     """The arguments to save, a copy of each one the region returns (or a view of it).
 
     NOTE [Arguments returned as outputs]
     A region may return its argument, or a view of it (a block passing its input
     through). A caller may change that output in place, which the unmarked model
     allows; it would also change the argument the re-run starts from. So such an
-    argument is saved as a copy (its bytes once more, for this case only), and an
-    output that is an argument itself (one that requires no grad: those that do are
-    run as aliases, NOTE [Observed reads]) is returned as an alias that requires no
-    grad either, as the argument did: a Function may not return its input as a view
-    that a later in-place operator would change.
+    argument is saved as a copy (its bytes once more, for this case only). An output
+    that is the argument itself (or, for a reentrant region, its alias) is handed to
+    the caller as the argument, outside the Function: its gradient goes straight to
+    the argument and a change in place rewrites the argument's history, as without
+    the mark (returned from the Function it would be a view autograd forbids changing
+    in place, or an alias whose change the argument's other readers never see).
     """
     frame.copied = {}
-    keys = {_storage_key(o) for o in outs if isinstance(o, torch.Tensor) and o.layout == torch.strided}
+    keys = frame.returned
     if not keys:
         return inputs
     saved = []
     for i, x in enumerate(inputs):
-        if (i not in frame.written and x.layout == torch.strided and x.device.type != "meta"
-                and _storage_key(x) in keys):  # a written one: NOTE [Written arguments]
+        if i not in frame.written and storage_of(x) in keys:  # a written one: NOTE [Written arguments]
             frame.copied[i] = x.requires_grad
             x = x.detach().clone()
         saved.append(x)
@@ -348,6 +364,8 @@ def _differentiate(frame: ReentrantFrame, tensors: tuple, grads: tuple) -> tuple
                for p in nonleaf}
     allowed = [t for t in (*feeds, *wrts, *frame.params, *aliases.values()) if t is not None]
     rerun, replay = _rerun(frame, feeds, aliases, allowed)
+    if frame.passthrough:  # NOTE [Arguments returned as outputs]: not outputs of the Function
+        rerun = tuple(o for j, o in enumerate(rerun) if j not in frame.passthrough)
     outs, out_grads, bases = _pairs(frame, rerun, feeds, grads)
     wrt = [w for w in wrts if w is not None] + frame.params + list(aliases.values())
     found: list = [None] * len(wrt)
