@@ -56,3 +56,15 @@ def test_the_output_hook_is_popped_when_the_last_output_dies_in_backward():
     del z
     gc.collect()
     assert _outputs._registry == {} and not _outputs.hook_active()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_an_input_changed_in_place_after_the_region_is_a_typed_error(reentrant):
+    """Shared fuzz seeds 2764, 8170: the reentrant implementation let torch's RuntimeError
+    through; both implementations now raise remat.RecomputeError (torch's words included)."""
+    lin = nn.Linear(4, 4)
+    h = torch.randn(3, 4, requires_grad=True) * 1.0
+    out = remat.checkpoint(lambda t: lin(t).tanh(), h, use_reentrant=reentrant)
+    h.mul_(2)  # the region's input, changed after it ran
+    with pytest.raises(remat.RecomputeError, match="cannot be re-run.*modified by an inplace"):
+        out.sum().backward()

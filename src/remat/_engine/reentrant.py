@@ -209,7 +209,12 @@ class Reentrant(torch.autograd.Function):
             tensors = ctx.saved_tensors
         except RuntimeError as err:
             if "inplace" in str(err):
-                raise  # torch's message names the true cause
+                raise RecomputeError(
+                    f"remat: region '{frame.name}' (use_reentrant=True) cannot be re-run: one of "
+                    f"its inputs was changed in place after the region ran ({err}). A region is "
+                    f"rebuilt from its inputs in backward; change the input out of place, or "
+                    f"clone it first"
+                ) from err
             raise RecomputeError(
                 f"remat: backward ran a second time through reentrant region '{frame.name}' after "
                 f"its saved inputs were freed; pass retain_graph=True to the first backward, or "
