@@ -4,13 +4,11 @@
 import torch
 
 torch.manual_seed(0)
-import numpy as np
-
 import remat.ms as mindspore
+import numpy as np
 
 np.random.seed(0)
 from remat.ms import nn, ops
-
 
 class Net(nn.Cell):
     def __init__(self):

@@ -1,13 +1,13 @@
 # MindSpore's example of mindspore.recompute(block, *args), with only its imports changed:
 # `mindspore` is `remat.ms` here. Run: python examples/ms/functional_recompute.py
 import numpy as np
-
-from remat.ms import Tensor, nn, ops, recompute
-
+import remat.ms.nn as nn
+from remat.ms import ops
+from remat.ms import Tensor, recompute
 
 class MyCell(nn.Cell):
     def __init__(self):
-        super().__init__(auto_prefix=False)
+        super(MyCell, self).__init__(auto_prefix=False)
         self.conv = nn.Conv2d(2, 2, 2, has_bias=False, weight_init='ones')
         self.relu = ops.ReLU()
 
