@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.remat-installed
 
-.PHONY: test demo bench lint install
+.PHONY: test demo bench lint install docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,3 +26,9 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
+
+# the documentation site, into site/ (strict: a broken link or reference fails the build)
+docs: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[docs]"
+	$(PY) docs/build_readme.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

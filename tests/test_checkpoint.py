@@ -485,3 +485,26 @@ def test_swapping_the_import_trains_identically_to_torch(reentrant):
         return [p.detach().clone() for p in blocks.parameters()]
 
     assert_same(train(tuc.checkpoint), train(remat.checkpoint))
+
+
+@pytest.mark.parametrize("keyword", ["use_reentrant", "preserve_rng_state", "debug", "early_stop"])
+def test_checkpoint_flags_must_be_bools(keyword):
+    layer, x = torch.nn.Linear(2, 2), torch.randn(1, 2, requires_grad=True)
+    with pytest.raises(TypeError, match=f"remat.checkpoint: '{keyword}' must be a bool, got str 'no'"):
+        remat.checkpoint(layer, x, **{"use_reentrant": False, keyword: "no"})
+
+
+def test_checkpoint_sequential_flags_must_be_bools():
+    model, x = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.randn(1, 2)
+    with pytest.raises(TypeError, match="remat.checkpoint_sequential: 'use_reentrant' must be a bool"):
+        remat.checkpoint_sequential(model, 1, x, use_reentrant="no")
+
+
+def test_profile_flags_are_type_checked():
+    net, x = torch.nn.Linear(2, 2), torch.randn(1, 2)
+    with pytest.raises(TypeError, match="remat.profile: 'output_recompute' must be a bool"):
+        remat.profile(net, x, output_recompute="yes")
+    with pytest.raises(TypeError, match="remat.profile: 'repeat' must be an int"):
+        remat.profile(net, x, repeat=-1)
+    with pytest.raises(TypeError, match="remat.estimate: 'output_recompute' must be a bool"):
+        remat.estimate(net, x, output_recompute=1)

@@ -47,8 +47,8 @@ def test_marks_by_name_glob(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["profile", "no_colon"], "module:function"),
-    (["profile", "remat.models.llama:nothing"], "cannot load"),
+    (["profile", "no_colon", "--input-shape", "2,16"], "module:function"),
+    (["profile", "remat.models.llama:nothing", "--input-shape", "2,16"], "has no 'nothing'"),
     (["profile", *TINY, "--marks", "NoSuchBlock"], "matches no module"),
 ])
 def test_errors_exit_with_a_message(argv, message):

@@ -32,7 +32,7 @@ from remat._engine.flags import (
     set_checkpoint_early_stop,
 )
 from remat._engine.rng import DefaultDeviceType
-from remat._errors import describe
+from remat._errors import check_bool, describe
 from remat._spec import DETERMINISM_CHECKS, RegionSpec
 
 __all__ = [
@@ -118,7 +118,8 @@ def checkpoint(
     Raises:
         ValueError: keyword arguments, ``context_fn`` or ``debug`` with ``use_reentrant=True``;
             an unknown ``determinism_check``.
-        TypeError: ``function`` is not callable.
+        TypeError: ``function`` or ``context_fn`` is not callable; ``use_reentrant``,
+            ``preserve_rng_state``, ``debug`` or ``early_stop`` is not a bool.
         remat.CheckpointError: a rebuilt tensor differs from the saved one (also a
             ``torch.utils.checkpoint.CheckpointError``; the message has torch's key sentence).
 
@@ -139,6 +140,11 @@ def checkpoint(
     if not callable(function):
         raise TypeError(f"remat.checkpoint: function must be callable, got {describe(function)}")
     preserve = kwargs.pop("preserve_rng_state", True)
+    for name, value in (("use_reentrant", use_reentrant), ("preserve_rng_state", preserve),
+                        ("debug", debug), ("early_stop", early_stop)):
+        check_bool("remat.checkpoint", name, value)
+    if not callable(context_fn):
+        raise TypeError(f"remat.checkpoint: context_fn must be callable, got {describe(context_fn)}")
     if kwargs and use_reentrant:
         raise ValueError("Unexpected keyword arguments: " + ",".join(arg for arg in kwargs))
     default_context = context_fn in _DEFAULT_CONTEXT_FNS
@@ -203,6 +209,8 @@ def checkpoint_sequential(
         )
         use_reentrant = True
     preserve = kwargs.pop("preserve_rng_state", True)
+    check_bool("remat.checkpoint_sequential", "use_reentrant", use_reentrant)
+    check_bool("remat.checkpoint_sequential", "preserve_rng_state", preserve)
     if kwargs:
         raise ValueError("Unexpected keyword arguments: " + ",".join(arg for arg in kwargs))
     if isinstance(functions, torch.nn.Sequential):

@@ -1,4 +1,4 @@
-"""``remat demo``: train seed 003's ResNet-50 with and without recompute and compare.
+"""``remat demo``: train ResNet-50 on CIFAR-10 with and without recompute, and compare.
 
 Example:
     $ remat demo --steps 12 --batch-size 16
@@ -15,7 +15,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``remat demo`` and its options."""
     default = DemoConfig()
     parser = subparsers.add_parser(
-        "demo", help="train seed 003's ResNet-50 with and without recompute",
+        "demo", help="train ResNet-50 on CIFAR-10 with and without recompute",
         description=__doc__.splitlines()[0],
     )
     parser.add_argument("--steps", type=int, default=default.steps,
@@ -28,10 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"where demo.json and the plot go (default {default.out_dir})")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--model", choices=("resnet50", "tiny"), default=default.model,
-                        help="resnet50 (seed 003) or a tiny ResNet for smoke tests")
+                        help="resnet50 (MindSpore's recomputation guide) or a tiny ResNet for smoke tests")
     parser.add_argument("--seed", type=int, default=default.seed, help="seed of the weights")
     parser.add_argument("--no-planner", action="store_true",
-                        help="leave out the remat.plan row (planned below the seed marks' peak)")
+                        help="leave out the remat.plan row (planned below the block marks' peak)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared CPU more threads wait on "
                              "each other and run many times slower)")

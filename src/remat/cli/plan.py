@@ -23,15 +23,17 @@ from typing import Any
 import torch
 
 from remat.cli.profile import (
+    OPTIMIZERS,
     add_model_arguments,
     add_rank_arguments,
+    call_factory,
     load_factory,
     make_inputs,
     parse_kwargs,
     parse_shape,
     rank_options,
 )
-from remat.plan._solve import OPTIONS
+from remat.plan import OPTIONS, parse_budget
 
 API = "remat plan"
 #: The anchors the planner is compared with, in plot order.
@@ -45,8 +47,9 @@ def add_parser(subparsers: Any) -> None:
     add_model_arguments(parser, "remat.models.gpt:gpt")
     parser.add_argument("--loss", choices=("sum", "next-token"), default="sum",
                         help="loss on the output: sum, or next-token cross-entropy for logits")
-    parser.add_argument("--optimizer", default="adam", help="adam, adamw, sgd or none")
-    parser.add_argument("--budget", help="peak budget: bytes, '6GiB', '60%%' or a fraction such as 0.6")
+    parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
+                        help="optimizer of the step: adam (default), adamw, sgd or none")
+    parser.add_argument("--budget", type=_budget_arg, help="peak budget: bytes, '6GiB', '60%%' or a fraction such as 0.6")
     parser.add_argument("--estimate", action="store_true",
                         help="plan on fake tensors: nothing allocated, times from FLOPs (roofline)")
     parser.add_argument("--device", help="device of the roofline for --estimate (cpu, cuda)")
@@ -71,7 +74,7 @@ class Setup:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.factory = load_factory(args.factory)
+        self.factory = load_factory(args.factory, API)
         self.kwargs = parse_kwargs(args.arg)
         self.dtype = getattr(torch, args.input_dtype)
         self.shapes = [parse_shape(s) for s in args.input_shape]
@@ -85,7 +88,7 @@ class Setup:
 
     def build(self) -> torch.nn.Module:
         torch.manual_seed(0)
-        return self.factory(**self.kwargs)
+        return call_factory(self.factory, self.kwargs, API)
 
     def inputs(self, batch: int | None = None) -> tuple:
         shapes = [(batch, *s[1:]) if batch else s for s in self.shapes]
@@ -245,12 +248,21 @@ def _options_arg(text: str | None) -> tuple[str, ...]:
     return options
 
 
-def _budget_arg(text: str) -> Any:
-    try:
-        value = float(text)
-    except ValueError:
+def _budget_arg(text: Any) -> Any:
+    """``--budget`` (an argparse type): bytes, a fraction, or a string such as '6GiB' or '60%'."""
+    if not isinstance(text, str):
         return text
-    return value if value <= 1 else int(value)
+    try:
+        value: Any = float(text)
+    except ValueError:
+        value = text
+    else:
+        value = value if value <= 1 else int(value)
+    try:
+        parse_budget(value)
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("remat.plan: ")) from None
+    return value
 
 
 def pareto_points(setup: Setup, plan: Any, count: int, progress: bool = False) -> list[dict]:

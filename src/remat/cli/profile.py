@@ -17,6 +17,7 @@ import contextlib
 import fnmatch
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,16 +25,39 @@ from typing import Any
 import torch
 
 API = "remat profile"
+#: What ``--input-dtype`` accepts: names of torch dtypes.
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+#: What ``--optimizer`` accepts (none: no optimizer step).
+OPTIMIZERS = ("adam", "adamw", "sgd", "none")
 
 
 def add_model_arguments(parser: Any, example: str) -> None:
     """The arguments that say which model and inputs: shared by ``remat profile`` and ``remat plan``."""
-    parser.add_argument("factory", help=f"model factory as module:function, e.g. {example}")
-    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("factory", help="the model, as module:function returning an nn.Module: "
+                                        "my_model:make calls make() of ./my_model.py; e.g. "
+                                        f"{example}")
+    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", type=keyword_argument,
                         help="keyword argument for the factory (a Python literal), repeatable")
-    parser.add_argument("--input-shape", action="append", default=[], metavar="N,N,...",
-                        help="shape of one positional input, repeatable (default: none)")
-    parser.add_argument("--input-dtype", default="float32", help="dtype of the inputs (int64: token ids)")
+    parser.add_argument("--input-shape", action="append", required=True, metavar="N,N,...",
+                        type=parse_shape,
+                        help="shape of one positional input of the model, e.g. 8,3,32,32; "
+                             "repeat it for a model of several inputs")
+    parser.add_argument("--input-dtype", default="float32", choices=DTYPES, metavar="DTYPE",
+                        help=f"dtype of the inputs: {', '.join(DTYPES)} (default float32; "
+                             "int64 for token ids)")
+    parser.add_argument("--threads", type=positive_int, metavar="N",
+                        help="torch threads (default: torch's own choice)")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def add_rank_arguments(parser: Any) -> None:
@@ -105,7 +129,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--output-recompute", action="store_true", help="mark with output_recompute=True")
     parser.add_argument("--loss", choices=("sum", "next-token"), default="sum",
                         help="loss on the output: sum, or next-token cross-entropy for logits")
-    parser.add_argument("--optimizer", default="adam", help="adam, adamw, sgd or none")
+    parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
+                        help="optimizer of the step: adam (default), adamw, sgd or none")
     parser.add_argument("--estimate", action="store_true",
                         help="build the model on fake tensors: nothing is allocated, no times")
     add_rank_arguments(parser)
@@ -116,42 +141,75 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def load_factory(spec: str) -> Callable[..., torch.nn.Module]:
-    """Import ``module:function`` and return the function."""
+def load_factory(spec: str, api: str = API) -> Callable[..., torch.nn.Module]:
+    """Import ``module:function`` and return the function.
+
+    The module is looked up in the current directory first, then on ``sys.path``
+    (as ``python -m`` does), so ``remat plan my_model:make`` finds ``./my_model.py``.
+    """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise SystemExit(f"{API}: factory must look like module:function, got {spec!r}")
+        raise SystemExit(f"{api}: the model must be given as module:function (e.g. my_model:make, "
+                         f"for ./my_model.py's make()), got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name.split(".")[0] and err.name != module_name:
+            raise
+        raise SystemExit(f"{api}: cannot import module {module_name!r} of {spec!r}: no "
+                         f"{module_name.replace('.', '/')}.py in the current directory or on "
+                         f"sys.path") from None
+    try:
         for part in attr.split("."):
             target = getattr(target, part)
-    except (ImportError, AttributeError) as err:
-        raise SystemExit(f"{API}: cannot load {spec!r}: {err}") from None
+    except AttributeError:
+        raise SystemExit(f"{api}: module {module_name!r} has no {attr!r} (from {spec!r})") from None
     if not callable(target):
-        raise SystemExit(f"{API}: {spec!r} is not callable")
+        raise SystemExit(f"{api}: {spec!r} is not callable")
     return target
 
 
-def parse_kwargs(items: list[str]) -> dict[str, Any]:
-    """Parse ``KEY=VALUE`` items, values as Python literals (else strings)."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"{API}: --arg expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    """Parse ``2,3,32,32`` into a shape."""
+def call_factory(factory: Callable[..., torch.nn.Module], kwargs: dict[str, Any],
+                 api: str = API) -> torch.nn.Module:
+    """``factory(**kwargs)``; a keyword it does not take is a mistake in ``--arg``, said in one line."""
     try:
-        return tuple(int(n) for n in text.replace("x", ",").split(",") if n)
+        return factory(**kwargs)
+    except TypeError as err:
+        if "unexpected keyword argument" in str(err) and any(repr(k) in str(err) for k in kwargs):
+            raise SystemExit(f"{api}: --arg: {err}") from None
+        raise
+
+
+def keyword_argument(text: str) -> tuple[str, Any]:
+    """An argparse type for ``--arg KEY=VALUE``: the value as a Python literal, else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. layers=4), got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def parse_kwargs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The factory's keyword arguments from ``--arg`` items (parsed by :func:`keyword_argument`)."""
+    return dict(item if isinstance(item, tuple) else keyword_argument(item) for item in items)
+
+
+def parse_shape(text: str | tuple[int, ...]) -> tuple[int, ...]:
+    """An argparse type for ``--input-shape``: ``2,3,32,32`` (or ``2x3x32x32``) into a shape."""
+    if isinstance(text, tuple):
+        return text
+    try:
+        shape = tuple(int(n) for n in text.replace("x", ",").split(",") if n)
     except ValueError:
-        raise SystemExit(f"{API}: --input-shape expects integers separated by commas, got {text!r}") from None
+        shape = ()
+    if not shape or any(n < 0 for n in shape):
+        raise argparse.ArgumentTypeError(f"expected sizes separated by commas (e.g. 8,3,32,32), "
+                                         f"got {text!r}")
+    return shape
 
 
 def make_inputs(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> tuple:
@@ -215,7 +273,7 @@ def _profile_one(args: argparse.Namespace, factory: Callable, kwargs: dict, mark
     optimizer = None if args.optimizer == "none" else args.optimizer
 
     def build() -> torch.nn.Module:
-        model = factory(**kwargs)
+        model = call_factory(factory, kwargs)
         if marks:
             mark(model, marks, args.output_recompute)
         return model

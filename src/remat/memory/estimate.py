@@ -38,6 +38,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat._errors import check_bool
 from remat._marks import apply
 from remat.memory._report import ProfileReport
 from remat.memory.profile import OptimizerLike, measure
@@ -300,6 +301,7 @@ def estimate(model: Any, *example_inputs: Any, batch: dict | None = None,
         >>> (rank.world_size, rank.param_bytes == report.param_bytes // 4)
         (4, True)
     """
+    check_bool(API, "output_recompute", output_recompute)
     ranks = Ranks(world_size, parallelize, rank)
     if batch is not None and not isinstance(batch, dict):
         raise TypeError(f"{API}: batch must be a dict of keyword inputs, got {type(batch).__name__}")

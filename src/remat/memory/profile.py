@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
 from remat._engine.state import is_recomputing
+from remat._errors import check_bool
 from remat._marks import mark_of
 from remat.memory._report import ModuleRow, ProfileReport, downsample
 from remat.memory._tracker import local_nbytes, local_storages, track
@@ -275,6 +276,9 @@ def profile(model: torch.nn.Module, *example_inputs: Any, batch: dict | None = N
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"remat.profile: model must be a torch.nn.Module, got {type(model).__name__}")
+    check_bool("remat.profile", "output_recompute", output_recompute)
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 0:
+        raise TypeError(f"remat.profile: 'repeat' must be an int >= 0 (0: no timing), got {repeat!r}")
     if batch is not None and not isinstance(batch, dict):
         raise TypeError(f"remat.profile: batch must be a dict of keyword inputs, got "
                         f"{type(batch).__name__}; pass positional inputs after the model")
