@@ -36,8 +36,8 @@ import remat
 from remat.models import gpt, resnet50
 from remat.models.llama import LlamaConfig, llama, next_token_loss
 from remat.models.unet import unet
-from remat.plan._plan import sweep
-from remat.plan._solve import KEEP, Problem, evaluate, floor, solve_chain, solve_milp
+from remat.planner._plan import sweep
+from remat.planner._solve import KEEP, Problem, evaluate, floor, solve_chain, solve_milp
 
 
 def models(quick: bool) -> dict:
@@ -178,8 +178,8 @@ def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 
     with per-block checkpointing and the unmarked model, ``rounds`` rounds."""
     from remat.cli.plan import mark_strategy
     from remat.memory.profile import default_loss
-    from remat.plan._cost import find_blocks, measure_costs
-    from remat.plan._plan import _fit
+    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._plan import _fit
 
     def fresh():
         torch.manual_seed(0)
@@ -363,7 +363,7 @@ def max_batch(budget: str) -> dict:
     import argparse as _argparse
 
     from remat.cli.plan import Setup, _fits, largest_batch
-    from remat.plan._plan import parse_budget
+    from remat.planner._plan import parse_budget
 
     args = _argparse.Namespace(factory="remat.models.gpt:gpt", estimate=True, repeat=0, device=None,
                                throughput=None, loss="next-token", optimizer="adam", input_dtype="int64",
@@ -383,8 +383,8 @@ def speed(full_70b: bool) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.memory.estimate import _build_in
-    from remat.plan._cost import composed_costs, find_blocks, identical_container, measure_costs
-    from remat.plan._solve import solve
+    from remat.planner._cost import composed_costs, find_blocks, identical_container, measure_costs
+    from remat.planner._solve import solve
 
     out = {}
     with FakeTensorMode():

@@ -409,7 +409,7 @@ def _rank_costs(config: object, parallelize: object, world: int, seq: int, whole
 
     from remat.memory.estimate import Ranks
     from remat.models.llama import Llama, next_token_loss
-    from remat.plan._cost import (
+    from remat.planner._cost import (
         Builder,
         composed_costs,
         find_blocks,

@@ -13,8 +13,8 @@ import torch
 import remat
 from remat.models import gpt, resnet
 from remat.models.unet import unet
-from remat.plan._plan import parse_budget, sweep
-from remat.plan._solve import Problem
+from remat.planner._plan import parse_budget, sweep
+from remat.planner._solve import Problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -183,7 +183,7 @@ def test_unsupported_models_give_typed_errors():
 def test_identical_blocks_composed_from_two_and_three_equal_the_whole_model():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.plan._cost import composed_costs, find_blocks, identical_container, measure_costs
+    from remat.planner._cost import composed_costs, find_blocks, identical_container, measure_costs
 
     with FakeTensorMode():
         model = gpt(layers=5, width=32, heads=4, seq_len=16, vocab=64)
@@ -220,7 +220,7 @@ def test_remat_compile_honours_every_option_of_a_plan():
 
 def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
     from remat.memory.profile import measure
-    from remat.plan._cost import measure_peak
+    from remat.planner._cost import measure_peak
 
     net, x = tiny_gpt(), tokens()
     for block in list(net.blocks)[::2]:
@@ -233,9 +233,9 @@ def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
 
 
 def test_option_times_are_calibrated_by_each_option_timed_run():
-    from remat.plan._cost import BlockCosts
-    from remat.plan._solve import BLOCK_OPTIONS as OPTIONS
-    from remat.plan._solve import evaluate
+    from remat.planner._cost import BlockCosts
+    from remat.planner._solve import BLOCK_OPTIONS as OPTIONS
+    from remat.planner._solve import evaluate
 
     def costs(steps: dict) -> BlockCosts:
         return BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0]] * 2,
@@ -320,7 +320,7 @@ CHILDREN = ("children:attn", "children:mlp", "children:attn+mlp")
 
 
 def test_each_block_gets_options_for_its_attention_and_its_mlp():
-    from remat.plan._cost import child_options
+    from remat.planner._cost import child_options
 
     model = tiny_transformer()
     rows = {r.name: r for r in remat.profile(model, sequence(), repeat=0).rows}
@@ -394,9 +394,9 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.models.llama import next_token_loss
-    from remat.plan._cost import find_blocks, measure_costs
-    from remat.plan._plan import _fit
-    from remat.plan._solve import floor
+    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._plan import _fit
+    from remat.planner._solve import floor
 
     with FakeTensorMode():
         model, inputs = small_gpt(), small_gpt_tokens()
@@ -458,7 +458,7 @@ def test_a_plan_naming_a_missing_child_is_refused_and_marks_nothing():
 
 def test_each_options_step_is_timed_in_interleaved_rounds_and_leaves_the_model_unmarked():
     from remat.memory.profile import default_loss
-    from remat.plan._cost import _interleaved_steps
+    from remat.planner._cost import _interleaved_steps
 
     model, x = tiny_gpt(), tokens()
     blocks = dict(model.blocks.named_children())
@@ -475,8 +475,8 @@ def test_each_options_step_is_timed_in_interleaved_rounds_and_leaves_the_model_u
 
 
 def test_an_option_inside_blocks_is_never_scaled_below_a_block_re_run():
-    from remat.plan._cost import BlockCosts
-    from remat.plan._solve import evaluate
+    from remat.planner._cost import BlockCosts
+    from remat.planner._solve import evaluate
 
     options = ["keep", "recompute", "selective", "output", "children:attn"]
     costs = BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0, 5.0]] * 2,

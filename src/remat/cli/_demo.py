@@ -90,8 +90,8 @@ def make_plan(config: DemoConfig, data: Any) -> tuple[remat.Plan, int]:
     The plan's step is forward, cross-entropy and backward on the first batch, without
     the optimizer step; the seed marks' peak is measured the same way.
     """
-    from remat.plan._cost import measure_peak
-    from remat.plan._plan import sweep
+    from remat.planner._cost import measure_peak
+    from remat.planner._plan import sweep
 
     device = _device(config.device)
     torch.manual_seed(config.seed)

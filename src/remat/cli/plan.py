@@ -31,7 +31,7 @@ from remat.cli.profile import (
     parse_shape,
     rank_options,
 )
-from remat.plan._solve import OPTIONS
+from remat.planner._solve import OPTIONS
 
 API = "remat plan"
 #: The anchors the planner is compared with, in plot order.
@@ -92,7 +92,7 @@ class Setup:
         return make_inputs(shapes, self.dtype)
 
     def plan(self, budgets: list, batch: int | None = None, progress: Callable | None = None) -> list:
-        from remat.plan._plan import sweep
+        from remat.planner._plan import sweep
 
         options = _options_arg(getattr(self.args, "options", None))
         if self.args.estimate:
@@ -160,7 +160,7 @@ class Setup:
 def mark_strategy(model: torch.nn.Module, name: str, blocks: list[str] | None = None) -> None:
     """Mark ``model`` as anchor ``name`` of :data:`STRATEGIES` on the planner's blocks."""
     import remat
-    from remat.plan._cost import find_blocks
+    from remat.planner._cost import find_blocks
 
     named = dict(model.named_modules())
     chosen = [named[n] for n in blocks] if blocks else [m for _, m in find_blocks(model)]
@@ -234,7 +234,7 @@ class _Measured:
 
 
 def _options_arg(text: str | None) -> tuple[str, ...]:
-    """``--options``: comma-separated families of :data:`remat.plan.OPTIONS`."""
+    """``--options``: comma-separated families of :data:`remat.planner.OPTIONS`."""
     if text is None:
         return OPTIONS
     options = tuple(o.strip() for o in text.split(",") if o.strip())
@@ -330,7 +330,7 @@ def largest_batch(fits: Callable[[int], bool], start: int) -> int:
 
 def _max_batch(setup: Setup, budget: Any) -> int:
     from remat.memory._report import format_bytes
-    from remat.plan._plan import parse_budget
+    from remat.planner._plan import parse_budget
 
     value, fractional = parse_budget(budget)
     if fractional:

@@ -1,16 +1,18 @@
-"""``remat.plan``: the planner, choosing what to recompute for a memory budget (layer 4).
+"""``remat.planner``: the planner behind :func:`remat.plan`, choosing what to recompute for a
+memory budget (layer 4). The function is ``remat.plan``; this package holds its vocabulary
+(``remat.planner.OPTIONS``, ``BLOCK_OPTIONS``) and its data (``Plan``, ``Decision``).
 
 Example:
     >>> import torch, remat
     >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
     ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
-    >>> from remat.plan import BLOCK_OPTIONS
+    >>> from remat.planner import BLOCK_OPTIONS
     >>> p = remat.plan(net, torch.randn(512, 64), budget="90%", options=BLOCK_OPTIONS)
     >>> set(p.choices.values()) <= {"keep", "recompute", "selective", "output"}
     True
 """
 
-from remat.plan._plan import Decision, Plan, parse_budget, plan
-from remat.plan._solve import BLOCK_OPTIONS, OPTIONS, BudgetError
+from remat.planner._plan import Decision, Plan, parse_budget, plan
+from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, BudgetError
 
 __all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Decision", "Plan", "parse_budget", "plan"]

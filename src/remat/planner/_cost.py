@@ -58,7 +58,7 @@ from remat._marks import recompute_module, unmark_module
 from remat._policy import save_compute_intensive
 from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
 from remat.memory.profile import OptimizerLike, default_loss, measure
-from remat.plan._solve import BLOCK_OPTIONS, CHILDREN, OPTIONS, OUTPUT, RECOMPUTE, Problem, evaluate
+from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OPTIONS, OUTPUT, RECOMPUTE, Problem, evaluate
 
 API = "remat.plan"
 MARKS: dict[str, dict] = {

@@ -22,7 +22,7 @@ import torch
 from remat._marks import mark_of, marked_modules, recompute_module, unmark_module
 from remat.memory._report import format_bytes
 from remat.memory.profile import OptimizerLike
-from remat.plan._cost import (
+from remat.planner._cost import (
     Builder,
     composed_costs,
     find_blocks,
@@ -32,7 +32,7 @@ from remat.plan._cost import (
     measure_costs,
     measure_peak,
 )
-from remat.plan._solve import OPTIONS, BudgetError, Problem, floor, solve
+from remat.planner._solve import OPTIONS, BudgetError, Problem, floor, solve
 
 API = "remat.plan"
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -273,12 +273,12 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
         optimizer: as for :func:`remat.profile` (default ``"adam"``; its state counts).
         blocks: the modules to plan: names, or a module type; default: the children of
             the model's innermost ``ModuleList`` / ``Sequential`` containers.
-        options: the option families allowed, a subset of ``remat.plan.OPTIONS`` (``"keep"``
+        options: the option families allowed, a subset of ``remat.planner.OPTIONS`` (``"keep"``
             always): ``"keep"``, ``"recompute"``, ``"selective"``, ``"output"`` mark whole
             blocks; ``"children"`` marks some children of a block (``"children:attn"``:
             its attention recomputed, the rest kept; NOTE [Options inside blocks]).
-            ``options=("keep", "recompute", "selective", "output")`` (``BLOCK_OPTIONS`` of
-            ``remat.plan``) restricts the plan to whole blocks.
+            ``options=remat.planner.BLOCK_OPTIONS`` (``"keep"``, ``"recompute"``,
+            ``"selective"``, ``"output"``) restricts the plan to whole blocks.
         device: device whose roofline times fake-tensor plans (``"cuda"``; default: the inputs').
         throughput: FLOP/s of that device for fake-tensor plans.
         dtype: build a factory's model in this dtype (fake-tensor plans).
@@ -470,7 +470,7 @@ def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, bu
 def _uniform(costs: Any, problem: Problem, budget: float) -> tuple | None:
     """The fastest plan marking every block alike whose measured peak (from the cost
     model's runs) fits ``budget``, with that peak; None if none fits."""
-    from remat.plan._solve import Solution, evaluate
+    from remat.planner._solve import Solution, evaluate
 
     best = None
     for o, option in enumerate(problem.options):
