@@ -12,7 +12,8 @@ Example:
     True
 """
 
-from remat.planner._plan import Decision, Plan, parse_budget, plan
+from remat.planner._budget import parse_budget
+from remat.planner._plan import Decision, Plan, plan, sweep
 from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, BudgetError
 
-__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Decision", "Plan", "parse_budget", "plan"]
+__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Decision", "Plan", "parse_budget", "plan", "sweep"]

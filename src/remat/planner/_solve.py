@@ -71,6 +71,8 @@ class BudgetError(ValueError):
         (True, 20)
     """
 
+    __module__ = "remat"  # printed by its public name, remat.BudgetError
+
     def __init__(self, message: str, *, budget_bytes: float, floor_bytes: float) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
