@@ -14,6 +14,18 @@ Example:
 
 from remat.planner._budget import parse_budget
 from remat.planner._plan import Decision, Plan, plan, sweep
-from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, BudgetError
+from remat.planner._solve import (
+    BLOCK_OPTIONS,
+    OPTIONS,
+    BudgetError,
+    Problem,
+    Solution,
+    evaluate,
+    floor,
+    solve,
+    solve_chain,
+    solve_milp,
+)
 
-__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Decision", "Plan", "parse_budget", "plan", "sweep"]
+__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Decision", "Plan", "Problem", "Solution",
+           "evaluate", "floor", "parse_budget", "plan", "solve", "solve_chain", "solve_milp", "sweep"]

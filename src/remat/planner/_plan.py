@@ -345,8 +345,9 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
 
     Example:
         >>> import torch, remat
-        >>> net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-        >>> plans = remat.planner.sweep(net, torch.randn(256, 64), budgets=["90%", "1B"], floors=True)
+        >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+        ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
+        >>> plans = remat.planner.sweep(net, torch.randn(512, 64), budgets=["90%", "1B"], floors=True)
         >>> [type(p).__name__ for p in plans]
         ['Plan', 'BudgetError']
     """
