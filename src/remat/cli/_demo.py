@@ -87,9 +87,9 @@ def make_plan(config: DemoConfig, data: Any) -> tuple[remat.Plan, int]:
     """Plan the demo's model for the lowest of :data:`PLANNER_SHARES` of the seed marks' peak
     that fits; return the plan and that peak.
 
-    The plan's step is the demo's own forward, cross-entropy and backward
-    (:func:`train_configuration`) on the first batch, without the optimizer step; the
-    seed marks' peak is measured on the same step.
+    The plan's step is the demo's own (:func:`train_configuration`'s ``forward_backward``):
+    load a batch, forward, cross-entropy, backward, without the optimizer step; the seed
+    marks' peak is measured on the same step, so the plan's row is measured as planned.
     """
     from remat.memory._step import Step
     from remat.planner import sweep
@@ -98,19 +98,17 @@ def make_plan(config: DemoConfig, data: Any) -> tuple[remat.Plan, int]:
     device = _device(config.device)
     torch.manual_seed(config.seed)
     model = build_model(config.model, None).to(device)
-    images, labels = data.batch(0, config.batch_size, device)
 
-    def step(net: torch.nn.Module, batch: tuple) -> torch.Tensor:
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(net(x), y)
+    def step(net: torch.nn.Module, index: int) -> torch.Tensor:
+        images, labels = data.batch(index, config.batch_size, device)
+        loss = torch.nn.functional.cross_entropy(net(images), labels)
         loss.backward()
         return loss
 
     seeded = build_model(config.model, {}).to(device)
-    seed_peak = measure_peak(seeded, Step(batch=(images, labels), custom=step), optimizer=None, fake=False)
+    seed_peak = measure_peak(seeded, Step(batch=0, custom=step), optimizer=None, fake=False)
     budgets = [int(share * seed_peak) for share in PLANNER_SHARES]
-    plans = sweep(model, budgets=budgets, batch=(images, labels), step=step, optimizer=None, repeat=1,
-                  floors=True)
+    plans = sweep(model, budgets=budgets, batch=0, step=step, optimizer=None, repeat=1, floors=True)
     fitting = [p for p in plans if isinstance(p, remat.Plan)]
     if not fitting:
         raise plans[-1]
