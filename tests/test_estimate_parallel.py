@@ -375,7 +375,11 @@ def test_a_plan_for_a_rank_fits_its_budget_on_the_real_rank(plans, real, name):
         assert _settled(real[rank][f"plan {name}"]["runs"]) == marked.peak_bytes <= plan.budget_bytes
         if rank == 0:
             assert marked.peak_bytes <= plan.measured_peak_bytes
-            assert _settled(real[rank][name]["runs"]) == plan.no_recompute_peak_bytes
+            # the plan's step holds the model's output (ROWS x D floats) until it ends, as a
+            # loop does (NOTE [The step users run]); the loop here frees it before backward,
+            # a peak lower by it where the peak is in backward (FSDP), not in Adam's step (TP)
+            freed = plan.no_recompute_peak_bytes - _settled(real[rank][name]["runs"])
+            assert freed == (ROWS * D * 4 if name == "FSDP" else 0), freed
 
 
 def test_a_billion_parameter_llama_on_8_ranks_holds_an_eighth_of_its_parameters():
