@@ -36,8 +36,9 @@ import remat
 from remat.models import gpt, resnet50
 from remat.models.llama import LlamaConfig, llama, next_token_loss
 from remat.models.unet import unet
-from remat.plan._plan import sweep
-from remat.plan._solve import KEEP, Problem, evaluate, floor, solve_chain, solve_milp
+from remat.planner import Problem, evaluate, floor, solve_chain, solve_milp, sweep
+
+KEEP = remat.planner.OPTIONS.index("keep")
 
 
 def models(quick: bool) -> dict:
@@ -177,9 +178,11 @@ def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 
     with children and restricted to whole blocks (the planner before them), timed interleaved
     with per-block checkpointing and the unmarked model, ``rounds`` rounds."""
     from remat.cli.plan import mark_strategy
+    from remat.memory._step import Step
     from remat.memory.profile import default_loss
-    from remat.plan._cost import find_blocks, measure_costs
-    from remat.plan._plan import _fit
+    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._plan import _fit
+    from remat.planner._settings import Settings
 
     def fresh():
         torch.manual_seed(0)
@@ -190,19 +193,18 @@ def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 
     peak = remat.profile(per_block, *inputs, loss_fn=loss_fn, optimizer="adam", repeat=0).peak_bytes
     model = fresh()
     start = time.perf_counter()
-    costs = measure_costs(model, inputs, find_blocks(model), loss_fn=loss_fn, optimizer="adam",
-                          fake=False, device="cpu", repeat=repeat)
+    settings = Settings(step=Step(inputs=inputs, loss_fn=loss_fn), optimizer="adam", device="cpu",
+                        repeat=repeat)
+    costs = measure_costs(model, find_blocks(model), settings)
     full = costs.problem()
     blocks_only = Problem(**{**full.__dict__, "kept": [
         [None if full.options[o].startswith("children:") else k for o, k in enumerate(row)]
         for row in full.kept]})
-    kwargs = {"fake": False, "loss_fn": loss_fn, "optimizer": "adam", "verify": True, "solver": "auto",
-              "say": lambda _: None}
     budgets = [peak, *(int(peak + f * (costs.peaks["keep"] - peak)) for f in between)]
     plans = {}
     for b in budgets:
         for key, problem in (("blocks", blocks_only), ("children", full)):
-            plans[(b, key)] = _fit(model, inputs, costs, problem, b, floor(problem), **kwargs)
+            plans[(b, key)] = _fit(model, costs, problem, b, floor(problem), settings)
     planned_s = time.perf_counter() - start
     models = {"unmarked": fresh(), "per-block": per_block}
     label = {}
@@ -363,7 +365,7 @@ def max_batch(budget: str) -> dict:
     import argparse as _argparse
 
     from remat.cli.plan import Setup, _fits, largest_batch
-    from remat.plan._plan import parse_budget
+    from remat.planner import parse_budget
 
     args = _argparse.Namespace(factory="remat.models.gpt:gpt", estimate=True, repeat=0, device=None,
                                throughput=None, loss="next-token", optimizer="adam", input_dtype="int64",
@@ -382,16 +384,18 @@ def max_batch(budget: str) -> dict:
 def speed(full_70b: bool) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from remat.memory._step import Step
     from remat.memory.estimate import _build_in
-    from remat.plan._cost import composed_costs, find_blocks, identical_container, measure_costs
-    from remat.plan._solve import solve
+    from remat.planner import solve
+    from remat.planner._cost import composed_costs, find_blocks, identical_container, measure_costs
+    from remat.planner._settings import Settings
 
     out = {}
     with FakeTensorMode():
         model = gpt(layers=32, width=256, heads=4, seq_len=256, vocab=4096)
         inputs = (torch.zeros(4, 256, dtype=torch.long),)
-        costs = measure_costs(model, inputs, find_blocks(model), loss_fn=next_token_loss,
-                              optimizer="adam", fake=True, device="cpu")
+        costs = measure_costs(model, find_blocks(model), Settings(
+            step=Step(inputs=inputs, loss_fn=next_token_loss), optimizer="adam", fake=True, device="cpu"))
     problem = costs.problem()
     low, high = floor(problem), costs.peaks["keep"]
     times = []
@@ -420,9 +424,9 @@ def speed(full_70b: bool) -> dict:
         with FakeTensorMode():
             model = _build_in(factory, torch.bfloat16)
             blocks = find_blocks(model)
-            composed = composed_costs(model, inputs(), blocks, identical_container(model, blocks),
-                                      loss_fn=next_token_loss, optimizer="adam", fake=True,
-                                      device="cpu", options=("keep",))
+            composed = composed_costs(model, blocks, identical_container(model, blocks), Settings(
+                step=Step(inputs=inputs(), loss_fn=next_token_loss), optimizer="adam", fake=True,
+                device="cpu", options=("keep",)))
         composed_s = time.perf_counter() - start
         start = time.perf_counter()
         full = remat.estimate(factory, inputs, loss_fn=next_token_loss, dtype=torch.bfloat16)

@@ -18,7 +18,7 @@ import time
 import torch
 
 import remat
-from remat.plan import BLOCK_OPTIONS  # whole blocks: keep, recompute, selective, output
+from remat.planner import BLOCK_OPTIONS  # whole blocks: keep, recompute, selective, output
 
 
 class Block(torch.nn.Module):

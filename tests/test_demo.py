@@ -44,6 +44,7 @@ def test_demo_smoke_run_keeps_the_numbers_and_writes_results(tmp_path):
     if hasattr(remat.memory, "track"):
         assert all(r["peak_bytes"] > r["kept_bytes"] for r in rows.values())
         assert planned["plan_measured_peak_bytes"] <= planned["plan_budget_bytes"]
+        assert planned["peak_bytes"] <= planned["plan_budget_bytes"]  # the row within its budget line
         assert planned["peak_bytes"] < rows["seed marks"]["peak_bytes"]
         assert (tmp_path / "memory_timeline.png").stat().st_size > 0
 

@@ -18,7 +18,7 @@ LAYERS = {
     "_checkpoint": 3, "_selective": 3, "_functional": 3, "_marks": 3, "nn": 3, "ops": 3, "ms": 3,
     "_graph": 3, "_blocks": 3, "_hf": 3, "_compile_check": 3, "parallel": 3,
     "memory": 4, "models": 4, "data": 4, "cli": 4, "__main__": 4,
-    "plan": 4, "plan/_solve": 1,
+    "planner": 4, "planner/_solve": 1,
     "__init__": 5,
 }
 

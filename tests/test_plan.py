@@ -11,10 +11,12 @@ import pytest
 import torch
 
 import remat
+from remat.memory._step import Step
 from remat.models import gpt, resnet
 from remat.models.unet import unet
-from remat.plan._plan import parse_budget, sweep
-from remat.plan._solve import Problem
+from remat.planner import parse_budget, sweep
+from remat.planner._settings import Settings
+from remat.planner._solve import Problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -83,18 +85,19 @@ def test_unet_is_planned_as_a_graph_and_gpt_as_a_chain():
 
 def test_resnet_plan_holds_its_budget_measured_by_the_tracker():
     torch.manual_seed(0)
-    net = resnet((1, 2), width=4, class_num=3)
+    net = resnet((2, 2), width=4, class_num=3)
     x = torch.randn(16, 3, 32, 32)
     p = remat.plan(net, x, budget=0.9, repeat=1)
     p.apply(net)
     with remat.memory.track(net, baseline=[x]) as tracker:
         net(x).sum().backward()
-    no_marks = resnet((1, 2), width=4, class_num=3)
+    no_marks = resnet((2, 2), width=4, class_num=3)
     with remat.memory.track(no_marks, baseline=[x]) as plain:
         no_marks(x).sum().backward()
     assert tracker.peak_bytes < plain.peak_bytes  # (no optimizer here: the plan's budget has one)
     assert p.measured_peak_bytes <= p.budget_bytes
-    assert len(p.decisions) == 3
+    # the blocks remat.apply(where="blocks") marks
+    assert [d.name for d in p.decisions] == ["layers.0.0", "layers.0.1", "layers.1.0", "layers.1.1"]
 
 
 def test_json_round_trip_and_apply_to_a_fresh_model():
@@ -122,7 +125,8 @@ def test_plan_on_fake_tensors_matches_the_real_model():
     assert p.timing.startswith("roofline")
     real = factory()
     p.apply(real)
-    report = remat.profile(real, torch.zeros(8, 32, dtype=torch.long), optimizer="adam", repeat=0)
+    x = torch.zeros(8, 32, dtype=torch.long)
+    report = remat.memory.profile.measure(real, (x,), optimizer="adam", step=Step(inputs=(x,)))
     assert report.peak_bytes == p.measured_peak_bytes <= p.budget_bytes
 
 
@@ -183,7 +187,7 @@ def test_unsupported_models_give_typed_errors():
 def test_identical_blocks_composed_from_two_and_three_equal_the_whole_model():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.plan._cost import composed_costs, find_blocks, identical_container, measure_costs
+    from remat.planner._cost import composed_costs, find_blocks, identical_container, measure_costs
 
     with FakeTensorMode():
         model = gpt(layers=5, width=32, heads=4, seq_len=16, vocab=64)
@@ -191,10 +195,10 @@ def test_identical_blocks_composed_from_two_and_three_equal_the_whole_model():
         blocks = find_blocks(model)
         container = identical_container(model, blocks)
         assert container is model.blocks
-        kwargs = {"loss_fn": None, "optimizer": "adam", "fake": True, "device": "cpu",
-                  "options": ("keep", "recompute")}
-        whole = measure_costs(model, x, blocks, **kwargs)
-        composed = composed_costs(model, x, blocks, container, **kwargs)
+        settings = Settings(step=Step(inputs=x), optimizer="adam", fake=True, device="cpu",
+                            options=("keep", "recompute"))
+        whole = measure_costs(model, blocks, settings)
+        composed = composed_costs(model, blocks, container, settings)
     assert len(model.blocks) == 5  # the container is whole again
     assert composed.peaks == whole.peaks
     assert composed.kept == whole.kept and composed.baseline_bytes == whole.baseline_bytes
@@ -220,22 +224,22 @@ def test_remat_compile_honours_every_option_of_a_plan():
 
 def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
     from remat.memory.profile import measure
-    from remat.plan._cost import measure_peak
+    from remat.planner._cost import measure_peak
 
     net, x = tiny_gpt(), tokens()
     for block in list(net.blocks)[::2]:
         remat.recompute_module(block)
-    full = measure(net, (x,), loss_fn=None, optimizer="adam")
+    full = measure(net, (x,), optimizer="adam", step=Step(inputs=(x,)))
     assert max(full.phase_peaks.values()) == full.peak_bytes and "optimizer" in full.phase_peaks
-    short = measure_peak(net, (x,), loss_fn=None, optimizer="adam", fake=False,
+    short = measure_peak(net, Step(inputs=(x,)), optimizer="adam", fake=False,
                          optimizer_peak=full.phase_peaks["optimizer"])
     assert short == full.peak_bytes
 
 
 def test_option_times_are_calibrated_by_each_option_timed_run():
-    from remat.plan._cost import BlockCosts
-    from remat.plan._solve import BLOCK_OPTIONS as OPTIONS
-    from remat.plan._solve import evaluate
+    from remat.planner._cost import BlockCosts
+    from remat.planner._solve import BLOCK_OPTIONS as OPTIONS
+    from remat.planner._solve import evaluate
 
     def costs(steps: dict) -> BlockCosts:
         return BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0]] * 2,
@@ -320,7 +324,7 @@ CHILDREN = ("children:attn", "children:mlp", "children:attn+mlp")
 
 
 def test_each_block_gets_options_for_its_attention_and_its_mlp():
-    from remat.plan._cost import child_options
+    from remat.planner._cost import child_options
 
     model = tiny_transformer()
     rows = {r.name: r for r in remat.profile(model, sequence(), repeat=0).rows}
@@ -394,15 +398,16 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.models.llama import next_token_loss
-    from remat.plan._cost import find_blocks, measure_costs
-    from remat.plan._plan import _fit
-    from remat.plan._solve import floor
+    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._plan import _fit
+    from remat.planner._solve import floor
 
     with FakeTensorMode():
         model, inputs = small_gpt(), small_gpt_tokens()
         model.train()
-        costs = measure_costs(model, inputs, find_blocks(model), loss_fn=next_token_loss,
-                              optimizer="adam", fake=True, device="cpu")
+        settings = Settings(step=Step(inputs=inputs, loss_fn=next_token_loss), optimizer="adam",
+                            fake=True, device="cpu")
+        costs = measure_costs(model, find_blocks(model), settings)
         budget = costs.peaks["recompute"]  # every block marked alike: per-block checkpointing
         full = costs.problem()
         inside = [o for o, name in enumerate(full.options) if name.startswith("children:")]
@@ -410,9 +415,7 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
                                                      "children:attn+fc+gelu"]
         blocks_only = Problem(**{**full.__dict__, "kept": [
             [None if o in inside else k for o, k in enumerate(row)] for row in full.kept]})
-        kwargs = {"fake": True, "loss_fn": next_token_loss, "optimizer": "adam", "verify": True,
-                  "solver": "auto", "say": lambda _: None}
-        plans = [_fit(model, inputs, costs, p, budget, floor(p), **kwargs) for p in (full, blocks_only)]
+        plans = [_fit(model, costs, p, budget, floor(p), settings) for p in (full, blocks_only)]
     with_children, without = plans
     assert any(c.startswith("children:") for c in with_children.choices.values()), with_children.choices
     assert not any(c.startswith("children:") for c in without.choices.values())
@@ -423,8 +426,10 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
     real = small_gpt()
     marked = with_children.apply(real)
     assert any(name.count(".") == 2 for name in marked)  # blocks.<i>.<child>
-    report = remat.profile(real, *small_gpt_tokens(), loss_fn=next_token_loss, optimizer="adam", repeat=0)
-    assert report.peak_bytes == with_children.measured_peak_bytes <= budget
+    from remat.planner._cost import measure_peak
+
+    step = Step(inputs=small_gpt_tokens(), loss_fn=next_token_loss)  # parameters restored after
+    assert measure_peak(real, step, optimizer="adam", fake=False) == with_children.measured_peak_bytes <= budget
     x = torch.randint(0, 64, (8, 64), generator=torch.Generator().manual_seed(3))
     expected = grads(small_gpt(), x)
     real.zero_grad(set_to_none=True)
@@ -457,8 +462,7 @@ def test_a_plan_naming_a_missing_child_is_refused_and_marks_nothing():
 
 
 def test_each_options_step_is_timed_in_interleaved_rounds_and_leaves_the_model_unmarked():
-    from remat.memory.profile import default_loss
-    from remat.plan._cost import _interleaved_steps
+    from remat.planner._cost import _interleaved_steps
 
     model, x = tiny_gpt(), tokens()
     blocks = dict(model.blocks.named_children())
@@ -467,7 +471,7 @@ def test_each_options_step_is_timed_in_interleaved_rounds_and_leaves_the_model_u
         block.register_forward_pre_hook(lambda *_, n=name: calls.append(n))
     uniform = {"keep": {}, "recompute": dict.fromkeys(blocks, "recompute"),
                "children:attn": {"0": "children:attn"}}
-    steps = _interleaved_steps(model, (x,), default_loss, blocks, uniform, rounds=2)
+    steps = _interleaved_steps(model, Step(inputs=(x,)), blocks, uniform, rounds=2)
     assert sorted(steps) == sorted(uniform) and all(s > 0 for s in steps.values())
     # 3 rounds (a warm-up, then 2), each a step of every option: the 4 blocks called each step
     assert len(calls) == 3 * 3 * 4
@@ -475,8 +479,8 @@ def test_each_options_step_is_timed_in_interleaved_rounds_and_leaves_the_model_u
 
 
 def test_an_option_inside_blocks_is_never_scaled_below_a_block_re_run():
-    from remat.plan._cost import BlockCosts
-    from remat.plan._solve import evaluate
+    from remat.planner._cost import BlockCosts
+    from remat.planner._solve import evaluate
 
     options = ["keep", "recompute", "selective", "output", "children:attn"]
     costs = BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0, 5.0]] * 2,

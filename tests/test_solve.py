@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from remat.plan._solve import (
+from remat.planner._solve import (
     BLOCK_OPTIONS,
     KEEP,
     OUTPUT,
@@ -195,7 +195,7 @@ def test_a_final_chain_is_rebuilt_after_the_end_of_forward_not_at_it():
 
 
 def test_dominated_options_are_not_tried_and_the_optimum_stands():
-    from remat.plan._solve import _undominated
+    from remat.planner._solve import _undominated
 
     # children:fc and children:gelu keep and hold the same; gelu costs less: fc is never needed
     problem = Problem(kept=[[20, 2, 12, 0, 8, 8]] * 3, time=[[0, 10, 4, 10, 6, 1]] * 3,

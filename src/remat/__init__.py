@@ -11,7 +11,7 @@ Example:
     >>> y.sum().backward()
 """
 
-from remat import memory, nn, ops, parallel
+from remat import memory, nn, ops, parallel, planner
 from remat._checkpoint import (
     CheckpointFunction,
     DefaultDeviceType,
@@ -43,7 +43,7 @@ from remat._selective import (
 from remat._spec import RegionSpec
 from remat.memory.estimate import estimate
 from remat.memory.profile import profile
-from remat.plan import BudgetError, Plan, plan
+from remat.planner import BudgetError, Plan, plan
 
 __version__ = "0.1.0"
 
@@ -79,6 +79,7 @@ __all__ = [
     "ops",
     "parallel",
     "plan",
+    "planner",
     "policy_context",
     "profile",
     "recompute",

@@ -22,6 +22,8 @@ class RecomputeError(RuntimeError):
         True
     """
 
+    __module__ = "remat"  # printed by its public name, remat.RecomputeError
+
 
 #: ``torch.utils.checkpoint`` calls the same failure ``CheckpointError``.
 CheckpointError = RecomputeError

@@ -87,25 +87,28 @@ def make_plan(config: DemoConfig, data: Any) -> tuple[remat.Plan, int]:
     """Plan the demo's model for the lowest of :data:`PLANNER_SHARES` of the seed marks' peak
     that fits; return the plan and that peak.
 
-    The plan's step is forward, cross-entropy and backward on the first batch, without
-    the optimizer step; the seed marks' peak is measured the same way.
+    The plan's step is the demo's own (:func:`train_configuration`'s ``forward_backward``):
+    load a batch, forward, cross-entropy, backward, without the optimizer step; the seed
+    marks' peak is measured on the same step, so the plan's row is measured as planned.
     """
-    from remat.plan._cost import measure_peak
-    from remat.plan._plan import sweep
+    from remat.memory._step import Step
+    from remat.planner import sweep
+    from remat.planner._cost import measure_peak
 
     device = _device(config.device)
     torch.manual_seed(config.seed)
     model = build_model(config.model, None).to(device)
-    images, labels = data.batch(0, config.batch_size, device)
 
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(out, labels)
+    def step(net: torch.nn.Module, index: int) -> torch.Tensor:
+        images, labels = data.batch(index, config.batch_size, device)
+        loss = torch.nn.functional.cross_entropy(net(images), labels)
+        loss.backward()
+        return loss
 
     seeded = build_model(config.model, {}).to(device)
-    seed_peak = measure_peak(seeded, (images,), loss_fn=loss_fn, optimizer=None, fake=False)
+    seed_peak = measure_peak(seeded, Step(batch=0, custom=step), optimizer=None, fake=False)
     budgets = [int(share * seed_peak) for share in PLANNER_SHARES]
-    plans = sweep(model, images, budgets=budgets, optimizer=None, repeat=1, floors=True,
-                  loss_fn=loss_fn)
+    plans = sweep(model, budgets=budgets, batch=0, step=step, optimizer=None, repeat=1, floors=True)
     fitting = [p for p in plans if isinstance(p, remat.Plan)]
     if not fitting:
         raise plans[-1]

@@ -33,7 +33,7 @@ from remat.cli.profile import (
     parse_shape,
     rank_options,
 )
-from remat.plan import OPTIONS, parse_budget
+from remat.planner import OPTIONS, parse_budget
 
 API = "remat plan"
 #: The anchors the planner is compared with, in plot order.
@@ -49,7 +49,9 @@ def add_parser(subparsers: Any) -> None:
                         help="loss on the output: sum, or next-token cross-entropy for logits")
     parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
                         help="optimizer of the step: adam (default), adamw, sgd or none")
-    parser.add_argument("--budget", type=_budget_arg, help="peak budget: bytes, '6GiB', '60%%' or a fraction such as 0.6")
+    parser.add_argument("--budget", type=_budget_arg,
+                        help="peak budget: '60%%' or 0.6 (of the no-recompute peak), '6GiB', "
+                             "'512MB' or bytes, read as remat.plan reads it")
     parser.add_argument("--estimate", action="store_true",
                         help="plan on fake tensors: nothing allocated, times from FLOPs (roofline)")
     parser.add_argument("--device", help="device of the roofline for --estimate (cpu, cuda)")
@@ -95,7 +97,7 @@ class Setup:
         return make_inputs(shapes, self.dtype)
 
     def plan(self, budgets: list, batch: int | None = None, progress: Callable | None = None) -> list:
-        from remat.plan._plan import sweep
+        from remat.planner import sweep
 
         options = _options_arg(getattr(self.args, "options", None))
         if self.args.estimate:
@@ -110,6 +112,8 @@ class Setup:
                 timed: bool = True) -> dict:
         """Peak bytes (and step ms) of the model marked by ``mark``."""
         import remat
+        from remat.memory._step import Step
+        from remat.planner._cost import measure_peak
 
         def build() -> torch.nn.Module:
             model = self.build()
@@ -122,8 +126,10 @@ class Setup:
             return {"peak_bytes": report.peak_bytes, "step_ms": None, "overhead": None}
         model = build()
         inputs = self.inputs(batch)
-        report = remat.profile(model, *inputs, loss_fn=self.loss_fn, optimizer=self.optimizer, repeat=0)
-        out = {"peak_bytes": report.peak_bytes, "step_ms": None, "overhead": None}
+        # the step the plan holds its budget on: outputs alive until it ends (NOTE [The step users run])
+        step = Step(inputs=inputs, loss_fn=self.loss_fn, api=API)
+        peak = measure_peak(model, step, optimizer=self.optimizer, fake=False)
+        out = {"peak_bytes": peak, "step_ms": None, "overhead": None}
         if timed:
             out["overhead"], out["step_ms"] = self.paired_time(model, inputs)
         return out
@@ -163,7 +169,7 @@ class Setup:
 def mark_strategy(model: torch.nn.Module, name: str, blocks: list[str] | None = None) -> None:
     """Mark ``model`` as anchor ``name`` of :data:`STRATEGIES` on the planner's blocks."""
     import remat
-    from remat.plan._cost import find_blocks
+    from remat.planner._cost import find_blocks  # the blocks remat.apply(where="blocks") marks
 
     named = dict(model.named_modules())
     chosen = [named[n] for n in blocks] if blocks else [m for _, m in find_blocks(model)]
@@ -237,7 +243,7 @@ class _Measured:
 
 
 def _options_arg(text: str | None) -> tuple[str, ...]:
-    """``--options``: comma-separated families of :data:`remat.plan.OPTIONS`."""
+    """``--options``: comma-separated families of :data:`remat.planner.OPTIONS`."""
     if text is None:
         return OPTIONS
     options = tuple(o.strip() for o in text.split(",") if o.strip())
@@ -248,21 +254,13 @@ def _options_arg(text: str | None) -> tuple[str, ...]:
     return options
 
 
-def _budget_arg(text: Any) -> Any:
-    """``--budget`` (an argparse type): bytes, a fraction, or a string such as '6GiB' or '60%'."""
-    if not isinstance(text, str):
-        return text
+def _budget_arg(text: str) -> str:
+    """``--budget`` (an argparse type), checked as :func:`remat.planner.parse_budget` reads it."""
     try:
-        value: Any = float(text)
-    except ValueError:
-        value = text
-    else:
-        value = value if value <= 1 else int(value)
-    try:
-        parse_budget(value)
+        parse_budget(text, api=API)
     except (TypeError, ValueError) as err:
-        raise argparse.ArgumentTypeError(str(err).removeprefix("remat.plan: ")) from None
-    return value
+        raise argparse.ArgumentTypeError(str(err).removeprefix(f"{API}: ")) from None
+    return text
 
 
 def pareto_points(setup: Setup, plan: Any, count: int, progress: bool = False) -> list[dict]:
@@ -342,9 +340,8 @@ def largest_batch(fits: Callable[[int], bool], start: int) -> int:
 
 def _max_batch(setup: Setup, budget: Any) -> int:
     from remat.memory._report import format_bytes
-    from remat.plan._plan import parse_budget
 
-    value, fractional = parse_budget(budget)
+    value, fractional = parse_budget(budget, api=API)
     if fractional:
         raise SystemExit(f"{API}: --max-batch needs an absolute --budget such as '2GiB'")
     if not setup.shapes:

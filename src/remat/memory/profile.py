@@ -22,22 +22,11 @@ from remat._engine.state import is_recomputing
 from remat._errors import check_bool
 from remat._marks import mark_of
 from remat.memory._report import ModuleRow, ProfileReport, downsample
+from remat.memory._step import AtBackward, Step, default_loss
 from remat.memory._tracker import local_nbytes, local_storages, track
 
 OptimizerLike = None | str | torch.optim.Optimizer | Callable[..., torch.optim.Optimizer]
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The loss used when none is given: the output's ``loss`` (Hugging Face models given
-    labels), else the sum of every floating output, as float32."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not leaves:
-        raise TypeError("remat.profile: the model returned no floating tensor; pass loss_fn=...")
-    return sum(t.float().sum() for t in leaves)
 
 
 def make_optimizer(optimizer: OptimizerLike, model: torch.nn.Module, api: str) -> torch.optim.Optimizer | None:
@@ -111,15 +100,14 @@ class _Calls:
         entry[2] += self._bytes(output)
 
 
-def _time_step(model: torch.nn.Module, inputs: tuple, batch: dict, loss_fn: Callable,
-               repeat: int) -> tuple:
-    loss_fn(model(*inputs, **batch)).backward()  # warm-up: first-call costs are not recompute costs
+def _time_step(model: torch.nn.Module, run: Callable[[torch.nn.Module], Any], repeat: int) -> tuple:
+    run(model)  # warm-up: first-call costs are not recompute costs
     model.zero_grad(set_to_none=True)
     best_step, best = float("inf"), {}
     for _ in range(repeat):
         with _Calls(model, set()) as calls:
             start = time.perf_counter()
-            loss_fn(model(*inputs, **batch)).backward()
+            run(model)
             step = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
         best_step = min(best_step, step)
@@ -131,13 +119,16 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
             loss_fn: Callable | None = None,
             optimizer: OptimizerLike = None, output_recompute: bool = False, repeat: int = 0,
             label: str = "", device: str = "", estimated: bool = False,
-            api: str = "remat.profile", optimizer_step: bool = True) -> ProfileReport:
+            api: str = "remat.profile", optimizer_step: bool = True,
+            step: Step | None = None) -> ProfileReport:
     """Run one training step of ``model`` on ``inputs`` under the tracker; return the report.
 
     Shared by :func:`profile` (real tensors, ``repeat`` timed runs) and
     :func:`remat.estimate` (fake tensors, no timing). ``optimizer_step=False`` leaves
     out the optimizer's step (its state still counts): the planner, which knows that
-    phase's peak, verifies a plan's forward and backward only.
+    phase's peak, verifies a plan's forward and backward only. ``step`` runs that
+    step instead of ``loss_fn(model(*inputs, **batch)).backward()``: what it returns stays
+    alive until the step ends (NOTE [The step users run]).
     """
     start = time.perf_counter()
     batch = batch or {}
@@ -145,19 +136,27 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
     opt = make_optimizer(optimizer, model, api)
     if opt is not None:
         prime_optimizer(opt)
-    step_ms, times = _time_step(model, inputs, batch, loss_fn, repeat) if repeat else (None, {})
+    run = step.run if step is not None else (lambda m: loss_fn(m(*inputs, **batch)).backward())
+    step_ms, times = _time_step(model, run, repeat) if repeat else (None, {})
     params = {s._cdata: s.nbytes() for s in local_storages([*model.parameters(), *model.buffers()])}
-    with track(model, baseline=[inputs, batch, opt]) as tracker, _Calls(model, set(params)) as calls:
-        loss = loss_fn(model(*inputs, **batch))
-        kept = tracker.live_by_module(exclude=[loss])
-        loss.backward()
-        del loss
+    given = None if step is None else (step.inputs, step.batch)
+    with track(model, baseline=[inputs, batch, opt, given]) as tracker, _Calls(model, set(params)) as calls:
+        if step is None:
+            loss = loss_fn(model(*inputs, **batch))
+            kept = tracker.live_by_module(exclude=[loss])
+            loss.backward()
+            held = loss = None
+        else:
+            with AtBackward(tracker.live_by_module) as at:
+                held = step.run(model)
+            kept = at.value if at.seen else tracker.live_by_module()
         if opt is not None and optimizer_step:
             with tracker.phase("optimizer"):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
+        del held
     rows = _rows(model, kept, calls, times, output_recompute)
     peak = tracker.peak()
     param_bytes = sum(local_nbytes(p) for p in model.parameters())

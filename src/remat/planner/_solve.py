@@ -30,7 +30,7 @@ block's backward, extra time. ``Problem.options`` names the columns; a block wit
 the children of a column has ``kept`` None there.
 
 Example:
-    >>> from remat.plan._solve import Problem, solve
+    >>> from remat.planner._solve import Problem, solve
     >>> p = Problem(kept=[[8, 2, 4, 0]] * 3, time=[[0, 3, 1, 4]] * 3, rebuilt=[8] * 3,
     ...             fixed=[0] * 3, output=[2] * 3, end=0)
     >>> solve(p, 20).choices
@@ -70,6 +70,8 @@ class BudgetError(ValueError):
         >>> isinstance(err, ValueError), err.floor_bytes
         (True, 20)
     """
+
+    __module__ = "remat"  # printed by its public name, remat.BudgetError
 
     def __init__(self, message: str, *, budget_bytes: float, floor_bytes: float) -> None:
         super().__init__(message)

@@ -12,31 +12,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
 from remat._marks import mark_of, marked_modules, recompute_module, unmark_module
 from remat.memory._report import format_bytes
+from remat.memory._step import Step, StepFn
 from remat.memory.profile import OptimizerLike
-from remat.plan._cost import (
-    Builder,
+from remat.planner._budget import parse_budget
+from remat.planner._cost import (
+    BlockCosts,
     composed_costs,
     find_blocks,
     identical_container,
-    mark_choices,
-    marks_of,
     measure_costs,
     measure_peak,
 )
-from remat.plan._solve import OPTIONS, BudgetError, Problem, floor, solve
+from remat.planner._settings import Builder, Settings, mark_choices, marks_of
+from remat.planner._solve import OPTIONS, BudgetError, Problem, floor, solve
 
 API = "remat.plan"
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 @dataclass(frozen=True)
@@ -212,41 +211,8 @@ def _spec_of(kwargs: dict) -> Any:
     return mark_of(probe)
 
 
-def parse_budget(budget: Any) -> tuple[float, bool]:
-    """Read ``budget``: ``(bytes, False)`` or ``(fraction of the no-recompute peak, True)``."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
-        raise TypeError(f"{API}: budget must be bytes (int), a string such as '6GiB' or '80%', "
-                        f"or a fraction (float in (0, 1]) of the no-recompute peak; got {budget!r}")
-    if isinstance(budget, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z%]*)\s*", budget)
-        unit = match.group(2).upper() if match else None
-        if match is None or (unit not in UNITS and unit != "%"):
-            raise ValueError(f"{API}: cannot read budget {budget!r}; write e.g. '6GiB', '512MB', "
-                             f"'80%' or pass bytes as an int")
-        value = float(match.group(1))
-        if unit == "%":
-            return _fraction(value / 100, budget)
-        return _bytes(value * UNITS[unit], budget)
-    if isinstance(budget, float):
-        return _fraction(budget, budget)
-    return _bytes(budget, budget)
-
-
-def _fraction(value: float, given: Any) -> tuple[float, bool]:
-    if not 0 < value <= 1:
-        raise ValueError(f"{API}: a fractional budget must be in (0, 1] of the no-recompute peak, "
-                         f"got {given!r}; pass bytes as an int or a string such as '6GiB'")
-    return value, True
-
-
-def _bytes(value: float, given: Any) -> tuple[float, bool]:
-    if value <= 0:
-        raise ValueError(f"{API}: budget must be positive, got {given!r}")
-    return float(value), False
-
-
-def plan(model: Any, *example_inputs: Any, budget: float | str,
-         loss_fn: Callable | None = None, optimizer: OptimizerLike = "adam",
+def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = None,
+         loss_fn: Callable | None = None, step: StepFn | None = None, optimizer: OptimizerLike = "adam",
          blocks: Any = None, options: Sequence[str] = OPTIONS, device: str | None = None,
          throughput: float | None = None, dtype: torch.dtype | None = None,
          verify: bool = True, solver: str = "auto", repeat: int = 2,
@@ -262,23 +228,40 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
     plan is then run once under the tracker and re-solved until the measured
     peak fits too.
 
+    The step measured is the one a training loop runs (NOTE [The step users run]):
+    ``out = model(*example_inputs, **batch); loss_fn(out).backward()`` with ``out`` (a
+    tensor, tuple, dict or Hugging Face ``ModelOutput``) alive until the step ends, the
+    optimizer's step included; or ``step(model, batch)``, the loop's own body. The
+    no-recompute peak a fractional budget scales is that step's.
+
     Args:
         model: a ``torch.nn.Module`` (profiled on real tensors, not changed), or a
             factory / ``LlamaConfig`` / ``GPTConfig`` (planned on fake tensors, as
             :func:`remat.estimate` runs it; times from FLOPs and bytes moved).
         *example_inputs: the model's inputs (tensors; shapes or a function for factories).
-        budget: peak bytes (int), a string (``"6GiB"``, ``"512MB"``, ``"80%"``), or
-            a fraction in (0, 1] of the no-recompute peak.
-        loss_fn: ``loss_fn(output) -> scalar``; default: the sum of floating outputs.
+        budget: peak bytes (int), a fraction in (0, 1] of the no-recompute peak (float),
+            or a string: ``"60%"`` or ``"0.6"`` (a fraction), ``"6GiB"``, ``"512MB"`` (bytes),
+            read as ``remat plan --budget`` reads it (:func:`remat.planner.parse_budget`).
+        batch: the model's keyword inputs, ``model(*example_inputs, **batch)`` (a Hugging
+            Face batch: ``{"input_ids": ..., "labels": ...}``), as for :func:`remat.profile`;
+            with ``step``, whatever ``step`` takes as its batch.
+        loss_fn: ``loss_fn(output) -> scalar``; default: the output's ``loss`` if it has
+            one, else the sum of the floating outputs.
+        step: ``step(model, batch) -> loss``, one step of the loop to plan for (gradient
+            accumulation, several losses, an output freed early), used for the costs and the
+            verification alike. It runs the forward and calls ``loss.backward()`` (or returns
+            the loss and the planner calls it). ``batch`` is ``batch=``, or the one example
+            input, or the example inputs as a tuple. Not with ``loss_fn``.
         optimizer: as for :func:`remat.profile` (default ``"adam"``; its state counts).
-        blocks: the modules to plan: names, or a module type; default: the children of
-            the model's innermost ``ModuleList`` / ``Sequential`` containers.
-        options: the option families allowed, a subset of ``remat.plan.OPTIONS`` (``"keep"``
+        blocks: the modules to plan: names, or a module type; default: the blocks that
+            ``remat.apply(model, where="blocks")`` marks (Hugging Face decoder layers, the
+            repeated children of a ``ModuleList`` / ``Sequential``).
+        options: the option families allowed, a subset of ``remat.planner.OPTIONS`` (``"keep"``
             always): ``"keep"``, ``"recompute"``, ``"selective"``, ``"output"`` mark whole
             blocks; ``"children"`` marks some children of a block (``"children:attn"``:
             its attention recomputed, the rest kept; NOTE [Options inside blocks]).
-            ``options=("keep", "recompute", "selective", "output")`` (``BLOCK_OPTIONS`` of
-            ``remat.plan``) restricts the plan to whole blocks.
+            ``options=remat.planner.BLOCK_OPTIONS`` (``"keep"``, ``"recompute"``,
+            ``"selective"``, ``"output"``) restricts the plan to whole blocks.
         device: device whose roofline times fake-tensor plans (``"cuda"``; default: the inputs').
         throughput: FLOP/s of that device for fake-tensor plans.
         dtype: build a factory's model in this dtype (fake-tensor plans).
@@ -299,19 +282,27 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
         model before sharding it, as marks always are.
 
     Raises:
-        BudgetError: the budget is below the smallest reachable peak (``floor_bytes``).
-        TypeError: no blocks found, a block runs more than once, a bad budget type.
+        remat.BudgetError: the budget is below the smallest reachable peak (``floor_bytes``).
+        TypeError: no blocks found, a block runs more than once per forward, a bad budget
+            type, a ``batch`` that is not a dict without ``step``.
         ValueError: a malformed budget, an unknown option, a model already marked,
-            ``world_size`` for a built model or without ``parallelize``.
+            ``world_size`` for a built model or without ``parallelize``, ``step`` with ``loss_fn``.
         RuntimeError: ``world_size`` where a process group is already initialized.
 
     Example:
         >>> import torch, remat
         >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
         ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
-        >>> p = remat.plan(net, torch.randn(512, 64), budget=0.8)
+        >>> p = remat.plan(net, torch.randn(512, 64), budget="0.8")
         >>> p.measured_peak_bytes <= p.budget_bytes
         True
+
+        A loop of two micro-batches (gradient accumulation), planned as it runs:
+
+        >>> def step(model, batch):
+        ...     for half in batch.chunk(2):
+        ...         model(half).pow(2).mean().backward()
+        >>> p = remat.plan(net, torch.randn(512, 64), budget="80%", step=step)
 
         One rank of 2, each block a unit of ``fully_shard`` (FSDP2), planned on fake tensors:
 
@@ -326,24 +317,39 @@ def plan(model: Any, *example_inputs: Any, budget: float | str,
         >>> (p.world_size, p.measured_peak_bytes <= p.budget_bytes)
         (2, True)
     """
-    return sweep(model, *example_inputs, budgets=[budget], loss_fn=loss_fn, optimizer=optimizer,
-                 blocks=blocks, options=options, device=device, throughput=throughput, dtype=dtype,
-                 verify=verify, solver=solver, repeat=repeat, progress=progress, compose=compose,
-                 world_size=world_size, parallelize=parallelize, rank=rank)[0]
+    return sweep(model, *example_inputs, budgets=[budget], batch=batch, loss_fn=loss_fn, step=step,
+                 optimizer=optimizer, blocks=blocks, options=options, device=device,
+                 throughput=throughput, dtype=dtype, verify=verify, solver=solver, repeat=repeat,
+                 progress=progress, compose=compose, world_size=world_size,
+                 parallelize=parallelize, rank=rank)[0]
 
 
-def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str],
-          loss_fn: Callable | None = None, optimizer: OptimizerLike = "adam",
-          blocks: Any = None, options: Sequence[str] = OPTIONS, device: str | None = None,
-          throughput: float | None = None, dtype: torch.dtype | None = None,
-          verify: bool = True, solver: str = "auto", repeat: int = 2,
-          progress: Callable[[str], None] | None = None, floors: bool = False,
+def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str], batch: Any = None,
+          loss_fn: Callable | None = None, step: StepFn | None = None,
+          optimizer: OptimizerLike = "adam", blocks: Any = None, options: Sequence[str] = OPTIONS,
+          device: str | None = None, throughput: float | None = None,
+          dtype: torch.dtype | None = None, verify: bool = True, solver: str = "auto",
+          repeat: int = 2, progress: Callable[[str], None] | None = None, floors: bool = False,
           compose: bool = True, world_size: int | None = None,
           parallelize: Callable | None = None, rank: int | None = None) -> list[Plan | BudgetError]:
-    """:func:`plan` for several budgets, measuring the blocks once.
+    """:func:`remat.plan` for several budgets, measuring the blocks once.
 
-    A budget below the floor gives its :class:`BudgetError` in the list (with
-    ``floors=True``) or raises it.
+    Args:
+        budgets: the budgets, each as :func:`remat.plan`'s ``budget``.
+        floors: a budget below the floor gives its :class:`remat.BudgetError` in the list
+            (else it is raised).
+        model, example_inputs, others: as for :func:`remat.plan`.
+
+    Returns:
+        One :class:`Plan` (or ``BudgetError``) per budget, in order.
+
+    Example:
+        >>> import torch, remat
+        >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+        ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
+        >>> plans = remat.planner.sweep(net, torch.randn(512, 64), budgets=["90%", "1B"], floors=True)
+        >>> [type(p).__name__ for p in plans]
+        ['Plan', 'BudgetError']
     """
     from remat.memory.estimate import Ranks
 
@@ -352,10 +358,11 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
     bad = [o for o in options if o not in OPTIONS]
     if bad:
         raise ValueError(f"{API}: unknown option(s) {bad}; choose from {OPTIONS}")
-    options = tuple(dict.fromkeys(("keep", *options)))
-    kwargs = {"loss_fn": loss_fn, "optimizer": optimizer, "blocks": blocks, "options": options,
-                  "throughput": throughput, "verify": verify, "solver": solver, "repeat": repeat,
-                  "progress": progress, "floors": floors, "compose": compose}
+    _check_step(example_inputs, batch, loss_fn, step)
+    settings = Settings(step=Step(), optimizer=optimizer, blocks=blocks,
+                        options=tuple(dict.fromkeys(("keep", *options))), throughput=throughput,
+                        verify=verify, solver=solver, repeat=repeat, progress=progress,
+                        compose=compose, floors=floors)
     if isinstance(model, torch.nn.Module):
         if ranks.active:
             raise ValueError(f"{API}: world_size= plans a rank from a factory that builds the model "
@@ -367,7 +374,8 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
         if device is None:
             param = next(model.parameters(), None)
             device = param.device.type if param is not None else "cpu"
-        return _plans(model, example_inputs, parsed, fake=False, device=device, **kwargs)
+        made = _step(example_inputs, batch, loss_fn, step)
+        return _plans(model, parsed, settings.replace(step=made, device=device))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.memory.estimate import _build_in, _fake_inputs, device_of
@@ -375,60 +383,87 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
     with ranks.group(), FakeTensorMode() as mode:
         net = _build_in(model, dtype)
         net.train()
-        inputs = _fake_inputs(mode, example_inputs, dtype)
+        inputs = _fake_inputs(mode, example_inputs, dtype) if example_inputs else ()
+        keywords = _fake_batch(mode, batch, dtype)
         if device is None:
-            device = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
+            first = next((t for t in tree_leaves((inputs, keywords)) if isinstance(t, torch.Tensor)), None)
+            device = first.device.type if first is not None else "cpu"
         build = None
         if ranks.active:  # NOTE [Planning a rank]
             where = device_of(inputs)
             build = Builder(make=lambda: _build_in(model, dtype), finish=lambda m: ranks.apply(m, where))
-        plans = _plans(net, inputs, parsed, fake=True, device=device, build=build, **kwargs)
+        made = _step(inputs, keywords, loss_fn, step)
+        plans = _plans(net, parsed, settings.replace(step=made, device=device, fake=True, build=build))
     if not ranks.active:
         return plans
     return [dataclasses.replace(p, rank=ranks.rank, world_size=ranks.world_size)
             if isinstance(p, Plan) else p for p in plans]
 
 
-def _plans(model: torch.nn.Module, inputs: tuple, budgets: list, *, fake: bool, device: str,
-           loss_fn: Callable | None, optimizer: OptimizerLike, blocks: Any, options: tuple,
-           throughput: float | None, verify: bool, solver: str, repeat: int,
-           progress: Callable[[str], None] | None, floors: bool, compose: bool,
-           build: Builder | None = None) -> list:
-    say = progress or (lambda _: None)
-    chosen = find_blocks(model, blocks)
-    options_of = {"loss_fn": loss_fn, "optimizer": optimizer, "fake": fake, "device": device,
-                  "repeat": repeat, "throughput": throughput, "options": options, "progress": say,
-                  "build": build}
-    container = identical_container(model, chosen) if fake and compose else None
-    costs = composed_costs(model, inputs, chosen, container, **options_of) if container else None
+def _check_step(inputs: tuple, batch: Any, loss_fn: Callable | None, step: StepFn | None) -> None:
+    if step is None:
+        if batch is not None and not isinstance(batch, dict):
+            raise TypeError(f"{API}: batch must be a dict of keyword inputs, got {type(batch).__name__}; "
+                            f"pass positional inputs after the model, or step=fn(model, batch) for "
+                            f"a batch of another kind")
+        return
+    if not callable(step):
+        raise TypeError(f"{API}: step must be a function step(model, batch) -> loss, "
+                        f"got {type(step).__name__}")
+    if loss_fn is not None:
+        raise ValueError(f"{API}: give loss_fn= or step=, not both; the step computes its own loss")
+    if inputs and batch is not None:
+        raise ValueError(f"{API}: with step=, give the batch once: batch=... or the example inputs, "
+                         f"not both")
+
+
+def _step(inputs: tuple, batch: Any, loss_fn: Callable | None, step: StepFn | None) -> Step:
+    """The step to measure (NOTE [The step users run]) from :func:`plan`'s arguments."""
+    if step is None:
+        return Step(inputs=tuple(inputs), batch=batch, loss_fn=loss_fn, api=API)
+    given = batch if batch is not None else inputs[0] if len(inputs) == 1 else tuple(inputs)
+    return Step(batch=given, custom=step, api=API)
+
+
+def _fake_batch(mode: Any, batch: Any, dtype: torch.dtype | None) -> Any:
+    """``batch`` on fake tensors: a dict's values as example inputs are read, else each tensor."""
+    from remat.memory.estimate import _fake_inputs
+
+    if isinstance(batch, dict):
+        return dict(zip(batch, _fake_inputs(mode, tuple(batch.values()), dtype)))
+    return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def _plans(model: torch.nn.Module, budgets: list, settings: Settings) -> list:
+    chosen = find_blocks(model, settings.blocks)
+    container = identical_container(model, chosen) if settings.fake and settings.compose else None
+    costs = composed_costs(model, chosen, container, settings) if container else None
     if costs is None:
-        costs = measure_costs(model, inputs, chosen, **options_of)
+        costs = measure_costs(model, chosen, settings)
     problem = costs.problem()
     least = floor(problem)
     out = []
     for value, fractional in budgets:
         budget = value * costs.peaks["keep"] if fractional else value
         try:
-            out.append(_fit(model, inputs, costs, problem, budget, least, fake=fake, loss_fn=loss_fn,
-                            optimizer=optimizer, verify=verify, solver=solver, say=say, build=build))
+            out.append(_fit(model, costs, problem, budget, least, settings))
         except BudgetError as err:
-            if not floors:
+            if not settings.floors:
                 raise
             out.append(err)
     return out
 
 
-def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, budget: float,
-         least: float, *, fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike,
-         verify: bool, solver: str, say: Callable[[str], None], build: Builder | None = None) -> Plan:
+def _fit(model: torch.nn.Module, costs: BlockCosts, problem: Problem, budget: float, least: float,
+         settings: Settings) -> Plan:
     no_recompute = costs.peaks["keep"]
-    say(f"solving for {format_bytes(budget)}")
+    settings.say(f"solving for {format_bytes(budget)}")
     target = budget
     measured = None
     over: list[int] = []
     for _attempt in range(6):
         try:
-            solution = solve(problem, target, resolution=max(1.0, target / 8192), solver=solver)
+            solution = solve(problem, target, resolution=max(1.0, target / 8192), solver=settings.solver)
         except BudgetError:
             uniform = _uniform(costs, problem, budget) if over else None
             if uniform is not None:  # the cost model erred near its floor: a measured uniform plan
@@ -446,12 +481,10 @@ def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, bu
                 f"smallest reachable peak is {format_bytes(shown)} ({shown:,.0f} bytes; no recompute: "
                 f"{format_bytes(no_recompute)}); raise the budget or shrink the batch",
                 budget_bytes=budget, floor_bytes=shown) from None
-        if not verify:
+        if not settings.verify:
             break
-        say(f"measuring the plan for {format_bytes(budget)}")
-        measured = _measure_choices(model, inputs, costs.names, solution.choices, fake=fake,
-                                    loss_fn=loss_fn, optimizer=optimizer,
-                                    optimizer_peak=costs.optimizer_peak, build=build)
+        settings.say(f"measuring the plan for {format_bytes(budget)}")
+        measured = _measure_choices(model, costs, solution.choices, settings)
         if measured <= budget:
             break
         over.append(measured)
@@ -470,7 +503,7 @@ def _fit(model: torch.nn.Module, inputs: tuple, costs: Any, problem: Problem, bu
 def _uniform(costs: Any, problem: Problem, budget: float) -> tuple | None:
     """The fastest plan marking every block alike whose measured peak (from the cost
     model's runs) fits ``budget``, with that peak; None if none fits."""
-    from remat.plan._solve import Solution, evaluate
+    from remat.planner._solve import Solution, evaluate
 
     best = None
     for o, option in enumerate(problem.options):
@@ -483,16 +516,16 @@ def _uniform(costs: Any, problem: Problem, budget: float) -> tuple | None:
     return best
 
 
-def _measure_choices(model: torch.nn.Module, inputs: tuple, names: list, choices: Sequence[str], *,
-                     fake: bool, loss_fn: Callable | None, optimizer: OptimizerLike,
-                     optimizer_peak: int | None = None, build: Builder | None = None) -> int:
-    if build is not None:  # NOTE [Planning a rank]: a fresh model, marked, then sharded
-        return measure_peak(build(dict(zip(names, choices))), inputs, loss_fn=loss_fn,
-                            optimizer=optimizer, fake=fake, optimizer_peak=optimizer_peak)
-    marked = mark_choices(dict(model.named_modules()), dict(zip(names, choices)))
+def _measure_choices(model: torch.nn.Module, costs: BlockCosts, choices: Sequence[str],
+                     settings: Settings) -> int:
+    """The measured peak of the step with the blocks marked as ``choices`` say."""
+    chosen = dict(zip(costs.names, choices))
+    measure = {"optimizer": settings.optimizer, "fake": settings.fake, "optimizer_peak": costs.optimizer_peak}
+    if settings.build is not None:  # NOTE [Planning a rank]: a fresh model, marked, then sharded
+        return measure_peak(settings.build(chosen), settings.step, **measure)
+    marked = mark_choices(dict(model.named_modules()), chosen)
     try:
-        return measure_peak(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake,
-                            optimizer_peak=optimizer_peak)
+        return measure_peak(model, settings.step, **measure)
     finally:
         for module in marked:
             unmark_module(module)

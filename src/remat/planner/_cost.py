@@ -44,9 +44,8 @@ columns; a block lacks the others.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,74 +53,32 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from remat._marks import recompute_module, unmark_module
+from remat import _blocks
+from remat._marks import unmark_module
 from remat._policy import save_compute_intensive
+from remat.memory._step import Step
 from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
-from remat.memory.profile import OptimizerLike, default_loss, measure
-from remat.plan._solve import BLOCK_OPTIONS, CHILDREN, OPTIONS, OUTPUT, RECOMPUTE, Problem, evaluate
+from remat.memory.profile import OptimizerLike, measure
+from remat.planner._settings import Settings, child_mark, children_in, mark_choices
+from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OUTPUT, RECOMPUTE, Problem, evaluate
 
 API = "remat.plan"
-MARKS: dict[str, dict] = {
-    "keep": {},
-    "recompute": {},
-    "selective": {"policy": save_compute_intensive},
-    "output": {"output_recompute": True},
-}
 #: a child gets options when its mark would drop this share of its block's kept bytes
 CHILD_SHARE = 0.1
 #: at most this many children of a block get options (each alone, then all together)
 MAX_CHILDREN = 3
 
 
-def child_mark(child: torch.nn.Module) -> dict:
-    """The mark an option inside a block sets on ``child`` (NOTE [Options inside blocks]):
-    a cell mark on a module with submodules, ``output_recompute`` on a single operator."""
-    return {} if next(child.children(), None) is not None else {"output_recompute": True}
-
-
-def marks_of(name: str, block: torch.nn.Module, choice: str,
-             api: str = API) -> list[tuple[str, torch.nn.Module, dict]]:
-    """``(module name, module, recompute_module options)`` that option ``choice`` of block
-    ``name`` sets: none for ``keep``, the block for the block options, children for ``children:``."""
-    if choice in MARKS:
-        return [] if choice == "keep" else [(name, block, MARKS[choice])]
-    family, _, parts = choice.partition(":")
-    kids = dict(block.named_children())
-    if family != CHILDREN or not parts:
-        raise ValueError(f"{api}: unknown option {choice!r} for block {name!r}; choose from "
-                         f"{BLOCK_OPTIONS} or '{CHILDREN}:<child>+<child>'")
-    missing = [c for c in parts.split("+") if c not in kids]
-    if missing:
-        raise ValueError(f"{api}: block {name!r} ({type(block).__name__}) has no child {missing[0]!r} "
-                         f"(option {choice!r}); its children are {sorted(kids)}")
-    return [(f"{name}.{c}", kids[c], child_mark(kids[c])) for c in parts.split("+")]
-
-
-def mark_choices(named: Mapping[str, torch.nn.Module], choices: Mapping[str, str]) -> list[torch.nn.Module]:
-    """Mark the blocks ``{name: option}`` of a model (``named``: its ``named_modules()``);
-    return the modules marked (none when an option cannot be set)."""
-    marked = []
-    try:
-        for name, choice in choices.items():
-            for _, module, kwargs in marks_of(name, named[name], choice):
-                recompute_module(module, **kwargs)
-                marked.append(module)
-    except Exception:
-        for module in marked:
-            unmark_module(module)
-        raise
-    return marked
-
-
 def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
-                  leaving: set[str] = frozenset()) -> list[str]:
+                  leaving: set[str] = frozenset(), calls: int = 1) -> list[str]:
     """The ``children:`` options of block ``name`` from the rows of an unmarked run
-    (NOTE [Options inside blocks]); ``leaving``: children whose output is the block's."""
+    (NOTE [Options inside blocks]); ``leaving``: children whose output is the block's;
+    ``calls``: how many times the step runs each block (micro-batches)."""
     total = rows[name].kept
     scored = []
     for order, (child, kid) in enumerate(block.named_children()):
         row = rows.get(f"{name}.{child}")
-        if row is None or row.calls != 1 or "+" in child or ":" in child:
+        if row is None or row.calls != calls or "+" in child or ":" in child:
             continue
         cell = next(kid.children(), None) is not None
         if not cell and child in leaving:
@@ -133,44 +90,9 @@ def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
     return [f"{CHILDREN}:{c}" for c in chosen] + ([f"{CHILDREN}:{'+'.join(chosen)}"] if len(chosen) > 1 else [])
 
 
-def children_in(option: str) -> list[str]:
-    """The children an option inside a block marks (``"children:fc+gelu"``: fc and gelu)."""
-    return option.partition(":")[2].split("+")
-
-
 #: Default roofline of the fake-tensor time model: FLOP/s and bytes/s (ratios matter, not units).
 THROUGHPUT = {"cpu": 1e11, "cuda": 4e14}
 BANDWIDTH = {"cpu": 2e10, "cuda": 2e12}
-
-
-@dataclass(frozen=True)
-class Builder:
-    """Builds the model of one run of a rank's plan (NOTE [Planning a rank]).
-
-    Args:
-        make: builds the unsharded model (inside the fake mode).
-        finish: shards the marked model (``parallelize`` with the job's mesh), returns it.
-        lengths: ``(container name, count)``: containers cut to their first ``count`` children.
-    """
-
-    make: Callable[[], torch.nn.Module]
-    finish: Callable[[torch.nn.Module], torch.nn.Module]
-    lengths: tuple[tuple[str, int], ...] = ()
-
-    def __call__(self, choices: Mapping[str, str]) -> torch.nn.Module:
-        """A fresh model, its blocks ``{name: option}`` marked, then sharded."""
-        model = self.make()
-        named = dict(model.named_modules())
-        for name, count in self.lengths:
-            container = named[name]
-            container._modules = type(container._modules)(list(container._modules.items())[:count])
-        mark_choices(named, choices)
-        model.train()
-        return self.finish(model)
-
-    def cut(self, name: str, count: int) -> Builder:
-        """The same builder with container ``name`` cut to ``count`` children."""
-        return dataclasses.replace(self, lengths=(*self.lengths, (name, count)))
 
 
 @dataclass
@@ -201,11 +123,14 @@ class BlockCosts:
     options: list = field(default_factory=lambda: list(BLOCK_OPTIONS))
     #: per block, the forward seconds of each option inside blocks (``options[4:]``)
     child_s: list = field(default_factory=list)
+    #: forwards of each block per step: above 1 (gradient accumulation), every gradient
+    #: exists while the later micro-batches run, and the model counts them all
+    calls: int = 1
 
     def problem(self) -> Problem:
         """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks."""
         n = len(self.names)
-        later = [sum(self.grad_bytes[i + 1:]) for i in range(n)]
+        later = [sum(self.grad_bytes[i + 1 if self.calls == 1 else 0:]) for i in range(n)]
         fixed = [self.baseline_bytes + self.other_grad_bytes + g for g in later]
         keep_kept = [k[0] for k in self.kept]
         end = self.peaks["keep"] - sum(keep_kept)
@@ -260,35 +185,16 @@ class BlockCosts:
 
 
 def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, torch.nn.Module]]:
-    """The modules the planner chooses for: ``blocks`` (names or types), else the
-    children of the innermost ``ModuleList``/``Sequential`` containers."""
+    """The modules the planner chooses for: ``blocks`` (names or types), else the blocks
+    ``remat.apply(model, where="blocks")`` marks (NOTE [Finding blocks] in ``remat/_blocks.py``)."""
     if blocks is not None:
         return _select(model, blocks)
-    found: list[tuple[str, torch.nn.Module]] = []
-
-    def walk(prefix: str, module: torch.nn.Module) -> None:
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
-            kids = [(f"{prefix}.{n}" if prefix else n, k) for n, k in module.named_children()]
-            leafy = [k for _, k in kids if next(k.children(), None) is not None
-                     and all(next(g.children(), None) is None for g in k.children())]
-            if kids and not leafy and all(isinstance(k, (torch.nn.ModuleList, torch.nn.Sequential))
-                                          for _, k in kids):
-                for name, kid in kids:
-                    walk(name, kid)
-                return
-            with_params = sum(1 for _, k in kids if next(k.parameters(), None) is not None)
-            structured = any(next(k.children(), None) is not None for _, k in kids)
-            if with_params >= 2 or (with_params and structured):
-                found.extend(kids)
-                return
-        for name, kid in module.named_children():
-            walk(f"{prefix}.{name}" if prefix else name, kid)
-
-    walk("", model)
+    found = _blocks.find_blocks(model)
     if not found:
         raise TypeError(
             f"{API}: found no blocks in {type(model).__name__} (no ModuleList or Sequential of "
-            f"modules with parameters); pass blocks=[module names] or blocks=BlockType"
+            f"repeated modules, no Hugging Face decoder layers); pass blocks=[module names] or "
+            f"blocks=BlockType"
         )
     return found
 
@@ -370,16 +276,49 @@ class _Ops(TorchDispatchMode):
         return out
 
 
-def _trace(model: torch.nn.Module, inputs: tuple, blocks: list, loss_fn: Callable,
-           device: str, throughput: float | None, bandwidth: float | None,
-           timed: bool = False) -> tuple:
-    """One forward: block call order, counts, chain edges, roofline costs."""
+@dataclass
+class Trace:
+    """What one traced step tells about the blocks (:func:`trace`), in the order they run.
+
+    Args:
+        blocks: ``(name, module)`` in call order.
+        index: each block's position in the list given to :func:`trace`.
+        chain: per block, whether its output feeds only the next block (or it is the last).
+        leaving: per block name, the children whose output is the block's.
+        ops: the operator costs per block and per child (:class:`_Ops`).
+        calls: how many times the step runs each block (micro-batches of gradient accumulation).
+    """
+
+    blocks: list
+    index: list[int]
+    chain: list[bool]
+    leaving: dict[str, set]
+    ops: Any
+    calls: int = 1
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.blocks]
+
+
+@dataclass
+class Runs:
+    """The tracked runs of :func:`measure_options`: one step per option, blocks marked alike."""
+
+    reports: dict  # option -> ProfileReport
+    inner: dict[str, list[str]]  # block name -> its options inside the block
+    columns: list[str]  # every option inside blocks, in order
+    steps: dict[str, float]  # option -> seconds of its step (interleaved timing; real tensors)
+    measured: torch.nn.Module  # the model whose parameters count (a rank's: sharded)
+
+
+def _run_traced(model: torch.nn.Module, step: Step, blocks: list, ops: Any) -> tuple:
+    """Run ``step`` once under ``ops``, hooking the blocks and their children: block call
+    order and the storages going in and out of each block and child."""
     ids = {id(m): i for i, (_, m) in enumerate(blocks)}
     order: list[int] = []
     ins: dict[int, set] = {}
     outs: dict[int, set] = {}
-    ops = _Ops(throughput or THROUGHPUT.get(device, THROUGHPUT["cpu"]),
-               bandwidth or BANDWIDTH.get(device, BANDWIDTH["cpu"]), timed=timed)
 
     def keys(obj: Any) -> set:
         return {s._cdata for s in local_storages(tree_leaves(obj))}
@@ -400,7 +339,7 @@ def _trace(model: torch.nn.Module, inputs: tuple, blocks: list, loss_fn: Callabl
     handles = [h for _, m in blocks for h in (m.register_forward_pre_hook(pre, with_kwargs=True),
                                               m.register_forward_hook(post, with_kwargs=True))]
 
-    def enter(key: tuple[int, str]) -> Callable:
+    def enter(key: tuple[int, str]) -> Any:
         def hook(*_: Any) -> None:
             ops.parts.append(key)
         return hook
@@ -414,154 +353,186 @@ def _trace(model: torch.nn.Module, inputs: tuple, blocks: list, loss_fn: Callabl
             handles.append(kid.register_forward_pre_hook(enter((i, child))))
             handles.append(kid.register_forward_hook(leave))
     try:
-        with torch.no_grad(), ops:
-            loss_fn(model(*inputs))
+        with ops:
+            alive.append(step.run(model))
     finally:
         for h in handles:
             h.remove()
-    return order, ins, outs, ops
+        model.zero_grad(set_to_none=True)
+    return order, ins, outs
 
 
-def measure_costs(model: torch.nn.Module, inputs: tuple, blocks: list, *, loss_fn: Callable | None,
-                  optimizer: OptimizerLike, fake: bool, device: str, repeat: int = 2,
-                  throughput: float | None = None, bandwidth: float | None = None,
-                  options: tuple[str, ...] = OPTIONS,
-                  progress: Callable[[str], None] | None = None,
-                  build: Builder | None = None) -> BlockCosts:
-    """Measure every block under every option; see the module docstring.
+def trace(model: torch.nn.Module, blocks: list, settings: Settings, *, timed: bool = False) -> Trace:
+    """Run the step once with the blocks hooked: which blocks run, in what order, how
+    often, which feed only the next, and what their operators cost (measured times with
+    ``timed``, else the roofline).
 
-    With ``build`` (a rank's plan, NOTE [Planning a rank]) each run is of a fresh model
-    from ``build``; ``model`` only names the blocks."""
-    loss_fn = loss_fn or default_loss
-    say = progress or (lambda _: None)
-    say("tracing blocks")
-    state = None if fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
-    # on CPU tensors the selective share comes from operator times (a warm-up forward first)
-    timed = not fake and device == "cpu"
-    if timed:
-        _trace(model, inputs, blocks, loss_fn, device, throughput, bandwidth)
-    traced, traced_blocks = model, blocks
-    if build is not None:
-        traced = build({})
-        traced_blocks = _named(traced, blocks)
-    order, ins, outs, ops = _trace(traced, inputs, traced_blocks, loss_fn, device, throughput,
-                                   bandwidth, timed=timed)
-    if state is not None:
-        model.load_state_dict(state)
+    Raises:
+        TypeError: a block does not run, or blocks run unequal numbers of times.
+    """
+    ops = _Ops(settings.throughput or THROUGHPUT.get(settings.device, THROUGHPUT["cpu"]),
+               settings.bandwidth or BANDWIDTH.get(settings.device, BANDWIDTH["cpu"]), timed=timed)
+    order, ins, outs = _run_traced(model, settings.step, blocks, ops)
     counts = {i: order.count(i) for i in set(order)}
     unused = [blocks[i][0] for i in range(len(blocks)) if i not in counts]
-    twice = [blocks[i][0] for i, c in counts.items() if c > 1]
-    if unused or twice:
-        raise TypeError(f"{API}: every block must run once per step; "
+    calls = max(counts.values(), default=1)
+    uneven = [blocks[i][0] for i, c in counts.items() if c != calls]
+    if unused or uneven:
+        raise TypeError(f"{API}: every block must run once per forward; "
                         f"{'not run: ' + str(unused) if unused else ''}"
-                        f"{' run more than once: ' + str(twice) if twice else ''}; "
+                        f"{' run more than once: ' + str(uneven) if uneven else ''}; "
                         f"pass blocks=[...] naming modules that run once each")
-    blocks = [blocks[i] for i in order]
-    types = [type(m).__name__ for _, m in blocks]  # the model's classes, not the sharded ones
-    n = len(blocks)
-    idx = order
+    index = order[:len(counts)]
+    n = len(index)
     chain = []
     for k in range(n):
-        mine = outs.get(idx[k], set())
-        later = [ins.get(idx[m], set()) for m in range(k + 1, n)]
+        mine = outs.get(index[k], set())
+        later = [ins.get(index[m], set()) for m in range(k + 1, n)]
         chain.append(k == n - 1 or (bool(mine & later[0]) and not any(mine & s for s in later[1:])))
-    reports = {}
-    measured = model
-    names = [name for name, _ in blocks]
-    leaving = {names[k]: {child for (i, child), out in ops.part_outs.items()
-                          if i == idx[k] and out & outs.get(i, set())} for k in range(n)}
-    inner: dict[str, list[str]] = {name: [] for name in names}  # options inside each block
-    columns: list[str] = []
-    pending = ["keep", *(o for o in options if o not in ("keep", CHILDREN))]
-    uniform: dict[str, dict[str, str]] = {}  # option -> the blocks its run marks
-    steps: dict[str, float] = {}  # option -> seconds of a step with its blocks marked
+    for cost in (ops.total, ops.recomputed, ops.part_total):  # per forward of a block
+        for key in cost:
+            cost[key] /= calls
+    ordered = [blocks[i] for i in index]
+    leaving = {ordered[k][0]: {child for (i, child), out in ops.part_outs.items()
+                               if i == index[k] and out & outs.get(i, set())} for k in range(n)}
+    return Trace(blocks=ordered, index=index, chain=chain, leaving=leaving, ops=ops, calls=calls)
+
+
+def _measure_one(model: torch.nn.Module, blocks: list, chosen: dict, settings: Settings,
+                 keep_timing: bool, state: dict | None) -> tuple[Any, torch.nn.Module]:
+    """One tracked step with ``chosen`` (``{block: option}``) marked; the report and the model run."""
+    if settings.build is not None:  # NOTE [Planning a rank]
+        net = settings.build(chosen)
+        return measure(net, settings.step.inputs, step=settings.step, optimizer=settings.optimizer,
+                       estimated=settings.fake, api=API), net
+    marked = mark_choices(dict(blocks), chosen)
     try:
-        while pending:
-            option = pending.pop(0)
-            chosen = {name: option for name in names if option in BLOCK_OPTIONS or option in inner[name]}
-            uniform[option] = chosen
-            say(f"measuring '{option}' on {len(chosen)} blocks")
-            if build is not None:  # NOTE [Planning a rank]
-                net = build(chosen)
-                reports[option] = measure(net, inputs, loss_fn=loss_fn, optimizer=optimizer,
-                                          estimated=fake, api=API)
-                if option == "keep":
-                    measured, blocks = net, _named(net, blocks)
-            else:
-                marked = mark_choices(dict(blocks), chosen)
-                try:
-                    reports[option] = measure(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
-                                              repeat=0 if fake or option != "keep" else repeat,
-                                              estimated=fake, api=API)
-                finally:
-                    for m in marked:
-                        unmark_module(m)
-                if state is not None:
-                    model.load_state_dict(state)
-            if option == "keep" and CHILDREN in options:  # NOTE [Options inside blocks]
-                unmarked = {r.name: r for r in reports["keep"].rows}
-                inner = {name: child_options(name, m, unmarked, leaving[name]) for name, m in blocks}
-                columns = list(dict.fromkeys(c for name in names for c in inner[name]))
-                pending += columns
-        if not fake and build is None and repeat:
-            say(f"timing the {len(uniform)} options, interleaved")
-            steps = _interleaved_steps(model, inputs, loss_fn, dict(blocks), uniform, repeat)
+        return measure(model, settings.step.inputs, step=settings.step, optimizer=settings.optimizer,
+                       repeat=settings.repeat if keep_timing else 0, estimated=settings.fake,
+                       api=API), model
     finally:
+        for m in marked:
+            unmark_module(m)
         if state is not None:
             model.load_state_dict(state)
-            model.zero_grad(set_to_none=True)
-    rows = {o: {r.name: r for r in rep.rows} for o, rep in reports.items()}
-    keep = rows["keep"]
-    every = [*BLOCK_OPTIONS, *columns]
-    kept = [[float(rows[o][name].kept) if o in rows and (o in BLOCK_OPTIONS or o in inner[name]) else None
-             for o in every] for name in names]
-    for k in range(n):
-        if not chain[k] and kept[k][OUTPUT] is not None:
-            kept[k][OUTPUT] = None
+
+
+def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
+                    state: dict | None) -> Runs:
+    """Run the step once per option with every block that has it marked alike, under the
+    tracker; the unmarked run also chooses the options inside blocks (NOTE [Options inside
+    blocks]). On real tensors each option's step is then timed, interleaved."""
+    names, blocks = traced.names, traced.blocks
+    inner: dict[str, list[str]] = {name: [] for name in names}
+    columns: list[str] = []
+    pending = ["keep", *(o for o in settings.options if o not in ("keep", CHILDREN))]
+    uniform: dict[str, dict[str, str]] = {}  # option -> the blocks its run marks
+    reports = {}
+    measured = model
+    while pending:
+        option = pending.pop(0)
+        chosen = {name: option for name in names if option in BLOCK_OPTIONS or option in inner[name]}
+        uniform[option] = chosen
+        settings.say(f"measuring '{option}' on {len(chosen)} blocks")
+        timing = not settings.fake and option == "keep"
+        reports[option], net = _measure_one(model, blocks, chosen, settings, timing, state)
+        if option == "keep" and settings.build is not None:
+            measured, blocks = net, _named(net, blocks)
+        if option == "keep" and CHILDREN in settings.options:  # NOTE [Options inside blocks]
+            unmarked = {r.name: r for r in reports["keep"].rows}
+            inner = {name: child_options(name, m, unmarked, traced.leaving[name], traced.calls)
+                     for name, m in blocks}
+            columns = list(dict.fromkeys(c for name in names for c in inner[name]))
+            pending += columns
+    steps: dict[str, float] = {}
+    if not settings.fake and settings.build is None and settings.repeat:
+        settings.say(f"timing the {len(uniform)} options, interleaved")
+        steps = _interleaved_steps(model, settings.step, dict(blocks), uniform, settings.repeat)
+    return Runs(reports=reports, inner=inner, columns=columns, steps=steps, measured=measured)
+
+
+def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
+    """The cost model of the blocks from the trace and the runs (per forward of a block)."""
+    names, blocks, calls = traced.names, traced.blocks, traced.calls
+    rows = {o: {r.name: r for r in rep.rows} for o, rep in runs.reports.items()}
+    keep, ops = rows["keep"], traced.ops
+    every = [*BLOCK_OPTIONS, *runs.columns]
+    kept = [[float(rows[o][name].kept) if o in rows and (o in BLOCK_OPTIONS or o in runs.inner[name])
+             else None for o in every] for name in names]
+    for k, row in enumerate(kept):
+        if not traced.chain[k] and row[OUTPUT] is not None:
+            row[OUTPUT] = None
+
+    def seconds(name: str) -> float:
+        return (keep[name].forward_ms or 0.0) / 1e3 / calls
 
     def child_seconds(k: int, child: str) -> float:
-        if fake:
-            once = ops.part_total.get((idx[k], child), 0.0)
-        else:
-            once = (keep[f"{names[k]}.{child}"].forward_ms or 0.0) / 1e3
+        once = (ops.part_total.get((traced.index[k], child), 0.0) if settings.fake
+                else seconds(f"{names[k]}.{child}"))
         # an operator mark runs twice in backward: once to hand its output to whoever saved
         # it, once to rebuild what it saved itself (NOTE [Output pass] in _engine/hooked.py)
         return once if child_mark(dict(blocks[k][1].named_children())[child]) == {} else 2 * once
 
-    child_s = [[sum(child_seconds(k, c) for c in children_in(o)) if o in inner[names[k]] else 0.0
-                for o in columns] for k in range(n)]
-    if fake:
-        forward = [ops.total.get(i, 0.0) for i in idx]
-        step = 3 * sum(ops.total.values())
-        timed = f"roofline ({device})"
+    child_s = [[sum(child_seconds(k, c) for c in children_in(o)) if o in runs.inner[names[k]] else 0.0
+                for o in runs.columns] for k in range(len(names))]
+    report = runs.reports["keep"]
+    if settings.fake:
+        forward = [ops.total.get(i, 0.0) for i in traced.index]
+        step = 3 * calls * sum(ops.total.values())
+        timed = f"roofline ({settings.device})"
     else:
-        forward = [(keep[name].forward_ms or 0.0) / 1e3 for name, _ in blocks]
-        step = steps["keep"] if steps else (reports["keep"].step_ms or 0.0) / 1e3
+        forward = [seconds(name) for name in names]
+        step = runs.steps["keep"] if runs.steps else (report.step_ms or 0.0) / 1e3
         timed = "measured, each option scaled by its own timed run"
-    share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in idx]
+    share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in traced.index]
     grads = [sum(local_nbytes(p) for p in m.parameters() if p.requires_grad) for _, m in blocks]
-    all_grads = sum(local_nbytes(p) for p in measured.parameters() if p.requires_grad)
+    all_grads = sum(local_nbytes(p) for p in runs.measured.parameters() if p.requires_grad)
     return BlockCosts(
-        names=[name for name, _ in blocks], types=types,
+        names=names, types=[type(m).__name__ for _, m in traced.blocks],
         kept=kept, forward_s=forward, selective_s=[f * s for f, s in zip(forward, share)],
-        output_bytes=[keep[name].output_bytes for name, _ in blocks], grad_bytes=grads,
-        chain=chain, baseline_bytes=reports["keep"].baseline_bytes,
+        output_bytes=[keep[name].output_bytes // calls for name in names], grad_bytes=grads,
+        chain=traced.chain, baseline_bytes=report.baseline_bytes,
         other_grad_bytes=all_grads - sum(grads),
-        peaks={o: r.peak_bytes for o, r in reports.items()},
-        phases={o: r.peak_phase for o, r in reports.items()}, step_s=step, timed=timed,
-        phase_peaks={o: dict(r.phase_peaks) for o, r in reports.items()},
-        optimizer_peak=reports["keep"].phase_peaks.get("optimizer"),
-        option_step_s=steps,
-        options=every, child_s=child_s,
+        peaks={o: r.peak_bytes for o, r in runs.reports.items()},
+        phases={o: r.peak_phase for o, r in runs.reports.items()}, step_s=step, timed=timed,
+        phase_peaks={o: dict(r.phase_peaks) for o, r in runs.reports.items()},
+        optimizer_peak=report.phase_peaks.get("optimizer"), option_step_s=runs.steps,
+        options=every, child_s=child_s, calls=calls,
     )
 
 
-def _interleaved_steps(model: torch.nn.Module, inputs: tuple, loss_fn: Callable,
-                       blocks: Mapping[str, torch.nn.Module], uniform: Mapping[str, Mapping[str, str]],
-                       rounds: int) -> dict[str, float]:
-    """Seconds of a forward and backward with each option's blocks marked (``uniform``: option ->
-    ``{block: option}``), the least of ``rounds`` rounds after one to warm up. Each round steps
-    every option once, in a rotating order, so a busy spell of the machine slows them alike."""
+def measure_costs(model: torch.nn.Module, blocks: list, settings: Settings) -> BlockCosts:
+    """Measure every block under every option: :func:`trace`, :func:`measure_options`,
+    :func:`assemble`; see the module docstring.
+
+    With ``settings.build`` (a rank's plan, NOTE [Planning a rank]) each run is of a fresh
+    model from it; ``model`` only names the blocks."""
+    settings.say("tracing blocks")
+    state = None if settings.fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # on CPU tensors the selective share comes from operator times (a warm-up step first)
+    timed = not settings.fake and settings.device == "cpu"
+    try:
+        if timed:
+            trace(model, blocks, settings)
+        traced_model = model if settings.build is None else settings.build({})
+        traced = trace(traced_model, _named(traced_model, blocks), settings, timed=timed)
+        traced.blocks = _named(model, traced.blocks)  # the model's classes, not the sharded ones
+        if state is not None:
+            model.load_state_dict(state)
+        runs = measure_options(model, traced, settings, state)
+    finally:
+        if state is not None:
+            model.load_state_dict(state)
+            model.zero_grad(set_to_none=True)
+    return assemble(traced, runs, settings)
+
+
+def _interleaved_steps(model: torch.nn.Module, step: Step, blocks: Mapping[str, torch.nn.Module],
+                       uniform: Mapping[str, Mapping[str, str]], rounds: int) -> dict[str, float]:
+    """Seconds of ``step`` (forward and backward) with each option's blocks marked (``uniform``:
+    option -> ``{block: option}``), the least of ``rounds`` rounds after one to warm up. Each
+    round steps every option once, in a rotating order, so a busy spell of the machine slows
+    them alike."""
     order = list(uniform)
     best: dict[str, float] = {}
     for r in range(rounds + 1):
@@ -569,8 +540,9 @@ def _interleaved_steps(model: torch.nn.Module, inputs: tuple, loss_fn: Callable,
             marked = mark_choices(blocks, uniform[option])
             try:
                 start = time.perf_counter()
-                loss_fn(model(*inputs)).backward()
+                held = step.run(model)
                 elapsed = time.perf_counter() - start
+                del held
             finally:
                 for m in marked:
                     unmark_module(m)
@@ -586,15 +558,15 @@ def _named(model: torch.nn.Module, blocks: list) -> list[tuple[str, torch.nn.Mod
     return [(name, named[name]) for name, _ in blocks]
 
 
-def measure_peak(model: torch.nn.Module, inputs: tuple, *, loss_fn: Callable | None,
-                 optimizer: OptimizerLike, fake: bool, optimizer_peak: int | None = None) -> int:
-    """Peak bytes of one step of ``model`` as marked (the model's state is restored after).
+def measure_peak(model: torch.nn.Module, step: Step, *, optimizer: OptimizerLike, fake: bool,
+                 optimizer_peak: int | None = None) -> int:
+    """Peak bytes of one ``step`` of ``model`` as marked (the model's state is restored after).
 
     With ``optimizer_peak`` (the optimizer phase's peak, which no mark changes) the
     optimizer's step is not run again: the peak is the larger of that and the rest's."""
     state = None if fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
-        report = measure(model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer,
+        report = measure(model, step.inputs, step=step, optimizer=optimizer,
                          estimated=fake, api=API, optimizer_step=optimizer_peak is None)
         return max(report.peak_bytes, optimizer_peak or 0)
     finally:
@@ -632,8 +604,8 @@ def _truncated(container: torch.nn.Module, count: int) -> Iterator[None]:
         container._modules = saved
 
 
-def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, container: torch.nn.Module,
-                   **kwargs: Any) -> BlockCosts | None:
+def composed_costs(model: torch.nn.Module, blocks: list, container: torch.nn.Module,
+                   settings: Settings) -> BlockCosts | None:
     """Measure the model with 2 and with 3 of its ``n`` identical blocks and compose the costs of
     all ``n``: per block, the first, a middle one repeated, the last; every step-wide figure
     (baseline, peaks, step time) grows linearly with the number of blocks. None when the model
@@ -644,7 +616,7 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
     blocks on both sides (NOTE [Planning a rank])."""
     n = len(blocks)
     measured = {}
-    build = kwargs.pop("build", None)
+    build = settings.build
     small, large = (2, 3) if build is None else (3, 4)
     if n <= large:
         return None
@@ -652,8 +624,8 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
     for count in (small, large):
         with _truncated(container, count):
             try:
-                measured[count] = measure_costs(model, inputs, blocks[:count], **kwargs,
-                                                build=None if build is None else build.cut(where, count))
+                cut = None if build is None else build.cut(where, count)
+                measured[count] = measure_costs(model, blocks[:count], settings.replace(build=cut))
             except (TypeError, IndexError):  # the forward does not iterate over the container
                 return None
     two, three = measured[small], measured[large]
@@ -688,5 +660,5 @@ def composed_costs(model: torch.nn.Module, inputs: tuple, blocks: list, containe
         phases=phases, phase_peaks={o: {ph: int(v) for ph, v in g.items()} for o, g in grown.items()},
         step_s=grow(two.step_s, three.step_s) if two.step_s is not None else None,
         timed=three.timed + f"; {n} identical blocks composed from runs with {small} and {large}",
-        options=three.options, child_s=spread(three.child_s),
+        options=three.options, child_s=spread(three.child_s), calls=three.calls,
     )

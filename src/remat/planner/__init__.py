@@ -1,0 +1,31 @@
+"""``remat.planner``: the planner behind :func:`remat.plan`, choosing what to recompute for a
+memory budget (layer 4). The function is ``remat.plan``; this package holds its vocabulary
+(``remat.planner.OPTIONS``, ``BLOCK_OPTIONS``) and its data (``Plan``, ``Decision``).
+
+Example:
+    >>> import torch, remat
+    >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+    ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
+    >>> from remat.planner import BLOCK_OPTIONS
+    >>> p = remat.plan(net, torch.randn(512, 64), budget="90%", options=BLOCK_OPTIONS)
+    >>> set(p.choices.values()) <= {"keep", "recompute", "selective", "output"}
+    True
+"""
+
+from remat.planner._budget import parse_budget
+from remat.planner._plan import Decision, Plan, plan, sweep
+from remat.planner._solve import (
+    BLOCK_OPTIONS,
+    OPTIONS,
+    BudgetError,
+    Problem,
+    Solution,
+    evaluate,
+    floor,
+    solve,
+    solve_chain,
+    solve_milp,
+)
+
+__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Decision", "Plan", "Problem", "Solution",
+           "evaluate", "floor", "parse_budget", "plan", "solve", "solve_chain", "solve_milp", "sweep"]
