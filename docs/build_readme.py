@@ -44,7 +44,7 @@ PAGES: dict[str, list[str]] = {
 
 
 #: the public modules documented after ``remat`` itself in the API reference
-API_MODULES = ("remat.plan", "remat.nn", "remat.ops", "remat.memory", "remat.parallel", "remat.ms", "remat.models")
+API_MODULES = ("remat.planner", "remat.nn", "remat.ops", "remat.memory", "remat.parallel", "remat.ms", "remat.models")
 
 
 def read(name: str) -> str:

@@ -38,7 +38,7 @@ def run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, list[str]]
      "argument --input-dtype: invalid choice: 'int65' (choose from 'float32'"),
     (["plan", *GPT, "--budget", "60%", "--input-shape", "8,a"], "argument --input-shape: expected sizes"),
     (["plan", *GPT, "--budget", "lots"], "argument --budget: cannot read budget 'lots'"),
-    (["plan", *GPT, "--budget", "-5"], "argument --budget: a fractional budget must be in (0, 1]"),
+    (["plan", *GPT, "--budget", "-5"], "argument --budget: cannot read budget '-5'"),
     (["plan", *GPT], "give --budget"),
     (["plan", *GPT, "--budget", "60%", "--arg", "layers"], "argument --arg: expected KEY=VALUE"),
     (["plan", *GPT, "--budget", "60%", "--arg", "depth=3"], "--arg: GPTConfig.__init__() got an"),

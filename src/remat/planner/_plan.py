@@ -348,8 +348,8 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
         >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
         ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
         >>> plans = remat.planner.sweep(net, torch.randn(512, 64), budgets=["90%", "1B"], floors=True)
-        >>> [type(p).__name__ for p in plans]
-        ['Plan', 'BudgetError']
+        >>> " then ".join(type(p).__name__ for p in plans)
+        'Plan then BudgetError'
     """
     from remat.memory.estimate import Ranks
 
