@@ -274,6 +274,20 @@ class InplaceInputLate(Block):
         return self.fc(a * 0.1 + x)
 
 
+class SelfAttention(Block):
+    """``nn.MultiheadAttention(h, h, h)``: one tensor in three slots (``q is k`` matters)."""
+
+    kind = "self_attention"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(D), nn.MultiheadAttention(D, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
 class HFLayer(Block):
     """A Hugging Face layer (``GradientCheckpointingLayer``) inside a block, called with a
     fresh key/value cache it writes in training when ``cache`` is drawn (issue 17)."""
@@ -334,6 +348,7 @@ BLOCKS: dict[str, BlockKind] = {
     "inplace_input": BlockKind(InplaceInput, 0.3),
     "inplace_input_late": BlockKind(InplaceInputLate, 0.2),
     "closure": BlockKind(Closure, 0.5),
+    "self_attention": BlockKind(SelfAttention, 0.5),
 }
 if _has_transformers():
     BLOCKS["hf_layer"] = BlockKind(HFLayer, 0.4, lambda r: {"cache": r.random() < 0.5})

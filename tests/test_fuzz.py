@@ -118,7 +118,7 @@ def test_cases_are_reproducible_from_their_seed():
 
 def test_generator_covers_every_block_wire_and_mark_kind():
     seen_blocks, seen_wires, seen_marks, seen_calls = set(), set(), set(), set()
-    for seed in range(300):
+    for seed in range(600):
         case = fm.make_case(seed)
         for stage in case.desc["stages"]:
             seen_blocks |= {b["kind"] for b in stage}

@@ -3,6 +3,13 @@
 See NOTE [Regions] in ``region.py``. While the region runs forward, every tensor it
 saves is packed into a :class:`_Holder`; in backward the first unpack re-runs it.
 
+NOTE [Arguments that are one tensor]
+A region called with one tensor in several argument slots (``attn(h, h, h)``) must
+be re-run with one tensor there too: code may ask ``q is k`` (``nn.MultiheadAttention``
+projects a packed query, key and value then, in one matrix product) and would take
+another path, with other shapes or other rounding. Each distinct tensor is saved once
+and handed to every slot that held it; a reentrant region aliases and feeds it once.
+
 NOTE [Early stop]
 Re-running stops as soon as the last holder still needed is rebuilt: holders
 that autograd already freed, and holders kept in forward, are not waited for.
@@ -162,6 +169,7 @@ class HookedFrame(RegionCore):
         self.recent: list[torch.Tensor] = []  # what the latest saving operator saved
         self.recent_op = -1
         self.closed = False  # NOTE [Backward inside a region's forward]
+        self.input_of: list[int] = []  # argument slot -> its saved tensor (NOTE [Arguments that are one tensor])
         self._save_inputs(self.arguments)
         self.input_versions = [(t, t._version) for t in self.arguments]
         self.arguments = []  # saved through the hooks around the region, not held here
@@ -204,9 +212,13 @@ class HookedFrame(RegionCore):
 
     # -- inputs ----------------------------------------------------------------
     def _save_inputs(self, tensors: list) -> None:
+        """Save the tensor arguments once each (NOTE [Arguments that are one tensor])."""
         if tensors:
+            first: dict[int, int] = {}
+            self.input_of = [first.setdefault(id(t), len(first)) for t in tensors]
+            unique = list({id(t): t for t in tensors}.values())
             dummy = torch.empty((0,), requires_grad=True)
-            self.saver = _SaveInputs.apply(dummy, *tensors)
+            self.saver = _SaveInputs.apply(dummy, *unique)
 
     def inputs(self) -> tuple[tuple, dict]:
         leaves = list(self.leaves)
@@ -221,8 +233,8 @@ class HookedFrame(RegionCore):
                 f"computation has been modified by an inplace operation). A region is rebuilt "
                 f"from its inputs in backward; change the input out of place, or clone it first"
             ) from err
-        for slot, x in zip(self.tensor_slots, saved):
-            leaves[slot] = x
+        for slot, k in zip(self.tensor_slots, self.input_of):
+            leaves[slot] = saved[k]
         return self.unflatten(leaves)
 
     # -- forward packing ---------------------------------------------------------

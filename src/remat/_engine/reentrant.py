@@ -90,7 +90,12 @@ class ReentrantFrame(RegionCore):
     def __init__(self, fn: Any, args: tuple, kwargs: dict, spec: Any, name: str,
                  contexts: tuple | None) -> None:
         super().__init__(fn, args, kwargs, spec, name, contexts)
-        self.aliases = [x.detach() if x.requires_grad else x for x in self.arguments]
+        made: dict[int, torch.Tensor] = {}  # NOTE [Arguments that are one tensor] (hooked.py)
+        self.aliases = [made.setdefault(id(x), x.detach() if x.requires_grad else x)
+                        for x in self.arguments]
+        first: dict[int, int] = {}
+        self.same_as = {i: first.setdefault(id(x), i) for i, x in enumerate(self.arguments)}
+        self.same_as = {i: j for i, j in self.same_as.items() if i != j}
         self.versions = [x._version for x in self.arguments]
         self.written: set[int] = set()  # arguments the forward changed in place
         self.params: list[torch.Tensor] = []  # the tensors it read besides its arguments
@@ -354,7 +359,7 @@ def _differentiate(frame: ReentrantFrame, tensors: tuple, grads: tuple) -> tuple
     stop = [True]
     wrts: list = []
     for i, x in enumerate(tensors):
-        if not x.requires_grad:
+        if not x.requires_grad or i in frame.same_as:  # a repeated argument: fed once, below
             wrts.append(None)
         elif create_graph and i in frame.target_of:  # NOTE [Written arguments]
             wrts.append(_Boundary.apply(stop, frame.links[i], x.detach()))
@@ -363,6 +368,8 @@ def _differentiate(frame: ReentrantFrame, tensors: tuple, grads: tuple) -> tuple
         else:
             wrts.append(x.detach().requires_grad_())
     feeds = [_feed(frame, i, x, w) for i, (x, w) in enumerate(zip(tensors, wrts))]
+    for i, j in frame.same_as.items():  # NOTE [Arguments that are one tensor] (hooked.py)
+        feeds[i] = feeds[j]
     # NOTE [Observed reads]: the nested backward stops at an alias of each non-leaf read
     nonleaf = [p for p in frame.params if p.grad_fn is not None]
     aliases = {id(p): _Boundary.apply(stop, p) if create_graph else p.detach().requires_grad_()
