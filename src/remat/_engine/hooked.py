@@ -7,8 +7,9 @@ NOTE [Arguments that are one tensor]
 A region called with one tensor in several argument slots (``attn(h, h, h)``) must
 be re-run with one tensor there too: code may ask ``q is k`` (``nn.MultiheadAttention``
 projects a packed query, key and value then, in one matrix product) and would take
-another path, with other shapes or other rounding. Each distinct tensor is saved once
-and handed to every slot that held it; a reentrant region aliases and feeds it once.
+another path, with other shapes or other rounding. The re-run hands the tensor saved
+for the first of those slots to all of them (every slot is still saved: an enclosing
+region counts what is saved); a reentrant region aliases and feeds it once.
 
 NOTE [Early stop]
 Re-running stops as soon as the last holder still needed is rebuilt: holders
@@ -214,11 +215,10 @@ class HookedFrame(RegionCore):
     def _save_inputs(self, tensors: list) -> None:
         """Save the tensor arguments once each (NOTE [Arguments that are one tensor])."""
         if tensors:
-            first: dict[int, int] = {}
-            self.input_of = [first.setdefault(id(t), len(first)) for t in tensors]
-            unique = list({id(t): t for t in tensors}.values())
+            first: dict[int, int] = {}  # every slot is saved (an enclosing region counts them)
+            self.input_of = [first.setdefault(id(t), i) for i, t in enumerate(tensors)]
             dummy = torch.empty((0,), requires_grad=True)
-            self.saver = _SaveInputs.apply(dummy, *unique)
+            self.saver = _SaveInputs.apply(dummy, *tensors)
 
     def inputs(self) -> tuple[tuple, dict]:
         leaves = list(self.leaves)
