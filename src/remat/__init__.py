@@ -26,9 +26,9 @@ from remat._checkpoint import (
     set_checkpoint_early_stop,
     set_device_states,
 )
+from remat._engine.errors import CheckpointError, RecomputeError
 from remat._engine.selective import policy_context
 from remat._engine.state import is_recomputing
-from remat._errors import CheckpointError, RecomputeError
 from remat._functional import recompute
 from remat._graph import compile
 from remat._hf import gradient_checkpointing_enable
