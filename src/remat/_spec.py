@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from remat._errors import check_bool
 from remat._policy import Policy
+from remat._vocab.errors import check_bool
 
 DETERMINISM_CHECKS = ("default", "none")
 
