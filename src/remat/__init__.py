@@ -33,7 +33,6 @@ from remat._functional import recompute
 from remat._graph import compile
 from remat._hf import gradient_checkpointing_enable
 from remat._marks import apply, mark_of, marked_modules, recompute_module, unmark
-from remat._policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
 from remat._selective import (
     SAC_IGNORED_OPS,
     CheckpointPolicy,
@@ -41,6 +40,7 @@ from remat._selective import (
     create_selective_checkpoint_contexts,
 )
 from remat._spec import RegionSpec
+from remat._vocab.policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
 from remat.memory.estimate import estimate
 from remat.memory.profile import profile
 from remat.planner import BudgetError, Plan, plan

@@ -21,9 +21,9 @@ import torch
 from remat import _compile_check
 from remat._blocks import find_blocks
 from remat._engine import region as _region
-from remat._policy import Policy
 from remat._spec import RegionSpec
 from remat._vocab.errors import check_bool, check_keywords
+from remat._vocab.policy import Policy
 
 MARK_KEYWORDS = (
     "use_reentrant",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from remat._policy import Policy
 from remat._vocab.errors import check_bool
+from remat._vocab.policy import Policy
 
 DETERMINISM_CHECKS = ("default", "none")
 

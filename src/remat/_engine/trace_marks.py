@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 
-from remat._policy import Policy
 from remat._spec import RegionSpec
+from remat._vocab.policy import Policy
 
 #: Key of the annotation under ``node.meta["custom"]``.
 ANNOTATION_KEY = "remat.region"

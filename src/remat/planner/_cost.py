@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat import _blocks
 from remat._marks import unmark_module
-from remat._policy import save_compute_intensive
+from remat._vocab.policy import save_compute_intensive
 from remat.memory._step import Step
 from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
 from remat.memory.profile import OptimizerLike, measure
