@@ -14,7 +14,7 @@ import remat
 from remat._engine.trace_marks import decode_spec, encode_spec, run_marked
 from remat._graph._cse import eliminate_common_subexpressions
 from remat._graph._regions import clean_path
-from remat._spec import RegionSpec
+from remat._vocab.spec import RegionSpec
 
 torch.set_num_threads(1)
 

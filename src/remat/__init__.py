@@ -39,8 +39,8 @@ from remat._selective import (
     SelectiveCheckpointContext,
     create_selective_checkpoint_contexts,
 )
-from remat._spec import RegionSpec
 from remat._vocab.policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
+from remat._vocab.spec import RegionSpec
 from remat.memory.estimate import estimate
 from remat.memory.profile import profile
 from remat.planner import BudgetError, Plan, plan

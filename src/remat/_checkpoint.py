@@ -32,8 +32,8 @@ from remat._engine.flags import (
     set_checkpoint_early_stop,
 )
 from remat._engine.rng import DefaultDeviceType
-from remat._spec import DETERMINISM_CHECKS, RegionSpec
 from remat._vocab.errors import check_bool, describe
+from remat._vocab.spec import DETERMINISM_CHECKS, RegionSpec
 
 __all__ = [
     "CheckpointFunction",

@@ -1,6 +1,6 @@
 """Marks on modules: ``recompute_module``, ``apply``, ``unmark`` (front end).
 
-A mark is a :class:`~remat._spec.RegionSpec` stored on the module as
+A mark is a :class:`~remat._vocab.spec.RegionSpec` stored on the module as
 ``module._remat_spec`` plus a :class:`MarkedForward` set as the module's
 ``forward`` attribute (NOTE [Hooks of a marked module]). So a mark changes no
 parameter name, is invisible to ``state_dict``, and survives ``copy.deepcopy``,
@@ -21,9 +21,9 @@ import torch
 from remat import _compile_check
 from remat._blocks import find_blocks
 from remat._engine import region as _region
-from remat._spec import RegionSpec
 from remat._vocab.errors import check_bool, check_keywords
 from remat._vocab.policy import Policy
+from remat._vocab.spec import RegionSpec
 
 MARK_KEYWORDS = (
     "use_reentrant",

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from remat._marks import mark_of, set_mark, unmark_module
-from remat._spec import RegionSpec
+from remat._vocab.spec import RegionSpec
 
 __all__ = [
     "Add",

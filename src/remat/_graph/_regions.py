@@ -31,7 +31,7 @@ from torch import fx
 from remat._engine.collectives import NAMESPACES as COLLECTIVE_NAMESPACES
 from remat._engine.trace_marks import region_of_meta
 from remat._marks import mark_of
-from remat._spec import RegionSpec
+from remat._vocab.spec import RegionSpec
 
 
 @dataclass(frozen=True)

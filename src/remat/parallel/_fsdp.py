@@ -48,7 +48,7 @@ import torch
 
 from remat._engine.state import is_recomputing
 from remat._marks import add_run_context
-from remat._spec import RegionSpec
+from remat._vocab.spec import RegionSpec
 
 _APPLIED = "_remat_fsdp_applied"
 _HOOKED = "_remat_fsdp_output_pass"

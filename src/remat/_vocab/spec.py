@@ -41,7 +41,7 @@ class RegionSpec:
             choice alone (FSDP2's ``reshard_after_forward``).
 
     Example:
-        >>> from remat._spec import RegionSpec
+        >>> from remat._vocab.spec import RegionSpec
         >>> RegionSpec(output_recompute=True).output_recompute
         True
     """
