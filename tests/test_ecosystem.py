@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import remat
-from remat import _compile_check
+from remat._front import compile_check as _compile_check
 from remat.cli import main
 from remat.models import resnet
 from remat.models.gpt import gpt
