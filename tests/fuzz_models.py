@@ -38,7 +38,7 @@ from torch import nn
 
 import remat
 from remat import ops
-from remat._blocks import find_blocks
+from remat._front.blocks import find_blocks
 
 D = 8  # feature width of every block
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from remat._blocks import find_blocks
 from remat._engine import region as _region
 from remat._front import compile_check as _compile_check
+from remat._front.blocks import find_blocks
 from remat._vocab.errors import check_bool, check_keywords
 from remat._vocab.policy import Policy
 from remat._vocab.spec import RegionSpec

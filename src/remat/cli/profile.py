@@ -76,7 +76,7 @@ def fully_shard_blocks(model: torch.nn.Module, mesh: Any) -> None:
     """FSDP2 as ``--parallelize fsdp`` applies it: a unit per block, then the model's root."""
     from torch.distributed.fsdp import fully_shard
 
-    from remat._blocks import find_blocks
+    from remat._front.blocks import find_blocks
 
     for _, block in find_blocks(model):
         fully_shard(block, mesh=mesh)

@@ -53,7 +53,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from remat import _blocks
+from remat._front import blocks as _blocks
 from remat._marks import unmark_module
 from remat._vocab.policy import save_compute_intensive
 from remat.memory._step import Step
@@ -186,7 +186,7 @@ class BlockCosts:
 
 def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, torch.nn.Module]]:
     """The modules the planner chooses for: ``blocks`` (names or types), else the blocks
-    ``remat.apply(model, where="blocks")`` marks (NOTE [Finding blocks] in ``remat/_blocks.py``)."""
+    ``remat.apply(model, where="blocks")`` marks (NOTE [Finding blocks] in ``remat/_front/blocks.py``)."""
     if blocks is not None:
         return _select(model, blocks)
     found = _blocks.find_blocks(model)

@@ -116,7 +116,7 @@ class Settings:
     Args:
         step: the training step measured (NOTE [The step users run]).
         optimizer: whose state counts, and whose step's peak.
-        blocks: the modules to plan (names or types); None: :func:`remat._blocks.find_blocks`.
+        blocks: the modules to plan (names or types); None: :func:`remat._front.blocks.find_blocks`.
         options: the option families allowed (``"keep"`` first).
         fake: the model and inputs are fake tensors (times from the roofline).
         device: the device whose roofline times a fake-tensor plan.
