@@ -29,16 +29,16 @@ from remat._checkpoint import (
 from remat._engine.errors import CheckpointError, RecomputeError
 from remat._engine.selective import policy_context
 from remat._engine.state import is_recomputing
-from remat._functional import recompute
-from remat._graph import compile
-from remat._hf import gradient_checkpointing_enable
-from remat._marks import apply, mark_of, marked_modules, recompute_module, unmark
-from remat._selective import (
+from remat._front.checkpoint_selective import (
     SAC_IGNORED_OPS,
     CheckpointPolicy,
     SelectiveCheckpointContext,
     create_selective_checkpoint_contexts,
 )
+from remat._functional import recompute
+from remat._graph import compile
+from remat._hf import gradient_checkpointing_enable
+from remat._marks import apply, mark_of, marked_modules, recompute_module, unmark
 from remat._vocab.policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
 from remat._vocab.spec import RegionSpec
 from remat.memory.estimate import estimate

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from remat import _selective
 from remat._engine import flags as _flags
 from remat._engine import region as _region
 from remat._engine.flags import (
@@ -32,6 +31,7 @@ from remat._engine.flags import (
     set_checkpoint_early_stop,
 )
 from remat._engine.rng import DefaultDeviceType
+from remat._front import checkpoint_selective as _selective
 from remat._vocab.errors import check_bool, describe
 from remat._vocab.spec import DETERMINISM_CHECKS, RegionSpec
 
