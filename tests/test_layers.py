@@ -77,11 +77,11 @@ def test_an_upward_import_is_caught(tmp_path):
     (tmp_path / "_engine").mkdir()
     (tmp_path / "_engine" / "region.py").write_text("from remat._engine import state\n")
     assert upward_imports(tmp_path) == []
-    (tmp_path / "_engine" / "region.py").write_text("from remat import _checkpoint\n")
+    (tmp_path / "_engine" / "region.py").write_text("from remat._front.checkpoint import checkpoint\n")
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "profile.py").write_text("import remat.cli._bench\n")
     assert sorted(upward_imports(tmp_path)) == [
-        "_engine/region:1 imports remat._checkpoint (layer 3 > 2)",
+        "_engine/region:1 imports remat._front.checkpoint (layer 3 > 2)",
     ]
     (tmp_path / "_engine" / "x.py").write_text("from remat.cli import main\n")
     assert len(upward_imports(tmp_path)) == 2

@@ -12,7 +12,10 @@ Example:
 """
 
 from remat import memory, nn, ops, parallel, planner
-from remat._checkpoint import (
+from remat._engine.errors import CheckpointError, RecomputeError
+from remat._engine.selective import policy_context
+from remat._engine.state import is_recomputing
+from remat._front.checkpoint import (
     CheckpointFunction,
     DefaultDeviceType,
     GraphExecGroup,
@@ -26,9 +29,6 @@ from remat._checkpoint import (
     set_checkpoint_early_stop,
     set_device_states,
 )
-from remat._engine.errors import CheckpointError, RecomputeError
-from remat._engine.selective import policy_context
-from remat._engine.state import is_recomputing
 from remat._front.checkpoint_selective import (
     SAC_IGNORED_OPS,
     CheckpointPolicy,
