@@ -35,7 +35,7 @@ from remat._front.checkpoint_selective import (
     SelectiveCheckpointContext,
     create_selective_checkpoint_contexts,
 )
-from remat._functional import recompute
+from remat._front.functional import recompute
 from remat._graph import compile
 from remat._hf import gradient_checkpointing_enable
 from remat._marks import apply, mark_of, marked_modules, recompute_module, unmark
