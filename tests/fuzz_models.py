@@ -867,8 +867,8 @@ def _engine_lists() -> dict[str, list | dict]:
 
     Looked up by name, so the harness keeps working while the engine's internals move.
     """
-    from remat import _marks
     from remat._engine import outputs, state
+    from remat._front import marks as _marks
 
     found = {}
     for label, owner, name in (("open mark region(s)", _marks, "_stack"),

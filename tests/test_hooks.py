@@ -1,6 +1,6 @@
 """Hooks on marked modules: recomputation replays forward as the first run saw it.
 
-NOTE [Hooks of a marked module] (``remat/_marks.py``): hooks outside the region run
+NOTE [Hooks of a marked module] (``remat/_front/marks.py``): hooks outside the region run
 once; the re-run calls ``forward`` on the arguments forward got, not the module.
 """
 

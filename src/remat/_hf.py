@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from remat._marks import PerRun, add_call_guard, mark_from_keywords
+from remat._front.marks import PerRun, add_call_guard, mark_from_keywords
 
 
 def public_class(module: str, name: str) -> type | None:

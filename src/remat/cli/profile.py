@@ -221,7 +221,7 @@ def make_inputs(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> tuple:
 
 def mark(model: torch.nn.Module, which: list[str], output_recompute: bool) -> list[str]:
     """Mark the modules ``which`` selects; return their names (raise SystemExit if none)."""
-    from remat._marks import apply, recompute_module
+    from remat._front.marks import apply, recompute_module
 
     options = {"output_recompute": True} if output_recompute else {}
     chosen: list[str] = []

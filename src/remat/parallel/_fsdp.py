@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from remat._engine.state import is_recomputing
-from remat._marks import add_run_context
+from remat._front.marks import add_run_context
 from remat._vocab.spec import RegionSpec
 
 _APPLIED = "_remat_fsdp_applied"

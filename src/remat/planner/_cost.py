@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat._front import blocks as _blocks
-from remat._marks import unmark_module
+from remat._front.marks import unmark_module
 from remat._vocab.policy import save_compute_intensive
 from remat.memory._step import Step
 from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from remat._marks import mark_of, marked_modules, recompute_module, unmark_module
+from remat._front.marks import mark_of, marked_modules, recompute_module, unmark_module
 from remat.memory._report import format_bytes
 from remat.memory._step import Step, StepFn
 from remat.memory.profile import OptimizerLike

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from remat._marks import recompute_module, unmark_module
+from remat._front.marks import recompute_module, unmark_module
 from remat._vocab.policy import save_compute_intensive
 from remat.memory._step import Step
 from remat.memory.profile import OptimizerLike
