@@ -14,11 +14,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "remat"
 # folder states its layer once and a file inside it may state its own.
 LAYERS = {
     "_vocab": 1,
-    "_errors": 1, "_policy": 1, "_spec": 1,
     "_engine": 2,
-    "_front": 3,
-    "_checkpoint": 3, "_selective": 3, "_functional": 3, "_marks": 3, "nn": 3, "ops": 3, "ms": 3,
-    "_graph": 3, "_blocks": 3, "_hf": 3, "_compile_check": 3, "parallel": 3,
+    "_front": 3, "nn": 3, "ops": 3, "ms": 3, "_graph": 3, "parallel": 3,
     "memory": 4, "models": 4, "data": 4, "cli": 4, "__main__": 4,
     "planner": 4, "planner/_solve": 1,
     "__init__": 5,

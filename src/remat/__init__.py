@@ -36,9 +36,9 @@ from remat._front.checkpoint_selective import (
     create_selective_checkpoint_contexts,
 )
 from remat._front.functional import recompute
+from remat._front.hf import gradient_checkpointing_enable
 from remat._front.marks import apply, mark_of, marked_modules, recompute_module, unmark
 from remat._graph import compile
-from remat._hf import gradient_checkpointing_enable
 from remat._vocab.policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
 from remat._vocab.spec import RegionSpec
 from remat.memory.estimate import estimate

@@ -34,7 +34,7 @@ whenever a model or a cache of theirs exists.
 
 Example:
     >>> import torch
-    >>> from remat._hf import guard_cache
+    >>> from remat._front.hf import guard_cache
     >>> guard_cache(torch.nn.Linear(2, 2), (), {"cache": object()}) is None  # no transformers cache
     True
 """
