@@ -4,10 +4,7 @@ import json
 
 import pytest
 import torch
-
-import remat
-from remat.cli import main
-from remat.cli._bench import (
+from benchmarks.bench import (
     BASELINE,
     COMPILED,
     CONFIGURATIONS,
@@ -20,6 +17,9 @@ from remat.cli._bench import (
     schedule,
     workloads,
 )
+
+import remat
+from remat.cli import main
 
 
 @pytest.mark.parametrize("count", [1, 2, 5, 6])
@@ -97,6 +97,21 @@ def test_bench_command_line_refuses_bad_settings(tmp_path):
     assert code == 0
     saved = json.loads((tmp_path / "bench_quick.json").read_text())
     assert list(saved["workloads"][0]["rows"]) == ["none", "remat cell marks"]
+
+
+def test_bench_without_the_repositorys_harness_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    import remat.cli.bench as command
+    from remat.cli import UsageError
+
+    monkeypatch.setattr(command, "BENCHMARKS", tmp_path)
+    assert command.load_harness() is None
+    with pytest.raises(UsageError) as caught:
+        main(["bench"])
+    assert caught.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [(f"remat bench: the benchmark harness is not installed with remat; it lives in the "
+                      f"repository's benchmarks/ folder (looked for {tmp_path / 'bench.py'}): run remat "
+                      f"bench (or make bench) from a clone installed with pip install -e .")]
 
 
 def test_the_readme_table_is_rewritten_between_its_markers(tmp_path):

@@ -76,7 +76,7 @@ def test_an_upward_import_is_caught(tmp_path):
     assert upward_imports(tmp_path) == []
     (tmp_path / "_engine" / "region.py").write_text("from remat._front.checkpoint import checkpoint\n")
     (tmp_path / "memory").mkdir()
-    (tmp_path / "memory" / "profile.py").write_text("import remat.cli._bench\n")
+    (tmp_path / "memory" / "profile.py").write_text("import remat.cli.demo\n")
     assert sorted(upward_imports(tmp_path)) == [
         "_engine/region:1 imports remat._front.checkpoint (layer 3 > 2)",
     ]

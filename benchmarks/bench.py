@@ -1,4 +1,4 @@
-"""``remat bench``: remat against ``torch.utils.checkpoint`` on the same marks (layer 4: tools).
+"""``remat bench``: remat against ``torch.utils.checkpoint`` on the same marks (a tool, out of the package).
 
 Method (steady on a shared 2-core machine): one thread; warm-up steps for every
 configuration; memory measured once per configuration with the exact tracker
@@ -14,7 +14,7 @@ backward (no optimizer: the weights, hence the work, stay the same).
 Only the benchmark calls ``torch.utils.checkpoint``: it is the baseline.
 
 Example:
-    >>> from remat.cli._bench import BenchConfig, run_bench
+    >>> from benchmarks.bench import BenchConfig, run_bench
     >>> result = run_bench(BenchConfig(quick=True, pairs=1, trials=1, warmup=1,
     ...                                workloads=("gpt",), out_dir=None), progress=False)
     >>> list(result["workloads"][0]["rows"])[0]
