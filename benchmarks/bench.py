@@ -37,7 +37,7 @@ import torch
 import torch.utils.checkpoint
 
 import remat
-from remat.cli._bench_report import BASELINE, include_markdown, render_markdown
+from benchmarks.bench_report import BASELINE, include_markdown, render_markdown
 from remat.cli._demo import kept_bytes, peak_bytes
 from remat.models import gpt, resnet, resnet50
 

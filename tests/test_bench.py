@@ -115,7 +115,7 @@ def test_bench_without_the_repositorys_harness_is_a_one_line_error(tmp_path, mon
 
 
 def test_the_readme_table_is_rewritten_between_its_markers(tmp_path):
-    from remat.cli._bench_report import BEGIN, END, include_markdown
+    from benchmarks.bench_report import BEGIN, END, include_markdown
 
     readme = tmp_path / "demo.md"
     readme.write_text(f"intro\n{BEGIN}\nold table\n{END}\noutro\n")
