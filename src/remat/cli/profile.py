@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump(data[0] if len(data) == 1 else {"before": data[0], "after": data[1]}, fh, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
-        from remat.memory._plot import plot_timeline
+        from remat.memory import plot_timeline
 
         plot_timeline(reports, args.plot, title=f"remat profile {args.factory}")
         print(f"wrote {args.plot}")

@@ -56,8 +56,12 @@ from torch.utils._pytree import tree_leaves
 from remat._front import blocks as _blocks
 from remat._front.marks import unmark_module
 from remat._vocab.policy import save_compute_intensive
-from remat.memory._step import Step
-from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
+from remat.memory.internal import (
+    Step,
+    local_nbytes,
+    local_storages,
+    look_away_from_sharding_propagation,
+)
 from remat.memory.profile import OptimizerLike, measure
 from remat.planner._settings import Settings, child_mark, children_in, mark_choices
 from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OUTPUT, RECOMPUTE, Problem, evaluate

@@ -20,7 +20,7 @@ import torch
 
 from remat._front.marks import recompute_module, unmark_module
 from remat._vocab.policy import save_compute_intensive
-from remat.memory._step import Step
+from remat.memory.internal import Step
 from remat.memory.profile import OptimizerLike
 from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OPTIONS
 
