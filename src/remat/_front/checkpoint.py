@@ -6,7 +6,7 @@ state a second time (BatchNorm running statistics, ``num_batches_tracked``, any
 buffer written in place). See NOTE [No double state updates] in ``_engine/modes.py``.
 
 Every other public name of ``torch.utils.checkpoint`` is here or in
-``_selective.py`` too (``remat`` re-exports them), so changing the import is
+``_front/checkpoint_selective.py`` too (``remat`` re-exports them), so changing the import is
 enough: the global switches (NOTE [Global switches] in ``_engine/flags.py``),
 ``CheckpointFunction``, ``noop_context_fn`` and the small helpers
 ``detach_variable``, ``check_backward_validity``, ``get_device_states``,

@@ -7,7 +7,7 @@ Recomputing a marked layer on that cache would append them a second time: a long
 cache, wrong attention in the re-run (with ``use_reentrant=True`` gradients silently
 wrong), or an error (T5). So, whenever grad is enabled (a backward may recompute), a
 marked module called with a ``transformers.Cache`` argument is guarded (NOTE [Call
-guards] in ``_marks.py``):
+guards] in ``_front/marks.py``):
 
 1. The first run of the region (forward) gets the model's cache and writes it once,
    as the unmarked layer does; each recomputation gets a throwaway copy of the cache

@@ -290,7 +290,7 @@ def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
 
 # NOTE [Call guards]
 # An adapter for a library whose modules carry state across calls (Hugging Face's
-# key/value cache, ``_hf.py``) registers a guard with :func:`add_call_guard`. Before a
+# key/value cache, ``_front/hf.py``) registers a guard with :func:`add_call_guard`. Before a
 # marked module's region starts, each guard may return new ``(args, kwargs)`` for the
 # region to record, in which an argument may be a :class:`PerRun`: each run of the
 # region (forward, then each recomputation) calls its ``take()`` for the value that run

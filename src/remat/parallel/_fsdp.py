@@ -115,7 +115,7 @@ def _reshard_after_output_pass(unit: Any, args: Any, output: Any) -> None:
 def run_context(module: torch.nn.Module, spec: RegionSpec) -> contextlib.AbstractContextManager:
     """Around each run of a marked module: its units' resharding set, a re-run gathered.
 
-    Registered with the marks (NOTE [Call guards] in ``_marks.py``); NOTE [Sharded
+    Registered with the marks (NOTE [Call guards] in ``_front/marks.py``); NOTE [Sharded
     parameters under a mark], NOTE [Output pass over FSDP units].
     """
     apply_to_units(module, spec)
