@@ -13,7 +13,7 @@ import torch.utils.checkpoint as tuc
 import remat
 from remat._engine import outputs as _outputs
 from remat._engine import state as _state
-from tests.helpers import TransformerBlock, assert_same, step_grads
+from tests._harness import TransformerBlock, assert_same, step_grads
 
 MODES = [False, True]  # use_reentrant
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from tests.helpers import TransformerBlock, assert_same, step_grads
+from tests._harness import TransformerBlock, assert_same, step_grads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

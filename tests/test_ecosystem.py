@@ -21,7 +21,7 @@ from remat.cli import main
 from remat.models import resnet
 from remat.models.gpt import gpt
 from remat.models.llama import llama
-from tests.helpers import assert_same
+from tests._harness import assert_same
 
 # --- where="blocks", class names, globs, every= ------------------------------------------
 

@@ -15,7 +15,7 @@ from torch.nn.utils import prune
 
 import remat
 from remat.models import ResidualBlock, resnet
-from tests.helpers import assert_same
+from tests._harness import assert_same
 
 MODES = [
     pytest.param({}, id="keep-output"),

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import remat
 from remat._engine import outputs as _outputs
 from remat._engine import state as _state
-from tests import helpers
-from tests.helpers import assert_same, step_grads
+from tests import _harness
+from tests._harness import assert_same, step_grads
 
 B, W = 8, 32
 ACT = B * W * 4  # bytes of one (B, W) float32 activation
@@ -52,7 +52,7 @@ class Bottleneck(remat.nn.Cell):
         return torch.relu(self.bn2(self.conv2(y)) + x)
 
 
-class TransformerBlock(helpers.TransformerBlock, remat.nn.Cell):
+class TransformerBlock(_harness.TransformerBlock, remat.nn.Cell):
     def __init__(self) -> None:
         super().__init__(d=W, heads=4)
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import remat
 from tests import fuzz_models as fm
-from tests.helpers import assert_same
+from tests._harness import assert_same
 
 
 def _mlp() -> nn.Module:

@@ -1,4 +1,4 @@
-"""Shared test helpers: run a model with and without recompute and compare."""
+"""The tests' shared harness: models, runs with and without recompute, equality, two ranks."""
 
 from __future__ import annotations
 
