@@ -26,12 +26,22 @@ def step_grads(model: torch.nn.Module, forward: Callable, inputs: list[torch.Ten
     return grads_of(model, *xs), loss.detach()
 
 
-def assert_same(a: list, b: list) -> None:
-    assert len(a) == len(b)
-    for i, (x, y) in enumerate(zip(a, b)):
+def assert_bitwise_equal(a: list, b: list) -> None:
+    """``a`` and ``b`` hold as many tensors, equal bit for bit (``torch.equal``), ``None`` where
+    the other is ``None``."""
+    assert len(a) == len(b), f"{len(a)} tensors against {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert (x is None) == (y is None), i
         if x is not None:
             assert torch.equal(x, y), f"tensor {i} differs: max abs diff {(x - y).abs().max()}"
+
+
+def assert_close_within_tolerance(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """``a`` and ``b`` hold the same names, their tensors within ``rtol``/``atol``
+    (``torch.testing.assert_close``): for compiled code, whose kernels may round differently."""
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        torch.testing.assert_close(value, b[name], rtol=rtol, atol=atol, msg=name)
 
 
 class TransformerBlock(torch.nn.Module):
