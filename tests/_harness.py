@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import copy
+import datetime
+import io
+import os
+import queue as queue_module
+import socket
+import traceback
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -62,3 +69,102 @@ class TransformerBlock(torch.nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+# --- two ranks -------------------------------------------------------------------------------
+
+WORLD = 2
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pack(value: object) -> bytes:
+    """Results as bytes: tensors pickled through a queue need their sender alive."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes) -> object:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rank_entry(rank: int, port: int, body: Callable, pg_timeout: float, inbox: object,
+                results: object) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+    try:
+        result = body(rank) if inbox is None else body(rank, inbox)
+    except BaseException:
+        results.put((rank, pack({"error": traceback.format_exc()})))
+        raise
+    else:
+        results.put((rank, pack(result)))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_two_ranks(body: Callable, *, deadline: float, pg_timeout: float = 30,
+                    feed: Callable[[], object] | None = None) -> tuple[dict, list[int | None]]:
+    """Run ``body(rank)`` on 2 gloo ranks on loopback; return ``({rank: result}, exit codes)``.
+
+    ``body`` is a module-level function (the ranks are spawned, so it is pickled by name); a
+    rank that raises returns ``{"error": traceback}`` and exits non-zero. With ``feed``,
+    ``body(rank, inbox)`` runs instead and ``feed()`` runs here meanwhile; each rank's
+    ``inbox`` (a queue) then gets its value. Every collective times out after ``pg_timeout``
+    seconds; past ``deadline`` seconds the ranks left are killed and the test fails.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    inboxes = [ctx.Queue() if feed is not None else None for _ in range(WORLD)]
+    port = free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(r, port, body, pg_timeout, inboxes[r], results),
+                         daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    out: dict = {}
+    start = datetime.datetime.now()
+    try:
+        if feed is not None:
+            fed = feed()  # while the ranks start (an error here kills them)
+            for inbox in inboxes:
+                inbox.put(fed)
+        while len(out) < WORLD:
+            left = deadline - (datetime.datetime.now() - start).total_seconds()
+            if left <= 0:
+                break
+            try:
+                rank, value = results.get(timeout=min(left, 1.0))
+                out[rank] = unpack(value)
+            except queue_module.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - (datetime.datetime.now() - start).total_seconds()))
+    finally:
+        overrun = [p for p in procs if p.is_alive()]
+        for p in overrun:
+            p.kill()
+            p.join()
+    if overrun:
+        pytest.fail(f"distributed test overran its {deadline}s deadline; killed {len(overrun)} rank(s)")
+    return out, [p.exitcode for p in procs]
+
+
+def assert_every_rank_succeeded(out: dict, codes: list[int | None]) -> None:
+    """Each rank returned a result, none an error, and every rank exited with status 0."""
+    for rank in range(WORLD):
+        assert rank in out, f"rank {rank} returned nothing (exit codes {codes})"
+        assert not (isinstance(out[rank], dict) and "error" in out[rank]), out[rank]["error"]
+    assert codes == [0] * WORLD

@@ -11,93 +11,19 @@ from __future__ import annotations
 
 import datetime
 import gc
-import io
 import os
-import queue as queue_module
-import socket
-import traceback
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import remat
+from tests._harness import WORLD, assert_every_rank_succeeded, spawn_two_ranks
 
 PG_TIMEOUT_S = 30
 DEADLINE_S = 150
-WORLD = 2
-
-
-# --- the harness ----------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, port: int, body: str, queue: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    try:
-        result = globals()[body](rank)
-    except BaseException:
-        queue.put((rank, _pack({"error": traceback.format_exc()})))
-        raise
-    else:
-        queue.put((rank, _pack(result)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _pack(value: object) -> bytes:
-    """Results as bytes: tensors pickled through a queue need their sender alive."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _unpack(data: bytes) -> object:
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def _spawn(body: str, deadline: float = DEADLINE_S) -> tuple[dict, list[int | None]]:
-    """Run ``body(rank)`` on 2 gloo ranks; return ``({rank: result}, exit codes)``."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, body, queue), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: dict = {}
-    start = datetime.datetime.now()
-    try:
-        while len(results) < WORLD:
-            left = deadline - (datetime.datetime.now() - start).total_seconds()
-            if left <= 0:
-                break
-            try:
-                rank, value = queue.get(timeout=min(left, 1.0))
-                results[rank] = _unpack(value)
-            except queue_module.Empty:
-                if all(not p.is_alive() for p in procs) and queue.empty():
-                    break
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - (datetime.datetime.now() - start).total_seconds()))
-    finally:
-        overrun = [p for p in procs if p.is_alive()]
-        for p in overrun:
-            p.kill()
-            p.join()
-    if overrun:
-        pytest.fail(f"distributed test overran its {deadline}s deadline; killed {len(overrun)} rank(s)")
-    return results, [p.exitcode for p in procs]
 
 
 # --- models ----------------------------------------------------------------------------
@@ -592,11 +518,8 @@ def failing_group(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    out, codes = _spawn("main_group")
-    for rank in range(WORLD):
-        assert rank in out, f"rank {rank} returned nothing (exit codes {codes})"
-        assert "error" not in out[rank], out[rank]["error"]
-    assert codes == [0] * WORLD
+    out, codes = spawn_two_ranks(main_group, deadline=DEADLINE_S, pg_timeout=PG_TIMEOUT_S)
+    assert_every_rank_succeeded(out, codes)
     return out
 
 
@@ -841,7 +764,7 @@ def test_count_collectives_sees_none_in_a_plain_step():
 
 def test_a_rank_failing_in_recomputation_fails_every_rank_within_the_timeout():
     start = datetime.datetime.now()
-    out, codes = _spawn("failing_group", deadline=PG_TIMEOUT_S + 30)
+    out, codes = spawn_two_ranks(failing_group, deadline=PG_TIMEOUT_S + 30, pg_timeout=PG_TIMEOUT_S)
     assert all(code not in (0, None) for code in codes), codes
     assert "fails in its recomputation" in out[1]["error"]
     assert "error" in out[0]  # rank 0 is told, it does not hang
