@@ -51,13 +51,13 @@ def test_every_configuration_gives_the_baseline_gradients_and_switches_back():
     eager = [name for name in CONFIGURATIONS if name not in COMPILED]
     for name in eager:
         configure(model, name)
-        for got, want in zip(_gradients(model, x, y), expected):
+        for got, want in zip(_gradients(model, x, y), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     configure(model, BASELINE)
     prepare = preparer(model, list(CONFIGURATIONS))
     for name in CONFIGURATIONS:  # compiled ones on configured copies, eager ones on model
         module, forward = prepare(name)
-        for got, want in zip(_gradients(module, x, y, forward), expected):
+        for got, want in zip(_gradients(module, x, y, forward), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     prepare(BASELINE)
     assert remat.marked_modules(model) == {}

@@ -275,7 +275,7 @@ def test_t5_reentrant_differs_in_the_last_bits_as_torch_reentrant_does():
     want, got, torch_run = _sgd(base, "t5"), _sgd(marked, "t5"), _sgd(with_torch, "t5")
     assert_bitwise_equal(got, torch_run)
     assert torch.equal(got[0], want[0])
-    assert any(not torch.equal(g, w) for g, w in zip(got, want))  # else: test it as the others
+    assert any(not torch.equal(g, w) for g, w in zip(got, want, strict=True))  # else: test it as the others
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

@@ -279,7 +279,7 @@ def test_llama_tensor_parallel_is_the_same_model_and_its_estimate_the_real_rank(
 
     for rank in range(WORLD):
         llama = real[rank]["llama"]
-        for one, parallel in zip(*llama["grads"]):  # row-wise layers sum in another order
+        for one, parallel in zip(*llama["grads"], strict=True):  # row-wise layers sum in another order
             torch.testing.assert_close(parallel, one, rtol=1e-4, atol=1e-5)
         report = remat.estimate(LlamaConfig(**LLAMA), torch.zeros(TOKENS, dtype=torch.long),
                                 loss_fn=next_token_loss, marks="blocks",

@@ -37,7 +37,7 @@ def check_grads(step, compiled, params, x) -> None:
     for p in params:
         p.grad = None
     step(x).backward()
-    for p, g in zip(params, got):
+    for p, g in zip(params, got, strict=True):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
 
 

@@ -144,7 +144,7 @@ def _check_buffers_after_step(plain, marked, x):
     for model in (plain, marked):
         torch.manual_seed(1)
         model(x.detach()).sum().backward()
-    for (name, a), (_, b) in zip(plain.named_buffers(), marked.named_buffers()):
+    for (name, a), (_, b) in zip(plain.named_buffers(), marked.named_buffers(), strict=True):
         assert torch.equal(a, b), name
 
 

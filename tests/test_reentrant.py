@@ -85,7 +85,7 @@ def test_gradient_penalty_through_the_output_differs_at_most_in_the_last_bits(lo
         return _grads(model, x)
 
     plain = copy.deepcopy(model)
-    for want, got in zip(run(plain, plain), run(_marks(model)["recompute"], model)):
+    for want, got in zip(run(plain, plain), run(_marks(model)["recompute"], model), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
