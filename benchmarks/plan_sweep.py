@@ -178,11 +178,9 @@ def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 
     with children and restricted to whole blocks (the planner before them), timed interleaved
     with per-block checkpointing and the unmarked model, ``rounds`` rounds."""
     from remat.cli.plan import mark_strategy
-    from remat.memory._step import Step
+    from remat.memory.internal import Step
     from remat.memory.profile import default_loss
-    from remat.planner._cost import find_blocks, measure_costs
-    from remat.planner._plan import _fit
-    from remat.planner._settings import Settings
+    from remat.planner.internal import Settings, find_blocks, fit, measure_costs
 
     def fresh():
         torch.manual_seed(0)
@@ -204,7 +202,7 @@ def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 
     plans = {}
     for b in budgets:
         for key, problem in (("blocks", blocks_only), ("children", full)):
-            plans[(b, key)] = _fit(model, costs, problem, b, floor(problem), settings)
+            plans[(b, key)] = fit(model, costs, problem, b, floor(problem), settings)
     planned_s = time.perf_counter() - start
     models = {"unmarked": fresh(), "per-block": per_block}
     label = {}
@@ -279,7 +277,7 @@ def versus_compile(name: str, build, inputs, loss_fn, fractions=(1.0, 0.5, 0.2, 
     import torch._functorch.config as functorch_config
     from torch._dynamo.backends.debugging import aot_eager
 
-    from remat._graph._compare import allocation_peak
+    from remat._graph.internal import allocation_peak
 
     torch._dynamo.config.cache_size_limit = 64
     loss_fn = loss_fn or (lambda out: out.sum())
@@ -364,7 +362,8 @@ def versus_compile(name: str, build, inputs, loss_fn, fractions=(1.0, 0.5, 0.2, 
 def max_batch(budget: str) -> dict:
     import argparse as _argparse
 
-    from remat.cli.plan import Setup, _fits, largest_batch
+    from remat.cli.internal import fits
+    from remat.cli.plan import Setup, largest_batch
     from remat.planner import parse_budget
 
     args = _argparse.Namespace(factory="remat.models.gpt:gpt", estimate=True, repeat=0, device=None,
@@ -376,7 +375,7 @@ def max_batch(budget: str) -> dict:
     out = {}
     for strategy in ("per-block checkpointing", "planner"):
         start = time.perf_counter()
-        out[strategy] = largest_batch(lambda b, s=strategy: _fits(setup, s, b, value), 4)
+        out[strategy] = largest_batch(lambda b, s=strategy: fits(setup, s, b, value), 4)
         print(f"[max-batch] {strategy}: {out[strategy]} within {budget} ({time.perf_counter() - start:.0f} s)")
     return out
 
@@ -384,11 +383,15 @@ def max_batch(budget: str) -> dict:
 def speed(full_70b: bool) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.memory._step import Step
-    from remat.memory.estimate import _build_in
+    from remat.memory.internal import Step, build_in
     from remat.planner import solve
-    from remat.planner._cost import composed_costs, find_blocks, identical_container, measure_costs
-    from remat.planner._settings import Settings
+    from remat.planner.internal import (
+        Settings,
+        composed_costs,
+        find_blocks,
+        identical_container,
+        measure_costs,
+    )
 
     out = {}
     with FakeTensorMode():
@@ -422,7 +425,7 @@ def speed(full_70b: bool) -> dict:
 
         start = time.perf_counter()
         with FakeTensorMode():
-            model = _build_in(factory, torch.bfloat16)
+            model = build_in(factory, torch.bfloat16)
             blocks = find_blocks(model)
             composed = composed_costs(model, blocks, identical_container(model, blocks), Settings(
                 step=Step(inputs=inputs(), loss_fn=next_token_loss), optimizer="adam", fake=True,

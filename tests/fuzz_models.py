@@ -38,7 +38,7 @@ from torch import nn
 
 import remat
 from remat import ops
-from remat._blocks import find_blocks
+from remat._front.blocks import find_blocks
 
 D = 8  # feature width of every block
 
@@ -420,7 +420,7 @@ class Stage(remat.nn.Cell):
 
     def forward(self, h):
         outs = [h]
-        for i, (block, b) in enumerate(zip(self.blocks, self.desc)):
+        for i, (block, b) in enumerate(zip(self.blocks, self.desc, strict=True)):
             args, kwargs = (h,), {}
             if b["kind"] == "skip":
                 skip = outs[b["p"]["from"] % len(outs)]
@@ -882,8 +882,8 @@ def _engine_lists() -> dict[str, list | dict]:
 
     Looked up by name, so the harness keeps working while the engine's internals move.
     """
-    from remat import _marks
     from remat._engine import outputs, state
+    from remat._front import marks as _marks
 
     found = {}
     for label, owner, name in (("open mark region(s)", _marks, "_stack"),
@@ -1020,7 +1020,7 @@ def _compare(phase: str, base: list, marked: list, tolerant: bool, hooks: list) 
     if [n for n, _ in base] != [n for n, _ in marked]:
         raise _Mismatch(f"{phase}: different results {[n for n, _ in base]} vs {[n for n, _ in marked]}")
     tolerated = 0
-    for (name, a), (_, b) in zip(base, marked):
+    for (name, a), (_, b) in zip(base, marked, strict=True):
         if (a is None) != (b is None):
             raise _Mismatch(f"{phase}: {name}: {'None' if a is None else 'tensor'} vs "
                             f"{'None' if b is None else 'tensor'}")
@@ -1048,7 +1048,7 @@ def _unchanged(side: _Side, snap: list) -> str:
     Buffers are not compared: layers that ran before the failing region (a BatchNorm
     in training) update theirs, as they would before any error in plain PyTorch.
     """
-    changed = [n for (n, t), s in zip(side.state(), snap) if n.startswith("param") and not torch.equal(t, s)]
+    changed = [n for (n, t), s in zip(side.state(), snap, strict=True) if n.startswith("param") and not torch.equal(t, s)]
     if changed:
         return f"parameters changed before the error: {changed[:3]}"
     if not torch.is_grad_enabled():
@@ -1066,7 +1066,7 @@ def _documented(err: BaseException) -> str | None:
 def _resync(base: _Side, marked: _Side) -> None:
     """After a tolerated reentrant difference, start the next phase from the baseline's state."""
     with torch.no_grad():
-        for (_, a), (_, b) in zip(base.state() + base.grads(), marked.state() + marked.grads()):
+        for (_, a), (_, b) in zip(base.state() + base.grads(), marked.state() + marked.grads(), strict=True):
             if a is not None:
                 b.copy_(a)
     if base.opt is not None:
@@ -1147,7 +1147,7 @@ def _snapshot_model(model: nn.Module) -> tuple:
 def _same_snapshot(a: tuple, b: tuple) -> bool:
     (sa, ha, ra), (sb, hb, rb) = a, b
     return (ha == hb and torch.equal(ra, rb) and [k for k, _ in sa] == [k for k, _ in sb]
-            and all(torch.equal(x, y) for (_, x), (_, y) in zip(sa, sb)))
+            and all(torch.equal(x, y) for (_, x), (_, y) in zip(sa, sb, strict=True)))
 
 
 # --- the known-broken list (issue 10's classes) ---------------------------------------

@@ -182,7 +182,7 @@ def _build(case: dict, marked: bool) -> Chain:
     torch.manual_seed(case["seed"])
     model = Chain(case["kinds"], case["relus"])
     if marked:
-        for block, opts in zip(model.blocks, case["marks"]):
+        for block, opts in zip(model.blocks, case["marks"], strict=True):
             if opts is not None:
                 remat.recompute_module(block, **opts)
         for i in case["marked_relus"]:
@@ -214,7 +214,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -227,7 +227,7 @@ def run_case(seed: int) -> dict:
         marked = _train(_build(case, marked=True), x)
     except Exception:  # noqa: BLE001 - every error is a verdict, reported with its case
         return {"case": case, "verdict": "error", "error": traceback.format_exc(limit=6)}
-    for step, (p, m) in enumerate(zip(plain, marked)):
+    for step, (p, m) in enumerate(zip(plain, marked, strict=True)):
         for what, i in (("loss", 0), ("gradients", 3), ("parameters", 4)):
             if not _same(p[i], m[i]):
                 return {"case": case, "verdict": "mismatch", "step": step, "what": what}

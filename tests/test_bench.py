@@ -4,10 +4,7 @@ import json
 
 import pytest
 import torch
-
-import remat
-from remat.cli import main
-from remat.cli._bench import (
+from benchmarks.bench import (
     BASELINE,
     COMPILED,
     CONFIGURATIONS,
@@ -20,6 +17,9 @@ from remat.cli._bench import (
     schedule,
     workloads,
 )
+
+import remat
+from remat.cli import main
 
 
 @pytest.mark.parametrize("count", [1, 2, 5, 6])
@@ -51,13 +51,13 @@ def test_every_configuration_gives_the_baseline_gradients_and_switches_back():
     eager = [name for name in CONFIGURATIONS if name not in COMPILED]
     for name in eager:
         configure(model, name)
-        for got, want in zip(_gradients(model, x, y), expected):
+        for got, want in zip(_gradients(model, x, y), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     configure(model, BASELINE)
     prepare = preparer(model, list(CONFIGURATIONS))
     for name in CONFIGURATIONS:  # compiled ones on configured copies, eager ones on model
         module, forward = prepare(name)
-        for got, want in zip(_gradients(module, x, y, forward), expected):
+        for got, want in zip(_gradients(module, x, y, forward), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     prepare(BASELINE)
     assert remat.marked_modules(model) == {}
@@ -99,8 +99,23 @@ def test_bench_command_line_refuses_bad_settings(tmp_path):
     assert list(saved["workloads"][0]["rows"]) == ["none", "remat cell marks"]
 
 
+def test_bench_without_the_repositorys_harness_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    import remat.cli.bench as command
+    from remat.cli import UsageError
+
+    monkeypatch.setattr(command, "BENCHMARKS", tmp_path)
+    assert command.load_harness() is None
+    with pytest.raises(UsageError) as caught:
+        main(["bench"])
+    assert caught.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [(f"remat bench: the benchmark harness is not installed with remat; it lives in the "
+                      f"repository's benchmarks/ folder (looked for {tmp_path / 'bench.py'}): run remat "
+                      f"bench (or make bench) from a clone installed with pip install -e .")]
+
+
 def test_the_readme_table_is_rewritten_between_its_markers(tmp_path):
-    from remat.cli._bench_report import BEGIN, END, include_markdown
+    from benchmarks.bench_report import BEGIN, END, include_markdown
 
     readme = tmp_path / "demo.md"
     readme.write_text(f"intro\n{BEGIN}\nold table\n{END}\noutro\n")

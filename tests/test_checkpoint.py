@@ -13,7 +13,7 @@ import torch.utils.checkpoint as tuc
 import remat
 from remat._engine import outputs as _outputs
 from remat._engine import state as _state
-from tests.helpers import TransformerBlock, assert_same, step_grads
+from tests._harness import TransformerBlock, assert_bitwise_equal, step_grads
 
 MODES = [False, True]  # use_reentrant
 
@@ -58,7 +58,7 @@ def test_gradients_equal_unmarked_model(case, reentrant):
         model, lambda m, t: remat.checkpoint(m, t, use_reentrant=reentrant).pow(2).sum(), [x]
     )
     assert torch.equal(loss0, loss1)
-    assert_same(plain, marked)
+    assert_bitwise_equal(plain, marked)
 
 
 @pytest.mark.parametrize("reentrant", MODES)
@@ -80,7 +80,7 @@ def test_nested_regions_gradients_equal(reentrant):
         h = m.layers[1](torch.relu(m.layers[0](t)))
         return m.layers[3](torch.tanh(m.layers[2](h))).sum()
 
-    assert_same(step_grads(model, plain, [x])[0], step_grads(model, nested, [x])[0])
+    assert_bitwise_equal(step_grads(model, plain, [x])[0], step_grads(model, nested, [x])[0])
 
 
 @pytest.mark.parametrize("reentrant", MODES)
@@ -291,7 +291,7 @@ def test_nested_containers_kwargs_non_tensors_and_partly_used_outputs():
     l1 = loss(lambda fn, *args, **kw: remat.checkpoint(fn, *args, use_reentrant=False, **kw))
     l1.backward()
     assert torch.equal(l0, l1)
-    assert_same(expected, [a.grad, b.grad, bias.grad])
+    assert_bitwise_equal(expected, [a.grad, b.grad, bias.grad])
 
 
 def test_selective_policy_keeps_matmul_outputs_only():
@@ -356,7 +356,7 @@ def test_reentrant_rejects_tensors_in_lists_and_autograd_grad_and_second_backwar
     want = torch.autograd.grad(lin(x).sum(), [x, *lin.parameters()])
     got = torch.autograd.grad(remat.checkpoint(Opaque(), x, use_reentrant=True).sum(),
                               [x, *lin.parameters()])
-    assert_same(list(want), list(got))
+    assert_bitwise_equal(list(want), list(got))
     y = remat.checkpoint(lin, x, use_reentrant=True).sum()
     y.backward()
     with pytest.raises(remat.RecomputeError, match=r"second time.*retain_graph=True"):
@@ -384,7 +384,7 @@ def test_reentrant_works_with_autograd_grad_unlike_torch(wrap):
     params = list(model.parameters())
     expected = torch.autograd.grad(model(x).pow(2).sum(), [x, *params])
     got = torch.autograd.grad(remat.checkpoint(fn, x, use_reentrant=True).pow(2).sum(), [x, *params])
-    assert_same(list(expected), list(got))
+    assert_bitwise_equal(list(expected), list(got))
     assert all(p.grad is None for p in params)  # nothing accumulated behind the caller's back
     with pytest.raises(RuntimeError, match=r"torch.autograd.grad|\.grad\(\)"):
         torch.autograd.grad(tuc.checkpoint(fn, x, use_reentrant=True).sum(), x)
@@ -408,7 +408,7 @@ def test_checkpoint_sequential_matches_torch(reentrant):
     x = torch.randn(3, 8, requires_grad=True)
     ours = step_grads(model, lambda m, t: remat.checkpoint_sequential(m, 3, t, use_reentrant=reentrant).sum(), [x])
     theirs = step_grads(model, lambda m, t: tuc.checkpoint_sequential(m, 3, t, use_reentrant=reentrant).sum(), [x])
-    assert_same(ours[0], theirs[0])
+    assert_bitwise_equal(ours[0], theirs[0])
     kept = remat.memory.saved_bytes(
         lambda: remat.checkpoint_sequential(model, 3, x, use_reentrant=False).sum()
     )
@@ -484,7 +484,7 @@ def test_swapping_the_import_trains_identically_to_torch(reentrant):
             opt.step()
         return [p.detach().clone() for p in blocks.parameters()]
 
-    assert_same(train(tuc.checkpoint), train(remat.checkpoint))
+    assert_bitwise_equal(train(tuc.checkpoint), train(remat.checkpoint))
 
 
 @pytest.mark.parametrize("keyword", ["use_reentrant", "preserve_rng_state", "debug", "early_stop"])

@@ -11,7 +11,7 @@ def _write_records(path, labels, images):
     with open(path, "wb") as file:
         file.writelines(
             bytes([label]) + image.contiguous().numpy().tobytes()
-            for label, image in zip(labels, images)
+            for label, image in zip(labels, images, strict=True)
         )
 
 

@@ -9,20 +9,12 @@ reentrant region fired each parameter's gradient hook twice and DDP refused it
 
 from __future__ import annotations
 
-import datetime
-import io
-import os
-import queue
-import socket
-import time
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import remat
+from tests._harness import assert_bitwise_equal, assert_every_rank_succeeded, spawn_two_ranks
 
 STEPS = 3
 DEADLINE_S = 120  # the whole test; each collective times out after 60 s
@@ -84,65 +76,25 @@ def _train(model: torch.nn.Module, forward: torch.nn.Module) -> tuple[list, list
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, port: int, results: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=60))
-        for name, kwargs in VARIANTS.items():
-            torch.manual_seed(0)
-            model = Net()
-            ddp = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
-            buffer = io.BytesIO()  # plain bytes: shared-memory tensors die with this process
-            torch.save(_train(model, ddp), buffer)
-            results.put((rank, name, buffer.getvalue(), None))
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001  report it, so the test fails at once instead of waiting out the deadline
-        results.put((rank, None, None, traceback.format_exc()))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_two_ranks() -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, results), daemon=True) for rank in range(2)]
-    for p in procs:
-        p.start()
-    got: dict = {}
-    try:
-        end = time.monotonic() + DEADLINE_S
-        while len(got) < 2 * len(VARIANTS):
-            try:
-                rank, name, result, error = results.get(timeout=max(0.1, end - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"DDP test: no result within {DEADLINE_S} s; got {sorted(got)}")
-            if error is not None:
-                pytest.fail(f"DDP rank {rank} failed:\n{error}")
-            got[(rank, name)] = torch.load(io.BytesIO(result))
-        for p in procs:
-            p.join(timeout=max(1.0, end - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return got
+def ddp_ranks(rank: int) -> dict:
+    """One rank: each variant of DDP trains its own marked ``Net``; ``{variant: (losses, params)}``."""
+    out = {}
+    for name, kwargs in VARIANTS.items():
+        torch.manual_seed(0)
+        model = Net()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+        out[name] = _train(model, ddp)
+    return out
 
 
 def test_ddp_reentrant_marks_train_like_one_process():
     torch.manual_seed(0)
     single = Net(marked=False)
     want_losses, want_params = _train(single, single)
-    got = _run_two_ranks()
-    for (rank, name), (losses, params) in sorted(got.items()):
-        assert all(torch.equal(a, b) for a, b in zip(losses, want_losses)), (rank, name)
-        assert len(params) == len(want_params)
-        for i, (a, b) in enumerate(zip(params, want_params)):
-            assert torch.equal(a, b), f"rank {rank}, {name}: parameter {i} differs by {(a - b).abs().max()}"
+    out, codes = spawn_two_ranks(ddp_ranks, deadline=DEADLINE_S, pg_timeout=60)
+    assert_every_rank_succeeded(out, codes)
+    for variants in out.values():
+        assert list(variants) == list(VARIANTS)
+        for losses, params in variants.values():
+            assert_bitwise_equal(losses, want_losses)
+            assert_bitwise_equal(params, want_params)

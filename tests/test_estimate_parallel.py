@@ -9,14 +9,8 @@ deadline: the parent joins with a timeout, kills what is left and fails.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import gc
-import io
-import os
-import queue as queue_module
-import traceback
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,72 +20,13 @@ from torch import nn
 
 import remat
 from remat.memory._tracker import local_nbytes
-from tests.test_parallel import _free_port, _pack
+from tests._harness import WORLD, assert_every_rank_succeeded, spawn_two_ranks
 
 PG_TIMEOUT_S = 30
 DEADLINE_S = 120
-WORLD = 2
 D, ROWS, BLOCKS = 64, 512, 4
 TP_HIDDEN, FSDP_HIDDEN = 256, 255  # 255: FSDP2 shards the MLP unevenly, ranks differ
 STEPS = 3
-
-
-# --- the harness (tests/test_parallel.py's, with an inbox each rank reads) ----------------
-
-
-def _entry(rank: int, port: int, body: str, inbox: mp.Queue, queue: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    try:
-        result = globals()[body](rank, inbox)
-    except BaseException:
-        queue.put((rank, _pack({"error": traceback.format_exc()})))
-        raise
-    else:
-        queue.put((rank, _pack(result)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(body: str, feed: Callable[[], object], deadline: float = DEADLINE_S) -> tuple[dict, list]:
-    """Run ``body(rank, inbox)`` on 2 gloo ranks, and ``feed()`` here meanwhile, whose value
-    each rank's ``inbox`` then gets; return ``({rank: result}, exit codes)``."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    inboxes = [ctx.Queue() for _ in range(WORLD)]
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, body, inboxes[r], queue), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: dict = {}
-    start = datetime.datetime.now()
-    try:
-        fed = feed()  # while the ranks start (an error here kills them)
-        for inbox in inboxes:
-            inbox.put(fed)
-        while len(results) < WORLD:
-            left = deadline - (datetime.datetime.now() - start).total_seconds()
-            if left <= 0:
-                break
-            try:
-                rank, value = queue.get(timeout=min(left, 1.0))
-                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-            except queue_module.Empty:
-                if all(not p.is_alive() for p in procs) and queue.empty():
-                    break
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - (datetime.datetime.now() - start).total_seconds()))
-    finally:
-        overrun = [p for p in procs if p.is_alive()]
-        for p in overrun:
-            p.kill()
-            p.join()
-    if overrun:
-        pytest.fail(f"distributed test overran its {deadline}s deadline; killed {len(overrun)} rank(s)")
-    return results, [p.exitcode for p in procs]
 
 
 # --- the model, its parallelisms, its step ----------------------------------------------
@@ -263,11 +198,8 @@ def group() -> dict:
                                      loss_fn=loss_of, world_size=WORLD, parallelize=parallelize)
         return {name: p.to_json() for name, p in plans.items()}
 
-    out, codes = _spawn("real_group", make_plans)
-    for rank in range(WORLD):
-        assert rank in out, f"rank {rank} returned nothing (exit codes {codes})"
-        assert "error" not in out[rank], out[rank]["error"]
-    assert codes == [0] * WORLD
+    out, codes = spawn_two_ranks(real_group, deadline=DEADLINE_S, pg_timeout=PG_TIMEOUT_S, feed=make_plans)
+    assert_every_rank_succeeded(out, codes)
     return {"real": out, "plans": plans}
 
 
@@ -347,7 +279,7 @@ def test_llama_tensor_parallel_is_the_same_model_and_its_estimate_the_real_rank(
 
     for rank in range(WORLD):
         llama = real[rank]["llama"]
-        for one, parallel in zip(*llama["grads"]):  # row-wise layers sum in another order
+        for one, parallel in zip(*llama["grads"], strict=True):  # row-wise layers sum in another order
             torch.testing.assert_close(parallel, one, rtol=1e-4, atol=1e-5)
         report = remat.estimate(LlamaConfig(**LLAMA), torch.zeros(TOKENS, dtype=torch.long),
                                 loss_fn=next_token_loss, marks="blocks",

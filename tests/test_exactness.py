@@ -50,7 +50,7 @@ def assert_exact(model: nn.Module, mark: Callable[[nn.Module], None], x: torch.T
         b = _run(marked, forward, x, seed + step, backwards)
         for key in a:
             assert len(a[key]) == len(b[key]), key
-            for i, (u, v) in enumerate(zip(a[key], b[key])):
+            for i, (u, v) in enumerate(zip(a[key], b[key], strict=True)):
                 assert (u is None) == (v is None), (key, i)
                 if u is not None:
                     assert torch.equal(u, v), f"step {step}: {key} #{i} differs by {(u - v).abs().max()}"
@@ -331,7 +331,7 @@ def test_kept_output_changed_in_place_is_rebuilt():
     for model in (plain, marked):
         model(_x(4, W)).square().sum().backward()
         grads.append([p.grad for p in model.parameters()])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
 
 
@@ -359,7 +359,7 @@ def test_hook_popped_after_a_step():
     out = model(_x(4, W))
     assert _outputs.hook_active()
     out.sum().backward()
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     assert not _outputs.hook_active()
 
 

@@ -111,7 +111,7 @@ def test_cases_are_reproducible_from_their_seed():
     a, b = fm.make_case(123), fm.make_case(123)
     assert a.show() == b.show()
     ma, mb = fm.build(a.desc), fm.build(b.desc)
-    assert all(torch.equal(p, q) for p, q in zip(ma.state_dict().values(), mb.state_dict().values()))
+    assert all(torch.equal(p, q) for p, q in zip(ma.state_dict().values(), mb.state_dict().values(), strict=True))
     assert fm.run_case(a).verdict == fm.run_case(b).verdict
     assert len({fm.make_case(s).show() for s in range(20)}) == 20
 

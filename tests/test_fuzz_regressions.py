@@ -62,7 +62,7 @@ def _grads(model: nn.Module, run) -> list | None:
 
 
 def _same(a: list, b: list | None) -> bool:
-    return b is None or (len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)))
+    return b is None or (len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True)))
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
@@ -130,4 +130,4 @@ def test_torch_selective_contexts_run_by_remats_policy_engine(mutate):
         return first + [p.grad for p in model.parameters()] + [x.grad]
 
     want, got = run(False), run(True)
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

@@ -59,7 +59,7 @@ def _losses(outs: tuple, kinds: str) -> torch.Tensor:
     """A scalar from several outputs: ``s`` mean square, ``w`` weighted sum,
     ``l`` weighted log-softmax, ``t`` sum of ``o * tanh(o)``."""
     total = 0.0
-    for i, (o, kind) in enumerate(zip(outs, kinds)):
+    for i, (o, kind) in enumerate(zip(outs, kinds, strict=True)):
         w = torch.linspace(-1.0, 1.0, o.shape[-1]) * (i + 1)
         if kind == "s":
             total = total + o.pow(2).mean()
@@ -96,7 +96,7 @@ def _train(model: nn.Module, inputs: list, loss: Callable, steps: int = 2) -> li
 def _assert_bitwise(plain: list, marked: list) -> None:
     assert [n for n, _ in plain] == [n for n, _ in marked]
     bad = []
-    for (name, a), (_, b) in zip(plain, marked):
+    for (name, a), (_, b) in zip(plain, marked, strict=True):
         if (a is None) != (b is None):
             bad.append(f"{name}: None in {'plain' if a is None else 'marked'} only")
         elif a is not None and not torch.equal(a, b):
@@ -627,4 +627,4 @@ def test_marked_block_in_reentrant_checkpoint_gets_grads(mark, form):
     head(remat.checkpoint(_call_form(blk, form), x, use_reentrant=True)).sum().backward()
     got = [p.grad for p in [*blk.parameters(), *head.parameters()]]
     assert all(g is not None for g in got)
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

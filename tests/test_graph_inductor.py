@@ -34,7 +34,7 @@ def test_seed_mlp_with_inductor_copies_only_the_relu_and_matches_eager():
     model.zero_grad(set_to_none=True)
     compiled = remat.compile(model, backend="inductor")
     compiled(x).sum().backward()
-    for p, g in zip(model.parameters(), eager):
+    for p, g in zip(model.parameters(), eager, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
     (report,) = compiled.remat_reports
     assert [(op, path) for _, op, path in report.duplicated] == [("aten::relu", "3 (ReLU)")]

@@ -14,7 +14,7 @@ import remat
 from remat._engine.trace_marks import decode_spec, encode_spec, run_marked
 from remat._graph._cse import eliminate_common_subexpressions
 from remat._graph._regions import clean_path
-from remat._spec import RegionSpec
+from remat._vocab.spec import RegionSpec
 
 torch.set_num_threads(1)
 
@@ -37,7 +37,7 @@ def check_grads(step, compiled, params, x) -> None:
     for p in params:
         p.grad = None
     step(x).backward()
-    for p, g in zip(params, got):
+    for p, g in zip(params, got, strict=True):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
 
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import remat
 from remat._engine import outputs as _outputs
 from remat._engine import state as _state
-from tests import helpers
-from tests.helpers import assert_same, step_grads
+from tests import _harness
+from tests._harness import assert_bitwise_equal, step_grads
 
 B, W = 8, 32
 ACT = B * W * 4  # bytes of one (B, W) float32 activation
@@ -52,7 +52,7 @@ class Bottleneck(remat.nn.Cell):
         return torch.relu(self.bn2(self.conv2(y)) + x)
 
 
-class TransformerBlock(helpers.TransformerBlock, remat.nn.Cell):
+class TransformerBlock(_harness.TransformerBlock, remat.nn.Cell):
     def __init__(self) -> None:
         super().__init__(d=W, heads=4)
 
@@ -130,7 +130,7 @@ def test_marked_model_gradients_equal_unmarked(case, options):
     g1, l1 = step_grads(marked, loss, [x])
     reruns = _state.recompute_count() - before
     assert torch.equal(l0, l1)
-    assert_same(g0, g1)
+    assert_bitwise_equal(g0, g1)
     # output_recompute: each block runs once to hand its output on (NOTE [Output pass]) and
     # once to rebuild its own saved tensors (none of these blocks saves only its output)
     per_block = 2 if options.get("output_recompute") else 1
@@ -144,7 +144,7 @@ def _check_buffers_after_step(plain, marked, x):
     for model in (plain, marked):
         torch.manual_seed(1)
         model(x.detach()).sum().backward()
-    for (name, a), (_, b) in zip(plain.named_buffers(), marked.named_buffers()):
+    for (name, a), (_, b) in zip(plain.named_buffers(), marked.named_buffers(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -154,7 +154,7 @@ def test_functional_recompute_gradients_equal(reentrant):
     x = torch.randn(B, W, requires_grad=True)
     g0, _ = step_grads(block, lambda m, t: m(t).sum(), [x])
     g1, _ = step_grads(block, lambda m, t: remat.recompute(m, t, use_reentrant=reentrant).sum(), [x])
-    assert_same(g0, g1)
+    assert_bitwise_equal(g0, g1)
 
 
 def test_functional_output_recompute_chain_merges():

@@ -247,7 +247,7 @@ def test_layers_take_recompute_marks_and_keep_gradients():
     g_bare = ops.grad(bare, 0, tuple(bare.parameters()))(x)
     g_marked = ops.grad(marked, 0, tuple(marked.parameters()))(x)
     assert torch.equal(g_bare[0], g_marked[0])
-    assert all(torch.equal(a, b) for a, b in zip(g_bare[1], g_marked[1]))
+    assert all(torch.equal(a, b) for a, b in zip(g_bare[1], g_marked[1], strict=True))
     assert torch.equal(bare[1].running_mean, marked[1].running_mean)  # updated once, not again in recompute
     assert marked[1].num_batches_tracked.item() == bare[1].num_batches_tracked.item() == 1
 

@@ -166,7 +166,7 @@ def test_nested_checkpoint_non_tensor_inputs_and_outputs(early_stop):
 
     out, _unused1, _unused2 = fn(k, a, b, f)
     expected_grads = torch.autograd.grad(out, (a, b))
-    for actual, expected in zip(actual_grads, expected_grads):
+    for actual, expected in zip(actual_grads, expected_grads, strict=True):
         assert torch.allclose(actual, expected)
 
 
@@ -187,7 +187,7 @@ def test_nested_checkpoint_kwargs(early_stop):
 
         out = fn(a, blah=b)
         expected_grads = torch.autograd.grad(out, (a, b))
-        for actual, expected in zip(actual_grads, expected_grads):
+        for actual, expected in zip(actual_grads, expected_grads, strict=True):
             assert torch.allclose(actual, expected)
 
 
@@ -544,7 +544,7 @@ def test_region_over_marked_module(form, outer, mark, model):
     expected = _train(plain, None, False)
     actual = _train(marked, _outer(form, reentrant, early_stop), early_stop_global)
     assert [k for k, _ in actual] == [k for k, _ in expected]
-    for (what, a), (_, e) in zip(actual, expected):
+    for (what, a), (_, e) in zip(actual, expected, strict=True):
         assert (a is None) == (e is None), what
         if a is not None:
             assert torch.equal(a, e), f"{what} differs"
@@ -565,7 +565,7 @@ def test_backward_inside_outer_region_over_marked_module(mark, model):
     expected = _train(plain, _with_grad_inside, False)
     outer = functools.partial(remat.checkpoint, _with_grad_inside, use_reentrant=False)
     actual = _train(marked, outer, True)
-    for (what, a), (_, e) in zip(actual, expected):
+    for (what, a), (_, e) in zip(actual, expected, strict=True):
         assert (a is None) == (e is None), what
         if a is not None:
             assert torch.equal(a, e), f"{what} differs"

@@ -107,7 +107,7 @@ def test_marked_primitive_runs_again_in_backward_and_gives_equal_gradients():
     bare, marked = _mlp(CountingTanh()), _mlp(CountingTanh())
     marked[1].recompute()
     expected, got = _grads(bare, x), _grads(marked, x)
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     assert (bare[1].runs, marked[1].runs) == (1, 2)  # forward once; forward + one rebuild
 
 
@@ -116,7 +116,7 @@ def test_every_unary_primitive_gives_equal_gradients_when_marked(make):
     x = torch.randn(5, 6)
     bare, marked = _mlp(make()), _mlp(make())
     marked[1].recompute()
-    assert all(torch.equal(a, b) for a, b in zip(_grads(bare, x), _grads(marked, x)))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(bare, x), _grads(marked, x), strict=True))
 
 
 class Attention(torch.nn.Module):
@@ -144,7 +144,7 @@ def test_binary_primitives_give_equal_gradients_when_marked():
     for m in marked.modules():
         if isinstance(m, ops.Primitive):
             m.recompute()
-    assert all(torch.equal(a, b) for a, b in zip(_grads(bare, x), _grads(marked, x)))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(bare, x), _grads(marked, x), strict=True))
 
 
 # --- memory: what a mark stops keeping ------------------------------------------------------
@@ -232,7 +232,7 @@ def test_marked_sigmoid_and_mul_keep_only_their_inputs():
     mul.recompute()
     assert remat.memory.saved_bytes(step) == 2 * B * H * F32
     got = torch.autograd.grad(step(), list(a.parameters()) + list(b.parameters()))
-    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
 
 
 class ReusedRelu(torch.nn.Module):
@@ -253,5 +253,5 @@ def test_a_primitive_called_twice_is_two_regions():
     marked = copy.deepcopy(bare)
     marked.relu.recompute()
     x = torch.randn(4, 6)
-    assert all(torch.equal(a, b) for a, b in zip(_grads(bare, x), _grads(marked, x)))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(bare, x), _grads(marked, x), strict=True))
     assert (bare.relu.runs, marked.relu.runs) == (2, 4)  # each call rebuilt once

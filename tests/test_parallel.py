@@ -11,93 +11,19 @@ from __future__ import annotations
 
 import datetime
 import gc
-import io
 import os
-import queue as queue_module
-import socket
-import traceback
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import remat
+from tests._harness import WORLD, assert_every_rank_succeeded, spawn_two_ranks
 
 PG_TIMEOUT_S = 30
 DEADLINE_S = 150
-WORLD = 2
-
-
-# --- the harness ----------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, port: int, body: str, queue: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    try:
-        result = globals()[body](rank)
-    except BaseException:
-        queue.put((rank, _pack({"error": traceback.format_exc()})))
-        raise
-    else:
-        queue.put((rank, _pack(result)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _pack(value: object) -> bytes:
-    """Results as bytes: tensors pickled through a queue need their sender alive."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _unpack(data: bytes) -> object:
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def _spawn(body: str, deadline: float = DEADLINE_S) -> tuple[dict, list[int | None]]:
-    """Run ``body(rank)`` on 2 gloo ranks; return ``({rank: result}, exit codes)``."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, body, queue), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: dict = {}
-    start = datetime.datetime.now()
-    try:
-        while len(results) < WORLD:
-            left = deadline - (datetime.datetime.now() - start).total_seconds()
-            if left <= 0:
-                break
-            try:
-                rank, value = queue.get(timeout=min(left, 1.0))
-                results[rank] = _unpack(value)
-            except queue_module.Empty:
-                if all(not p.is_alive() for p in procs) and queue.empty():
-                    break
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - (datetime.datetime.now() - start).total_seconds()))
-    finally:
-        overrun = [p for p in procs if p.is_alive()]
-        for p in overrun:
-            p.kill()
-            p.join()
-    if overrun:
-        pytest.fail(f"distributed test overran its {deadline}s deadline; killed {len(overrun)} rank(s)")
-    return results, [p.exitcode for p in procs]
 
 
 # --- models ----------------------------------------------------------------------------
@@ -592,11 +518,8 @@ def failing_group(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    out, codes = _spawn("main_group")
-    for rank in range(WORLD):
-        assert rank in out, f"rank {rank} returned nothing (exit codes {codes})"
-        assert "error" not in out[rank], out[rank]["error"]
-    assert codes == [0] * WORLD
+    out, codes = spawn_two_ranks(main_group, deadline=DEADLINE_S, pg_timeout=PG_TIMEOUT_S)
+    assert_every_rank_succeeded(out, codes)
     return out
 
 
@@ -625,7 +548,7 @@ def test_mp_comm_recompute_true_issues_the_forward_collectives_again(results):
         fwd = _forward(tp["unmarked"][0], "all_reduce")
         plain = _backward(tp["unmarked"][0], "all_reduce")
         for name in ("mp=True", "mp=True reentrant"):  # every block re-runs once
-            assert _backward(tp[name][0], "all_reduce") == [p + f for p, f in zip(plain, fwd)] == [4, 4]
+            assert _backward(tp[name][0], "all_reduce") == [p + f for p, f in zip(plain, fwd, strict=True)] == [4, 4]
         # output_recompute re-runs each block twice (output pass and rebuild): twice the issues
         assert _backward(tp["mp=True output_recompute"][0], "all_reduce") == [6, 6]
 
@@ -643,7 +566,7 @@ def test_kept_collectives_serve_every_backward_pass_of_a_retained_graph(results)
         plain, kept = tp["retain unmarked"], tp["retain mp=False"]
         assert plain[0] == kept[0] == {"all_reduce": 2}
         assert plain[1] == kept[1] == {"all_reduce": 4}
-        assert all(torch.equal(a, b) for a, b in zip(kept[2], plain[2]))
+        assert all(torch.equal(a, b) for a, b in zip(kept[2], plain[2], strict=True))
 
 
 def test_no_collective_is_left_unwaited_when_a_region_ends_in_an_all_reduce(results):
@@ -655,7 +578,7 @@ def test_no_collective_is_left_unwaited_when_a_region_ends_in_an_all_reduce(resu
         assert _backward(unwaited["mp=True reentrant"][1], "all_reduce") == [4]  # re-issued
         for name, (left, _, grads) in unwaited.items():
             assert left == 0, (rank, name)
-            assert all(torch.equal(a, b) for a, b in zip(grads, plain[2])), name
+            assert all(torch.equal(a, b) for a, b in zip(grads, plain[2], strict=True)), name
 
 
 def test_tensor_parallel_gradients_equal_unmarked_and_single_process(results):
@@ -663,9 +586,9 @@ def test_tensor_parallel_gradients_equal_unmarked_and_single_process(results):
         tp = results[rank]["tp"]
         plain = tp["unmarked"][1]
         for name in TP_MARKS:
-            assert all(torch.equal(a, b) for a, b in zip(tp[name][1], plain)), name
+            assert all(torch.equal(a, b) for a, b in zip(tp[name][1], plain, strict=True)), name
         # tensor parallelism sums partial products in another order than one process
-        for a, b in zip(plain, tp["reference"]):
+        for a, b in zip(plain, tp["reference"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
 
 
@@ -693,7 +616,7 @@ def test_fsdp_gradients_equal_a_single_process(results):
     for rank in range(WORLD):
         fsdp = results[rank]["fsdp"]
         for name in FSDP_MARKS:
-            assert all(torch.equal(a, b) for a, b in zip(fsdp[name][1], fsdp["reference"])), name
+            assert all(torch.equal(a, b) for a, b in zip(fsdp[name][1], fsdp["reference"], strict=True)), name
 
 
 def test_a_mark_on_part_of_an_fsdp_unit_warns(results):
@@ -708,7 +631,7 @@ def test_ddp_non_reentrant_marks_give_single_process_gradients(results):
         for name in ("reentrant=False find_unused_parameters", "reentrant=False static_graph"):
             assert not isinstance(ddp[name], str), ddp[name]
             _, grads = ddp[name]
-            assert all(torch.equal(a, b) for a, b in zip(grads, ddp["reference"])), name
+            assert all(torch.equal(a, b) for a, b in zip(grads, ddp["reference"], strict=True)), name
 
 
 def test_ddp_reentrant_marks(results):
@@ -716,7 +639,7 @@ def test_ddp_reentrant_marks(results):
         ddp = results[rank]["ddp"]
         for name in ("reentrant=True find_unused_parameters", "reentrant=True static_graph"):
             assert not isinstance(ddp[name], str), ddp[name]
-            assert all(torch.equal(a, b) for a, b in zip(ddp[name][1], ddp["reference"])), name
+            assert all(torch.equal(a, b) for a, b in zip(ddp[name][1], ddp["reference"], strict=True)), name
 
 
 def test_tracked_peak_per_rank_agrees_with_the_allocator(results):
@@ -762,7 +685,7 @@ def test_graph_pass_keeps_collectives_out_of_backward(results):
         assert _forward(graph[False][0], "all_reduce") == [2, 2]
         assert _backward(graph[False][0], "all_reduce") == plain
         assert _backward(graph[True][0], "all_reduce") == [p + 2 for p in plain]
-        assert all(torch.equal(a, b) for a, b in zip(graph[False][1], graph[None][1]))
+        assert all(torch.equal(a, b) for a, b in zip(graph[False][1], graph[None][1], strict=True))
 
 
 def test_a_kept_result_written_in_place_is_issued_again(results):
@@ -770,7 +693,7 @@ def test_a_kept_result_written_in_place_is_issued_again(results):
         plain, marked = results[rank]["in_place"][True], results[rank]["in_place"][False]
         assert _backward(plain[0], "all_reduce") == [0]
         assert _backward(marked[0], "all_reduce") == [1]
-        assert all(torch.equal(a, b) for a, b in zip(marked[1], plain[1]))
+        assert all(torch.equal(a, b) for a, b in zip(marked[1], plain[1], strict=True))
 
 
 def test_kept_coalesced_collectives_are_handed_to_the_recomputation(results):
@@ -785,7 +708,7 @@ def test_kept_coalesced_collectives_are_handed_to_the_recomputation(results):
                 assert _backward(runs[kept][0], op) == [0, 0], (kept, op)
             assert _backward(runs["{'mp_comm_recompute': True}"][0], op) == [2, 2], op
         for marks, (_, grads) in runs.items():
-            assert all(torch.equal(a, b) for a, b in zip(grads, plain[1])), marks
+            assert all(torch.equal(a, b) for a, b in zip(grads, plain[1], strict=True)), marks
 
 
 def test_random_parallel_models_under_random_marks_train_bitwise_like_unmarked(results):
@@ -797,13 +720,13 @@ def test_random_parallel_models_under_random_marks_train_bitwise_like_unmarked(r
         assert not bad, bad[:3]
         for c in cases:
             case = c["case"]
-            collective = [m for k, m in zip(case["kinds"], case["marks"])
+            collective = [m for k, m in zip(case["kinds"], case["marks"], strict=True)
                           if m is not None and k != "plain"]
             plain_backward = [b for _, b in c["plain"]]
             marked_backward = [b for _, b in c["marked"]]
             if case["parallel"] == "tp" and all(m.get("mp_comm_recompute") is False for m in collective):
                 assert marked_backward == plain_backward, case  # kept: none issued again
-            reissuing = [m for k, m in zip(case["kinds"], case["marks"])
+            reissuing = [m for k, m in zip(case["kinds"], case["marks"], strict=True)
                          if k == "scaled" and m is not None and m.get("mp_comm_recompute", True)]
             if case["parallel"] == "tp" and reissuing:
                 # a "scaled" block's all-reduces feed tensors its backward needs: its re-run
@@ -841,7 +764,7 @@ def test_count_collectives_sees_none_in_a_plain_step():
 
 def test_a_rank_failing_in_recomputation_fails_every_rank_within_the_timeout():
     start = datetime.datetime.now()
-    out, codes = _spawn("failing_group", deadline=PG_TIMEOUT_S + 30)
+    out, codes = spawn_two_ranks(failing_group, deadline=PG_TIMEOUT_S + 30, pg_timeout=PG_TIMEOUT_S)
     assert all(code not in (0, None) for code in codes), codes
     assert "fails in its recomputation" in out[1]["error"]
     assert "error" in out[0]  # rank 0 is told, it does not hang

@@ -31,7 +31,7 @@ def grads_of(fn, *inputs):
 
 
 def same(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 # --- every public name --------------------------------------------------------------
@@ -528,7 +528,7 @@ def test_checkpoint_function_apply_matches_torch():
 
 def test_helpers_behave_like_torchs():
     x = torch.ones(2, requires_grad=True) * 3
-    for ours, theirs in zip(remat.detach_variable((x, 4)), tuc.detach_variable((x, 4))):
+    for ours, theirs in zip(remat.detach_variable((x, 4)), tuc.detach_variable((x, 4)), strict=True):
         if isinstance(ours, torch.Tensor):
             assert torch.equal(ours, theirs) and ours.requires_grad == theirs.requires_grad
             assert ours.grad_fn is None and ours is not x

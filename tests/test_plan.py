@@ -211,7 +211,7 @@ def test_remat_compile_honours_every_option_of_a_plan():
     plan = remat.plan(tiny_gpt(), tokens(), budget=0.9, repeat=1)
     forced = ("output", "output", "selective", "recompute")
     plan = dataclasses.replace(plan, decisions=tuple(
-        dataclasses.replace(d, choice=c) for d, c in zip(plan.decisions, forced)))
+        dataclasses.replace(d, choice=c) for d, c in zip(plan.decisions, forced, strict=True)))
     x = tokens()
     expected = grads(tiny_gpt(), x)
     marked = tiny_gpt()
@@ -336,7 +336,7 @@ def with_choices(plan: remat.Plan, choices: list[str]) -> remat.Plan:
     import dataclasses
 
     return dataclasses.replace(plan, decisions=tuple(
-        dataclasses.replace(d, choice=c) for d, c in zip(plan.decisions, choices)))
+        dataclasses.replace(d, choice=c) for d, c in zip(plan.decisions, choices, strict=True)))
 
 
 def test_options_inside_blocks_train_bitwise_equal_dropout_included():

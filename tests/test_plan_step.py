@@ -78,7 +78,7 @@ def accumulating_step(example: Example) -> Callable:
     """``step(model, batch)``: two micro-batches, gradients accumulated."""
     def step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
         x, y = batch
-        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
             out = model(xs)
             loss = example.loss(out, ys) / 2
             loss.backward()

@@ -38,7 +38,7 @@ def test_kept_bytes_add_up(reports):
 
 def test_total_kept_equals_saved_bytes(reports):
     # remat.memory.saved_bytes is an independent count of what a forward leaves for backward.
-    for report, marked in zip(reports, (False, True)):
+    for report, marked in zip(reports, (False, True), strict=True):
         model = _llama(marked)
         saved = remat.memory.saved_bytes(lambda m=model: next_token_loss(m(TOKENS)))
         # the profile also counts the random state each marked block keeps to replay

@@ -10,7 +10,7 @@ from torch import nn
 
 import remat
 from tests import fuzz_models as fm
-from tests.helpers import assert_same
+from tests._harness import assert_bitwise_equal
 
 
 def _mlp() -> nn.Module:
@@ -44,7 +44,7 @@ def test_gradient_penalty_is_differentiable_and_exact(how):
         return _grads(model, x)
 
     plain = copy.deepcopy(model)
-    assert_same(penalty(plain, plain), penalty(_marks(model)[how], model))
+    assert_bitwise_equal(penalty(plain, plain), penalty(_marks(model)[how], model))
 
 
 def test_gradient_penalty_through_shared_weights_is_exact():
@@ -62,7 +62,7 @@ def test_gradient_penalty_through_shared_weights_is_exact():
         lin.zero_grad(set_to_none=True)
         return grads
 
-    assert_same(run(False), run(True))
+    assert_bitwise_equal(run(False), run(True))
 
 
 @pytest.mark.parametrize("loss", ["penalty_plus_loss", "penalty_of_a_square"])
@@ -85,7 +85,7 @@ def test_gradient_penalty_through_the_output_differs_at_most_in_the_last_bits(lo
         return _grads(model, x)
 
     plain = copy.deepcopy(model)
-    for want, got in zip(run(plain, plain), run(_marks(model)["recompute"], model)):
+    for want, got in zip(run(plain, plain), run(_marks(model)["recompute"], model), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -108,7 +108,7 @@ def test_closure_reading_the_argument_sends_both_contributions(call):
             p.grad = None
         return grads
 
-    assert_same(run(False), run(True))
+    assert_bitwise_equal(run(False), run(True))
 
 
 @pytest.mark.parametrize("call", ["backward", "grad"])
@@ -131,7 +131,7 @@ def test_closure_tensor_computed_from_the_regions_parameters(call):
             p.grad = None
         return grads
 
-    assert_same(run(False), run(True))
+    assert_bitwise_equal(run(False), run(True))
 
 
 # -- 8: an in-place operator on an output that is a view --------------------------------------
@@ -148,7 +148,7 @@ def test_in_place_on_a_view_output(how):
         return _grads(model, x)
 
     plain = copy.deepcopy(model)
-    assert_same(run(plain, plain), run(_marks(model)[how], model))
+    assert_bitwise_equal(run(plain, plain), run(_marks(model)[how], model))
 
 
 # -- 9: a region that writes its own argument in place ----------------------------------------
@@ -180,7 +180,7 @@ def test_region_writing_its_argument_backward_twice(requires_grad, how):
         return first + _grads(model, *([x] if requires_grad else []))
 
     plain = copy.deepcopy(model)
-    assert_same(run(plain, plain), run(_marks(model)[how], model))
+    assert_bitwise_equal(run(plain, plain), run(_marks(model)[how], model))
 
 
 def test_region_reading_its_argument_before_writing_it_is_refused():
@@ -216,7 +216,7 @@ def test_each_parameter_gradient_arrives_once(how):
         p.grad = None
     y = x.detach().clone().requires_grad_()
     plain(y).sum().backward()
-    assert_same(_grads(plain, y), grads)
+    assert_bitwise_equal(_grads(plain, y), grads)
 
 
 def test_backward_with_inputs_gets_only_those():
@@ -263,9 +263,9 @@ def test_gradients_bitwise_unless_read_twice_inside_and_also_outside(outside):
     h = torch.sin(x)
     (plain(h).sum() + (h.pow(2).sum() if outside else 0)).backward()
     want = _grads(plain, x)
-    assert_same(want, run(False))
+    assert_bitwise_equal(want, run(False))
     got = run(True)
-    assert_same(want[:-1], got[:-1])  # the parameters: bitwise
+    assert_bitwise_equal(want[:-1], got[:-1])  # the parameters: bitwise
     if outside:
         torch.testing.assert_close(got[-1], want[-1], rtol=1e-6, atol=1e-7)
     else:
@@ -344,7 +344,7 @@ def test_parameter_gradient_hooks_run_once(how, call):
         forward = _marks(model)[how]
     got, got_calls = run(model, forward)
     assert got_calls == want_calls
-    assert_same(want, got)
+    assert_bitwise_equal(want, got)
 
 
 def test_parametrized_module_in_a_reentrant_region():
@@ -370,7 +370,7 @@ def test_parametrized_module_in_a_reentrant_region():
     want = run(plain, plain)
     got = run(model, lambda x: remat.checkpoint(model, x, use_reentrant=True))
     assert got[1] == want[1]
-    assert_same(want[0], got[0])
+    assert_bitwise_equal(want[0], got[0])
     assert isinstance(model[0].parametrizations.weight.original, nn.Parameter)  # restored
 
 
@@ -410,7 +410,7 @@ def test_region_writing_an_argument_that_is_a_view(how, readers):
         return _grads(model, x)
 
     plain = copy.deepcopy(model)
-    assert_same(run(plain, plain), run(_marks(model)[how], model))
+    assert_bitwise_equal(run(plain, plain), run(_marks(model)[how], model))
 
 
 @pytest.mark.parametrize("view", [False, True])
@@ -433,7 +433,7 @@ def test_gradient_penalty_through_a_region_writing_its_argument(how, view):
             return _grads(model, x)
 
         plain = copy.deepcopy(model)
-        assert_same(run(plain, plain), run(_marks(model)[how], model))
+        assert_bitwise_equal(run(plain, plain), run(_marks(model)[how], model))
 
 
 def test_region_writing_an_argument_that_shares_memory_with_another_is_refused():
@@ -503,7 +503,7 @@ def test_tensor_held_as_a_module_attribute(call, calls):
             run(marked)
         marked.b.memo = None  # the module held a graph through the region: let it go
         return
-    assert_same(want, run(marked))
+    assert_bitwise_equal(want, run(marked))
 
 
 class _Gated(nn.Module):
@@ -535,4 +535,4 @@ def test_closure_tensor_from_shared_weights_handed_to_a_nested_reentrant_region(
         out.pow(2).sum().backward()
         return [x.grad, *[p.grad for p in net.parameters()]]
 
-    assert_same(run(plain, False), run(marked, True))
+    assert_bitwise_equal(run(plain, False), run(marked, True))

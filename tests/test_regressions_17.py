@@ -68,7 +68,7 @@ def test_output_recompute_with_reentrant_inplace_child_frees_finished_steps() ->
             grads.append([xi.grad, *(p.grad for p in model.parameters())])
             refs += [weakref.ref(xi), weakref.ref(y)]
             del xi, y
-        for a, b in zip(*grads):
+        for a, b in zip(*grads, strict=True):
             assert torch.equal(a, b), f"step {step}"
         del x, grads
         assert _alive(refs) == 0, f"step {step}: tensors of finished steps are still alive"
@@ -92,7 +92,7 @@ def _step(model: nn.Module, run, x: torch.Tensor) -> list:
 
 def _assert_equal(a: list, b: list) -> None:
     assert len(a) == len(b)
-    for i, (u, v) in enumerate(zip(a, b)):
+    for i, (u, v) in enumerate(zip(a, b, strict=True)):
         assert torch.equal(u, v), f"tensor {i} differs"
 
 

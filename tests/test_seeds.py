@@ -129,7 +129,7 @@ def run(source: str, seed: int = 0) -> tuple[dict, str]:
 def test_swap_changes_only_import_lines():
     for program in (SEED_000_MINDSPORE, SEED_002_MINDSPORE):
         before, after = program.splitlines(), swap_imports(program).splitlines()
-        changed = [(a, b) for a, b in zip(before, after) if a != b]
+        changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
         assert len(before) == len(after) and changed
         assert all(a.split()[0] in ("import", "from") for a, _ in changed)
 
@@ -166,7 +166,7 @@ def test_seed_000_every_parameter_gradient_equals_the_unmarked_model():
     )(scope["x"], scope["label"])[1]
     (gx_m, gw_m), (gx_b, gw_b) = grad_of(marked), grad_of(bare)
     assert torch.equal(gx_m, gx_b) and len(gw_m) == 6
-    assert all(torch.equal(a, b) for a, b in zip(gw_m, gw_b))
+    assert all(torch.equal(a, b) for a, b in zip(gw_m, gw_b, strict=True))
 
 
 def _kept(model, x):

@@ -155,7 +155,7 @@ def test_monotone_over_a_budget_sweep():
     low, high = floor(problem), evaluate(problem, [KEEP] * 6)[0]
     sweep = [high - (high - low) * k / 15 for k in range(16)]
     plans = [solve(problem, b) for b in sweep]
-    assert [p.peak <= b for p, b in zip(plans, sweep)] == [True] * 16
+    assert [p.peak <= b for p, b in zip(plans, sweep, strict=True)] == [True] * 16
     assert all(a.peak >= b.peak and a.time <= b.time for a, b in itertools.pairwise(plans))
     assert plans[0].time == 0 and plans[-1].time > 0
 

@@ -80,7 +80,7 @@ def test_random_state_snapshots_are_counted():
 def test_gradients_equal_with_and_without_checkpoint():
     _, plain = _run_chain(checkpointed=False)
     _, marked = _run_chain(checkpointed=True)
-    for a, b in zip(plain, marked):
+    for a, b in zip(plain, marked, strict=True):
         torch.testing.assert_close(a.grad, b.grad)
 
 

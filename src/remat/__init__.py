@@ -12,7 +12,10 @@ Example:
 """
 
 from remat import memory, nn, ops, parallel, planner
-from remat._checkpoint import (
+from remat._engine.errors import CheckpointError, RecomputeError
+from remat._engine.selective import policy_context
+from remat._engine.state import is_recomputing
+from remat._front.checkpoint import (
     CheckpointFunction,
     DefaultDeviceType,
     GraphExecGroup,
@@ -26,21 +29,18 @@ from remat._checkpoint import (
     set_checkpoint_early_stop,
     set_device_states,
 )
-from remat._engine.selective import policy_context
-from remat._engine.state import is_recomputing
-from remat._errors import CheckpointError, RecomputeError
-from remat._functional import recompute
-from remat._graph import compile
-from remat._hf import gradient_checkpointing_enable
-from remat._marks import apply, mark_of, marked_modules, recompute_module, unmark
-from remat._policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
-from remat._selective import (
+from remat._front.checkpoint_selective import (
     SAC_IGNORED_OPS,
     CheckpointPolicy,
     SelectiveCheckpointContext,
     create_selective_checkpoint_contexts,
 )
-from remat._spec import RegionSpec
+from remat._front.functional import recompute
+from remat._front.hf import gradient_checkpointing_enable
+from remat._front.marks import apply, mark_of, marked_modules, recompute_module, unmark
+from remat._graph import compile
+from remat._vocab.policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
+from remat._vocab.spec import RegionSpec
 from remat.memory.estimate import estimate
 from remat.memory.profile import profile
 from remat.planner import BudgetError, Plan, plan

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from remat._marks import mark_from_keywords, set_mark, unmark_module
+from remat._front.marks import mark_from_keywords, set_mark, unmark_module
 
 __all__ = ["Cell"]
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from remat._marks import mark_of, set_mark, unmark_module
-from remat._spec import RegionSpec
+from remat._front.marks import mark_of, set_mark, unmark_module
+from remat._vocab.spec import RegionSpec
 
 __all__ = [
     "Add",

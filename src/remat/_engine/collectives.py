@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from remat._engine.core import RegionCore
-from remat._errors import RecomputeError
+from remat._engine.errors import RecomputeError
 
 NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 _NOT_COMMUNICATION = frozenset({"wait_tensor", "_wrap_tensor_autograd"})

@@ -16,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from remat._engine import rng as _rng
-from remat._spec import RegionSpec
+from remat._vocab.spec import RegionSpec
 
 
 class RegionCore:

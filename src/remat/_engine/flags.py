@@ -28,8 +28,8 @@ from typing import Any, Self
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from remat._errors import check_bool
-from remat._spec import RegionSpec
+from remat._vocab.errors import check_bool
+from remat._vocab.spec import RegionSpec
 
 _early_stop: bool | None = None
 _debug: bool | None = None

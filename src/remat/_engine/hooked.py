@@ -87,7 +87,7 @@ from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import OpTrace, storage_of
 from remat._engine.observe import replayed_state
-from remat._spec import RegionSpec
+from remat._vocab.spec import RegionSpec
 
 _sequence_nr = torch.autograd._get_sequence_nr
 

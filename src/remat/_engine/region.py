@@ -37,8 +37,8 @@ from remat._engine.core import RegionCore
 from remat._engine.hooked import ForwardHooks, HookedFrame
 from remat._engine.observe import Observe
 from remat._engine.selective import policy_context
-from remat._policy import save_all
-from remat._spec import RegionSpec
+from remat._vocab.policy import save_all
+from remat._vocab.spec import RegionSpec
 
 
 class _Handle:

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat._engine.errors import RecomputeError
-from remat._policy import Policy
+from remat._vocab.policy import Policy
 
 # Operators that never hold a value worth keeping: aliases and bookkeeping.
 _PASS_THROUGH = {

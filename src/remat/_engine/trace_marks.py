@@ -9,12 +9,12 @@ AOTAutograd copy onto the nodes of the joint forward/backward graph, where the
 graph pass (``remat._graph``) reads it back with :func:`region_of_meta`.
 
 The annotation holds plain constants only (Dynamo cannot put a
-:class:`~remat._spec.RegionSpec` object into node metadata), so the options are
+:class:`~remat._vocab.spec.RegionSpec` object into node metadata), so the options are
 encoded as a tuple and decoded back.
 
 Example:
     >>> import torch
-    >>> from remat._spec import RegionSpec
+    >>> from remat._vocab.spec import RegionSpec
     >>> from remat._engine.trace_marks import run_marked
     >>> run_marked(torch.sin, (torch.zeros(2),), {}, RegionSpec())
     tensor([0., 0.])
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 
-from remat._policy import Policy
-from remat._spec import RegionSpec
+from remat._vocab.policy import Policy
+from remat._vocab.spec import RegionSpec
 
 #: Key of the annotation under ``node.meta["custom"]``.
 ANNOTATION_KEY = "remat.region"
@@ -94,7 +94,7 @@ def run_marked(
 
     Example:
         >>> import torch
-        >>> from remat._spec import RegionSpec
+        >>> from remat._vocab.spec import RegionSpec
         >>> from remat._engine.trace_marks import run_marked
         >>> run_marked(torch.add, (torch.ones(1), torch.ones(1)), {}, RegionSpec())
         tensor([2.])

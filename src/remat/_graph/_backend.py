@@ -44,7 +44,7 @@ class RematBackend:
         ['aten::relu']
     """
 
-    #: Read by the marks' compile check (``remat._compile_check``): this backend applies them.
+    #: Read by the marks' compile check (``remat._front.compile_check``): this backend applies them.
     honours_remat_marks = True
 
     def __init__(

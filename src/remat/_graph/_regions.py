@@ -30,8 +30,8 @@ from torch import fx
 
 from remat._engine.collectives import NAMESPACES as COLLECTIVE_NAMESPACES
 from remat._engine.trace_marks import region_of_meta
-from remat._marks import mark_of
-from remat._spec import RegionSpec
+from remat._front.marks import mark_of
+from remat._vocab.spec import RegionSpec
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def clean_path(source: str) -> str:
     path = _SOURCE_PREFIX.sub(lambda m: "" if m.group(1) in _ROOT_NAMES else m.group(1), source)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
-    # a marked module reached through its MarkedForward (remat._marks): its forward's _remat_module
+    # a marked module reached through its MarkedForward (remat._front.marks): its forward's _remat_module
     path = re.sub(r"(?:^|\.)(?:forward\.)?_remat_module(?=\.|$)", "", path)
     return path.lstrip(".")
 

@@ -91,9 +91,9 @@ def make_plan(config: DemoConfig, data: Any) -> tuple[remat.Plan, int]:
     load a batch, forward, cross-entropy, backward, without the optimizer step; the seed
     marks' peak is measured on the same step, so the plan's row is measured as planned.
     """
-    from remat.memory._step import Step
+    from remat.memory.internal import Step
     from remat.planner import sweep
-    from remat.planner._cost import measure_peak
+    from remat.planner.internal import measure_peak
 
     device = _device(config.device)
     torch.manual_seed(config.seed)

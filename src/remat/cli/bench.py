@@ -1,5 +1,8 @@
 """``remat bench``: remat against torch.utils.checkpoint on ResNet-50 and a GPT-2-style model.
 
+The harness is not part of the installed package: it lives in ``benchmarks/bench.py``
+of a clone of the repository, which this command loads (``make bench`` runs it).
+
 Example:
     $ OMP_NUM_THREADS=1 remat bench --quick --pairs 2 --trials 1
 """
@@ -7,14 +10,44 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
+import pathlib
+import sys
+from types import ModuleType
 
-from remat.cli._bench import CONFIGURATIONS, BenchConfig, run_bench, workloads, write_results
+#: ``benchmarks/`` of the clone this package runs from (``src/remat/cli/bench.py``, three up).
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[3] / "benchmarks"
+MISSING = ("remat bench: the benchmark harness is not installed with remat; it lives in the "
+           "repository's benchmarks/ folder (looked for {}): run remat bench (or make bench) "
+           "from a clone installed with pip install -e .")
+
+
+def load_harness(folder: pathlib.Path | None = None) -> ModuleType | None:
+    """Import ``benchmarks.bench`` from ``folder`` (default :data:`BENCHMARKS`); ``None`` without it."""
+    folder = BENCHMARKS if folder is None else folder
+    if not (folder / "bench.py").is_file():
+        return None
+    if "benchmarks" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "benchmarks", folder / "__init__.py", submodule_search_locations=[str(folder)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["benchmarks"] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module("benchmarks.bench")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``remat bench`` and its options."""
+    """Register ``remat bench`` and its options (only a one-line error without the harness)."""
+    harness = load_harness()
+    if harness is None:
+        parser = subparsers.add_parser("bench", help="benchmark remat (needs a clone's benchmarks/)",
+                                       description=__doc__.splitlines()[0])
+        parser.set_defaults(run=_missing)
+        return
+    BenchConfig, CONFIGURATIONS, workloads = harness.BenchConfig, harness.CONFIGURATIONS, harness.workloads
     default = BenchConfig()
     parser = subparsers.add_parser(
         "bench", help="benchmark remat against torch.utils.checkpoint",
@@ -44,7 +77,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_run)
 
 
+def _missing(args: argparse.Namespace) -> int:
+    raise SystemExit(MISSING.format(BENCHMARKS / "bench.py"))
+
+
 def _run(args: argparse.Namespace) -> int:
+    harness = load_harness()
+    BenchConfig, run_bench, write_results = harness.BenchConfig, harness.run_bench, harness.write_results
     if args.render:
         with open(args.render) as file:
             result = json.load(file)

@@ -112,8 +112,8 @@ class Setup:
                 timed: bool = True) -> dict:
         """Peak bytes (and step ms) of the model marked by ``mark``."""
         import remat
-        from remat.memory._step import Step
-        from remat.planner._cost import measure_peak
+        from remat.memory.internal import Step
+        from remat.planner.internal import measure_peak
 
         def build() -> torch.nn.Module:
             model = self.build()
@@ -169,7 +169,7 @@ class Setup:
 def mark_strategy(model: torch.nn.Module, name: str, blocks: list[str] | None = None) -> None:
     """Mark ``model`` as anchor ``name`` of :data:`STRATEGIES` on the planner's blocks."""
     import remat
-    from remat.planner._cost import find_blocks  # the blocks remat.apply(where="blocks") marks
+    from remat.planner.internal import find_blocks  # the blocks remat.apply(where="blocks") marks
 
     named = dict(model.named_modules())
     chosen = [named[n] for n in blocks] if blocks else [m for _, m in find_blocks(model)]
@@ -339,7 +339,7 @@ def largest_batch(fits: Callable[[int], bool], start: int) -> int:
 
 
 def _max_batch(setup: Setup, budget: Any) -> int:
-    from remat.memory._report import format_bytes
+    from remat.memory import format_bytes
 
     value, fractional = parse_budget(budget, api=API)
     if fractional:

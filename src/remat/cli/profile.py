@@ -76,7 +76,7 @@ def fully_shard_blocks(model: torch.nn.Module, mesh: Any) -> None:
     """FSDP2 as ``--parallelize fsdp`` applies it: a unit per block, then the model's root."""
     from torch.distributed.fsdp import fully_shard
 
-    from remat._blocks import find_blocks
+    from remat._front.blocks import find_blocks
 
     for _, block in find_blocks(model):
         fully_shard(block, mesh=mesh)
@@ -221,7 +221,7 @@ def make_inputs(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> tuple:
 
 def mark(model: torch.nn.Module, which: list[str], output_recompute: bool) -> list[str]:
     """Mark the modules ``which`` selects; return their names (raise SystemExit if none)."""
-    from remat._marks import apply, recompute_module
+    from remat._front.marks import apply, recompute_module
 
     options = {"output_recompute": True} if output_recompute else {}
     chosen: list[str] = []
@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump(data[0] if len(data) == 1 else {"before": data[0], "after": data[1]}, fh, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
-        from remat.memory._plot import plot_timeline
+        from remat.memory import plot_timeline
 
         plot_timeline(reports, args.plot, title=f"remat profile {args.factory}")
         print(f"wrote {args.plot}")

@@ -38,8 +38,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat._errors import check_bool
-from remat._marks import apply
+from remat._front.marks import apply
+from remat._vocab.errors import check_bool
 from remat.memory._report import ProfileReport
 from remat.memory.profile import OptimizerLike, measure
 

@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
 from remat._engine.state import is_recomputing
-from remat._errors import check_bool
-from remat._marks import mark_of
+from remat._front.marks import mark_of
+from remat._vocab.errors import check_bool
 from remat.memory._report import ModuleRow, ProfileReport, downsample
 from remat.memory._step import AtBackward, Step, default_loss
 from remat.memory._tracker import local_nbytes, local_storages, track

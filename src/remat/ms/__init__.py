@@ -19,7 +19,7 @@ Example:
      [1. 1. 1.]]
 """
 
-from remat._functional import recompute
+from remat._front.functional import recompute
 from remat.ms import nn, ops
 from remat.ms._context import (
     GRAPH_MODE,

@@ -130,7 +130,7 @@ def _prepare(fn: Callable) -> Callable:
     """
     if _context["mode"] != GRAPH_MODE:
         return fn
-    from remat._graph._compile import compile_cached
+    from remat._graph.internal import compile_cached
 
     save_graphs = _context["save_graphs_path"] if _context["save_graphs"] else None
     return compile_cached(fn, save_graphs=save_graphs)

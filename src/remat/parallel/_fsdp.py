@@ -47,8 +47,8 @@ from typing import Any
 import torch
 
 from remat._engine.state import is_recomputing
-from remat._marks import add_run_context
-from remat._spec import RegionSpec
+from remat._front.marks import add_run_context
+from remat._vocab.spec import RegionSpec
 
 _APPLIED = "_remat_fsdp_applied"
 _HOOKED = "_remat_fsdp_output_pass"
@@ -115,7 +115,7 @@ def _reshard_after_output_pass(unit: Any, args: Any, output: Any) -> None:
 def run_context(module: torch.nn.Module, spec: RegionSpec) -> contextlib.AbstractContextManager:
     """Around each run of a marked module: its units' resharding set, a re-run gathered.
 
-    Registered with the marks (NOTE [Call guards] in ``_marks.py``); NOTE [Sharded
+    Registered with the marks (NOTE [Call guards] in ``_front/marks.py``); NOTE [Sharded
     parameters under a mark], NOTE [Output pass over FSDP units].
     """
     apply_to_units(module, spec)

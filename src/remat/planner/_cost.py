@@ -53,11 +53,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from remat import _blocks
-from remat._marks import unmark_module
-from remat._policy import save_compute_intensive
-from remat.memory._step import Step
-from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
+from remat._front import blocks as _blocks
+from remat._front.marks import unmark_module
+from remat._vocab.policy import save_compute_intensive
+from remat.memory.internal import (
+    Step,
+    local_nbytes,
+    local_storages,
+    look_away_from_sharding_propagation,
+)
 from remat.memory.profile import OptimizerLike, measure
 from remat.planner._settings import Settings, child_mark, children_in, mark_choices
 from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OUTPUT, RECOMPUTE, Problem, evaluate
@@ -186,7 +190,7 @@ class BlockCosts:
 
 def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, torch.nn.Module]]:
     """The modules the planner chooses for: ``blocks`` (names or types), else the blocks
-    ``remat.apply(model, where="blocks")`` marks (NOTE [Finding blocks] in ``remat/_blocks.py``)."""
+    ``remat.apply(model, where="blocks")`` marks (NOTE [Finding blocks] in ``remat/_front/blocks.py``)."""
     if blocks is not None:
         return _select(model, blocks)
     found = _blocks.find_blocks(model)

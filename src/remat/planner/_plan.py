@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from remat._marks import mark_of, marked_modules, recompute_module, unmark_module
-from remat.memory._report import format_bytes
-from remat.memory._step import Step, StepFn
+from remat._front.marks import mark_of, marked_modules, recompute_module, unmark_module
+from remat.memory import format_bytes
+from remat.memory.internal import Step, StepFn
 from remat.memory.profile import OptimizerLike
 from remat.planner._budget import parse_budget
 from remat.planner._cost import (
@@ -378,12 +378,13 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
         return _plans(model, parsed, settings.replace(step=made, device=device))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.memory.estimate import _build_in, _fake_inputs, device_of
+    from remat.memory.estimate import device_of
+    from remat.memory.internal import build_in, fake_inputs
 
     with ranks.group(), FakeTensorMode() as mode:
-        net = _build_in(model, dtype)
+        net = build_in(model, dtype)
         net.train()
-        inputs = _fake_inputs(mode, example_inputs, dtype) if example_inputs else ()
+        inputs = fake_inputs(mode, example_inputs, dtype) if example_inputs else ()
         keywords = _fake_batch(mode, batch, dtype)
         if device is None:
             first = next((t for t in tree_leaves((inputs, keywords)) if isinstance(t, torch.Tensor)), None)
@@ -391,7 +392,7 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
         build = None
         if ranks.active:  # NOTE [Planning a rank]
             where = device_of(inputs)
-            build = Builder(make=lambda: _build_in(model, dtype), finish=lambda m: ranks.apply(m, where))
+            build = Builder(make=lambda: build_in(model, dtype), finish=lambda m: ranks.apply(m, where))
         made = _step(inputs, keywords, loss_fn, step)
         plans = _plans(net, parsed, settings.replace(step=made, device=device, fake=True, build=build))
     if not ranks.active:
@@ -427,10 +428,10 @@ def _step(inputs: tuple, batch: Any, loss_fn: Callable | None, step: StepFn | No
 
 def _fake_batch(mode: Any, batch: Any, dtype: torch.dtype | None) -> Any:
     """``batch`` on fake tensors: a dict's values as example inputs are read, else each tensor."""
-    from remat.memory.estimate import _fake_inputs
+    from remat.memory.internal import fake_inputs
 
     if isinstance(batch, dict):
-        return dict(zip(batch, _fake_inputs(mode, tuple(batch.values()), dtype)))
+        return dict(zip(batch, fake_inputs(mode, tuple(batch.values()), dtype)))
     return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
 
 

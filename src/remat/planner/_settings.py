@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from remat._marks import recompute_module, unmark_module
-from remat._policy import save_compute_intensive
-from remat.memory._step import Step
+from remat._front.marks import recompute_module, unmark_module
+from remat._vocab.policy import save_compute_intensive
+from remat.memory.internal import Step
 from remat.memory.profile import OptimizerLike
 from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OPTIONS
 
@@ -116,7 +116,7 @@ class Settings:
     Args:
         step: the training step measured (NOTE [The step users run]).
         optimizer: whose state counts, and whose step's peak.
-        blocks: the modules to plan (names or types); None: :func:`remat._blocks.find_blocks`.
+        blocks: the modules to plan (names or types); None: :func:`remat._front.blocks.find_blocks`.
         options: the option families allowed (``"keep"`` first).
         fake: the model and inputs are fake tensors (times from the roofline).
         device: the device whose roofline times a fake-tensor plan.

@@ -18,8 +18,8 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from remat._engine import selective as _selective
-from remat._errors import check_bool
-from remat._policy import Policy
+from remat._vocab.errors import check_bool
+from remat._vocab.policy import Policy
 
 #: Operators a policy function is never asked about: torch's ``SAC_IGNORED_OPS``
 #: and the aliases remat's engine inserts (``detach``, ``alias``, ``lift_fresh`` ...).

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from remat._errors import check_bool
-from remat._policy import Policy
+from remat._vocab.errors import check_bool
+from remat._vocab.policy import Policy
 
 DETERMINISM_CHECKS = ("default", "none")
 
@@ -41,7 +41,7 @@ class RegionSpec:
             choice alone (FSDP2's ``reshard_after_forward``).
 
     Example:
-        >>> from remat._spec import RegionSpec
+        >>> from remat._vocab.spec import RegionSpec
         >>> RegionSpec(output_recompute=True).output_recompute
         True
     """

@@ -1,4 +1,4 @@
-"""``remat bench``: remat against ``torch.utils.checkpoint`` on the same marks (layer 4: tools).
+"""``remat bench``: remat against ``torch.utils.checkpoint`` on the same marks (a tool, out of the package).
 
 Method (steady on a shared 2-core machine): one thread; warm-up steps for every
 configuration; memory measured once per configuration with the exact tracker
@@ -14,7 +14,7 @@ backward (no optimizer: the weights, hence the work, stay the same).
 Only the benchmark calls ``torch.utils.checkpoint``: it is the baseline.
 
 Example:
-    >>> from remat.cli._bench import BenchConfig, run_bench
+    >>> from benchmarks.bench import BenchConfig, run_bench
     >>> result = run_bench(BenchConfig(quick=True, pairs=1, trials=1, warmup=1,
     ...                                workloads=("gpt",), out_dir=None), progress=False)
     >>> list(result["workloads"][0]["rows"])[0]
@@ -37,8 +37,8 @@ import torch
 import torch.utils.checkpoint
 
 import remat
-from remat.cli._bench_report import BASELINE, include_markdown, render_markdown
-from remat.cli._demo import kept_bytes, peak_bytes
+from benchmarks.bench_report import BASELINE, include_markdown, render_markdown
+from remat.cli.internal import kept_bytes, peak_bytes
 from remat.models import gpt, resnet, resnet50
 
 #: Configurations, in table order. ``torch *`` wrap the same blocks ``remat *`` mark.
@@ -213,7 +213,7 @@ def preparer(model: torch.nn.Module, configs: list[str], backend: str = "aot_eag
     Eager configurations reconfigure ``model`` itself; each compiled one gets a
     configured deep copy, compiled once here.
     """
-    from remat._graph._compare import compile_configuration
+    from remat._graph.internal import compile_configuration
 
     compiled = {}
     if any(name in COMPILED for name in configs):
@@ -305,7 +305,7 @@ def measure_memory(prepare: Prepare, workload: Workload, x: torch.Tensor,
     target = prepare(name)
     module, forward = target
     if name in COMPILED:
-        from remat._graph._compare import allocation_peak
+        from remat._graph.internal import allocation_peak
 
         module.zero_grad(set_to_none=True)
         peak = allocation_peak(lambda: _step(target, workload, x, y))

@@ -6,7 +6,7 @@ state a second time (BatchNorm running statistics, ``num_batches_tracked``, any
 buffer written in place). See NOTE [No double state updates] in ``_engine/modes.py``.
 
 Every other public name of ``torch.utils.checkpoint`` is here or in
-``_selective.py`` too (``remat`` re-exports them), so changing the import is
+``_front/checkpoint_selective.py`` too (``remat`` re-exports them), so changing the import is
 enough: the global switches (NOTE [Global switches] in ``_engine/flags.py``),
 ``CheckpointFunction``, ``noop_context_fn`` and the small helpers
 ``detach_variable``, ``check_backward_validity``, ``get_device_states``,
@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from remat import _selective
 from remat._engine import flags as _flags
 from remat._engine import region as _region
 from remat._engine.flags import (
@@ -32,8 +31,9 @@ from remat._engine.flags import (
     set_checkpoint_early_stop,
 )
 from remat._engine.rng import DefaultDeviceType
-from remat._errors import check_bool, describe
-from remat._spec import DETERMINISM_CHECKS, RegionSpec
+from remat._front import checkpoint_selective as _selective
+from remat._vocab.errors import check_bool, describe
+from remat._vocab.spec import DETERMINISM_CHECKS, RegionSpec
 
 __all__ = [
     "CheckpointFunction",

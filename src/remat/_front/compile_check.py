@@ -7,7 +7,7 @@ keep every activation the marks were meant to drop, so the first such trace
 warns and points to ``remat.compile``.
 
 Example:
-    >>> from remat._compile_check import note_traced
+    >>> from remat._front.compile_check import note_traced
     >>> note_traced()  # outside a trace: nothing to check
     True
 """

@@ -7,7 +7,7 @@ Recomputing a marked layer on that cache would append them a second time: a long
 cache, wrong attention in the re-run (with ``use_reentrant=True`` gradients silently
 wrong), or an error (T5). So, whenever grad is enabled (a backward may recompute), a
 marked module called with a ``transformers.Cache`` argument is guarded (NOTE [Call
-guards] in ``_marks.py``):
+guards] in ``_front/marks.py``):
 
 1. The first run of the region (forward) gets the model's cache and writes it once,
    as the unmarked layer does; each recomputation gets a throwaway copy of the cache
@@ -34,7 +34,7 @@ whenever a model or a cache of theirs exists.
 
 Example:
     >>> import torch
-    >>> from remat._hf import guard_cache
+    >>> from remat._front.hf import guard_cache
     >>> guard_cache(torch.nn.Linear(2, 2), (), {"cache": object()}) is None  # no transformers cache
     True
 """
@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from remat._marks import PerRun, add_call_guard, mark_from_keywords
+from remat._front.marks import PerRun, add_call_guard, mark_from_keywords
 
 
 def public_class(module: str, name: str) -> type | None:

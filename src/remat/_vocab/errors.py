@@ -2,31 +2,11 @@
 
 User mistakes raise the builtin ``TypeError``/``ValueError`` with a message that
 names the API, what was expected, what was found and the fix. A failure found
-while rebuilding saved tensors raises :class:`RecomputeError`.
+while rebuilding saved tensors raises ``remat.RecomputeError``, which is torch's
+``CheckpointError`` too and so lives in the engine (``_engine/errors.py``).
 """
 
 from __future__ import annotations
-
-
-class RecomputeError(RuntimeError):
-    """A tensor rebuilt in backward differs from the one saved in forward.
-
-    Raised when recomputation of a region saves a different number of tensors,
-    or a tensor of another shape, dtype or device, than the original forward.
-    The message names the region and the tensor; pass ``debug=True`` to print
-    the operators run in forward and in recomputation side by side.
-
-    Example:
-        >>> import remat
-        >>> issubclass(remat.RecomputeError, RuntimeError)
-        True
-    """
-
-    __module__ = "remat"  # printed by its public name, remat.RecomputeError
-
-
-#: ``torch.utils.checkpoint`` calls the same failure ``CheckpointError``.
-CheckpointError = RecomputeError
 
 
 def describe(obj: object) -> str:

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from remat._engine import region as _region
-from remat._errors import check_bool, describe
-from remat._spec import RegionSpec
+from remat._vocab.errors import check_bool, describe
+from remat._vocab.spec import RegionSpec
 from remat.ops import Primitive
 
 

@@ -1,7 +1,7 @@
 """The markdown report of ``remat bench``: tables per workload, and the README block they fill.
 
 Example:
-    >>> from remat.cli._bench_report import BEGIN, END, include_markdown
+    >>> from benchmarks.bench_report import BEGIN, END, include_markdown
     >>> BEGIN.startswith("<!-- bench:begin")
     True
 """

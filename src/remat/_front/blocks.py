@@ -17,7 +17,7 @@ NOTE [Finding blocks]
 
 Example:
     >>> import torch
-    >>> from remat._blocks import find_blocks
+    >>> from remat._front.blocks import find_blocks
     >>> block = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.ModuleList([block() for _ in range(3)]))
     >>> [name for name, _ in find_blocks(net)]

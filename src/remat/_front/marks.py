@@ -1,6 +1,6 @@
 """Marks on modules: ``recompute_module``, ``apply``, ``unmark`` (front end).
 
-A mark is a :class:`~remat._spec.RegionSpec` stored on the module as
+A mark is a :class:`~remat._vocab.spec.RegionSpec` stored on the module as
 ``module._remat_spec`` plus a :class:`MarkedForward` set as the module's
 ``forward`` attribute (NOTE [Hooks of a marked module]). So a mark changes no
 parameter name, is invisible to ``state_dict``, and survives ``copy.deepcopy``,
@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from remat import _compile_check
-from remat._blocks import find_blocks
 from remat._engine import region as _region
-from remat._errors import check_bool, check_keywords
-from remat._policy import Policy
-from remat._spec import RegionSpec
+from remat._front import compile_check as _compile_check
+from remat._front.blocks import find_blocks
+from remat._vocab.errors import check_bool, check_keywords
+from remat._vocab.policy import Policy
+from remat._vocab.spec import RegionSpec
 
 MARK_KEYWORDS = (
     "use_reentrant",
@@ -290,7 +290,7 @@ def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
 
 # NOTE [Call guards]
 # An adapter for a library whose modules carry state across calls (Hugging Face's
-# key/value cache, ``_hf.py``) registers a guard with :func:`add_call_guard`. Before a
+# key/value cache, ``_front/hf.py``) registers a guard with :func:`add_call_guard`. Before a
 # marked module's region starts, each guard may return new ``(args, kwargs)`` for the
 # region to record, in which an argument may be a :class:`PerRun`: each run of the
 # region (forward, then each recomputation) calls its ``take()`` for the value that run

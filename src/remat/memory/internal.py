@@ -1,0 +1,14 @@
+"""What the other packages of remat (the planner, the CLI) use from ``remat.memory``.
+
+Not public API: users import :mod:`remat.memory`. A name here is a deliberate promise
+between packages, so that no module reaches into another package's private modules
+(``tests/test_layers.py`` fails on such an import).
+"""
+
+from remat.memory._step import Step, StepFn
+from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
+from remat.memory.estimate import _build_in as build_in
+from remat.memory.estimate import _fake_inputs as fake_inputs
+
+__all__ = ["Step", "StepFn", "build_in", "fake_inputs", "local_nbytes", "local_storages",
+           "look_away_from_sharding_propagation"]

@@ -1,0 +1,19 @@
+"""What the CLI and the benchmarks use from ``remat.planner`` beyond its public names.
+
+Not public API: users import :mod:`remat.planner`. A name here is a deliberate promise
+between packages, so that no module reaches into another package's private modules
+(``tests/test_layers.py`` fails on such an import).
+"""
+
+from remat.planner._cost import (
+           composed_costs,
+           find_blocks,
+           identical_container,
+           measure_costs,
+           measure_peak,
+)
+from remat.planner._plan import _fit as fit
+from remat.planner._settings import Settings
+
+__all__ = ["Settings", "composed_costs", "find_blocks", "fit", "identical_container", "measure_costs",
+           "measure_peak"]
