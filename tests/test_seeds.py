@@ -12,6 +12,7 @@ import re
 import weakref
 
 import numpy as np
+import pytest
 import torch
 
 import remat
@@ -246,3 +247,21 @@ def test_seed_002_conv_runs_again_in_backward():
     net.conv.register_forward_pre_hook(lambda m, a: runs.append(remat.is_recomputing()))
     scope["ops"].grad(net)(scope["inputs"])
     assert runs == [False, True]  # forward, then one recomputation in backward
+
+
+def _example_program(name: str) -> str:
+    """An ``examples/ms`` program without its comments and the lines that seed it."""
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "ms" / name
+    seeding = ("import torch", "torch.manual_seed(0)", "np.random.seed(0)")
+    lines = [line for line in path.read_text().splitlines()
+             if not line.startswith("#") and line not in seeding]
+    return re.sub(r"\n+", "\n", "\n".join(lines).strip())
+
+
+@pytest.mark.parametrize("name, seed", [("cell_recompute.py", SEED_000_MINDSPORE),
+                                        ("functional_recompute.py", SEED_002_MINDSPORE)])
+def test_the_examples_are_the_seed_programs_with_their_imports_swapped(name, seed):
+    """``examples/ms`` are the copies users run; they may not drift from the seed's text."""
+    assert _example_program(name) == re.sub(r"\n+", "\n", swap_imports(seed).strip())
