@@ -488,6 +488,8 @@ POLICIES: dict[str, remat.Policy] = {
     "save_all": remat.save_all,
     "recompute_all": remat.recompute_all,
     "save_only_mm": remat.save_only("aten::mm", "aten::addmm"),
+    # per call (what remat.plan's per-operator options set): some matrix products kept
+    "save_calls": remat.save_calls("aten::mm#0", "aten::addmm#1", "aten::bmm#0"),
 }
 
 
@@ -500,6 +502,7 @@ def _torch_selective() -> Any:
 CONTEXTS: dict[str, Callable[[], Any]] = {
     "save_compute_intensive": lambda: remat.policy_context(remat.save_compute_intensive),
     "save_all": lambda: remat.policy_context(remat.save_all),
+    "save_calls": lambda: remat.policy_context(remat.save_calls("aten::mm#1", "aten::addmm#0")),
     "torch_selective": lambda: _torch_selective,
 }
 

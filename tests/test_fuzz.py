@@ -118,8 +118,12 @@ def test_cases_are_reproducible_from_their_seed():
 
 def test_generator_covers_every_block_wire_and_mark_kind():
     seen_blocks, seen_wires, seen_marks, seen_calls = set(), set(), set(), set()
+    seen_policies = set()
     for seed in range(600):
         case = fm.make_case(seed)
+        for m in case.plan:
+            opts = m.get("call", m).get("opts", {})
+            seen_policies |= {opts[k] for k in ("policy", "context") if k in opts}
         for stage in case.desc["stages"]:
             seen_blocks |= {b["kind"] for b in stage}
             seen_wires |= {b["wire"] for b in stage}
@@ -133,6 +137,7 @@ def test_generator_covers_every_block_wire_and_mark_kind():
     assert seen_blocks == set(fm.BLOCKS)
     assert seen_wires == set(fm.WIRES)
     assert seen_marks == set(fm.MARKS)
+    assert seen_policies >= set(fm.POLICIES) | set(fm.CONTEXTS)
     # a region over a marked block, in every form, both implementations, without early stop
     over_marked = {c[2:] for c in seen_calls if c[0] == "marked_call" and c[1] == "checkpoint"}
     assert {(form, reentrant) for form, reentrant, _ in over_marked} == {

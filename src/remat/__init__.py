@@ -39,7 +39,14 @@ from remat._front.functional import recompute
 from remat._front.hf import gradient_checkpointing_enable
 from remat._front.marks import apply, mark_of, marked_modules, recompute_module, unmark
 from remat._graph import compile
-from remat._vocab.policy import Policy, recompute_all, save_all, save_compute_intensive, save_only
+from remat._vocab.policy import (
+    Policy,
+    recompute_all,
+    save_all,
+    save_calls,
+    save_compute_intensive,
+    save_only,
+)
 from remat._vocab.spec import RegionSpec
 from remat.memory.estimate import estimate
 from remat.memory.profile import profile
@@ -86,6 +93,7 @@ __all__ = [
     "recompute_all",
     "recompute_module",
     "save_all",
+    "save_calls",
     "save_compute_intensive",
     "save_only",
     "set_checkpoint_debug_enabled",

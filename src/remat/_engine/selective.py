@@ -68,10 +68,16 @@ def _keeps(policy: Policy | CallPolicy, func: Any) -> bool:
     return policy.saves(func._schema.name)
 
 
+def _counted(policy: Policy | CallPolicy, func: Any) -> Any:
+    """What calls are numbered by: the operator's name for a :class:`Policy` (NOTE [Counting
+    calls] in ``remat/_vocab/policy.py``: any overload), the overload for a per-call policy."""
+    return func if isinstance(policy, CallPolicy) else func._schema.name
+
+
 def _decides_to_keep(policy: Policy | CallPolicy, func: Any, args: tuple, kwargs: dict,
-                     out: Any) -> bool:
+                     out: Any, index: int) -> bool:
     if not isinstance(policy, CallPolicy):
-        return True  # _keeps already said so
+        return policy.saves_call(func._schema.name, index)
     keep = policy.decide(func, args, kwargs, out)
     return bool(keep) and not (func._schema.is_mutable or func.is_view)
 
@@ -96,11 +102,12 @@ class SaveMode(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if _keeps(self.policy, func):
-            index = self.calls[func]
-            self.calls[func] += 1
-            self.store.count[func] = index + 1
-            if _decides_to_keep(self.policy, func, args, kwargs, out):
-                self.store.kept[func][index] = pytree.tree_map_only(
+            key = _counted(self.policy, func)
+            index = self.calls[key]
+            self.calls[key] += 1
+            self.store.count[key] = index + 1
+            if _decides_to_keep(self.policy, func, args, kwargs, out, index):
+                self.store.kept[key][index] = pytree.tree_map_only(
                     torch.Tensor, lambda t: (_alias(t), t._version), out
                 )
         return out
@@ -121,11 +128,12 @@ class ReplayMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _keeps(self.policy, func):
             return func(*args, **(kwargs or {}))
-        index = self.calls[func]
-        self.calls[func] += 1
-        kept = self.store.kept.get(func, {})
+        key = _counted(self.policy, func)
+        index = self.calls[key]
+        self.calls[key] += 1
+        kept = self.store.kept.get(key, {})
         if index not in kept:
-            if index < self.store.count.get(func, 0):  # not kept, or handed back already
+            if index < self.store.count.get(key, 0):  # not kept, or handed back already
                 return func(*args, **(kwargs or {}))
             raise RecomputeError(
                 f"remat selective recompute: {func} call #{index} ran in recomputation but "

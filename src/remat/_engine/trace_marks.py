@@ -51,7 +51,8 @@ def encode_spec(spec: RegionSpec) -> tuple:
     encoded_policy = (
         None
         if policy is None
-        else (policy.name, tuple(sorted(policy.save_ops)), policy.save_everything)
+        else (policy.name, tuple(sorted(policy.save_ops)), policy.save_everything,
+              tuple(sorted(policy.save_calls)))
     )
     return (spec.output_recompute, spec.keep_outputs, spec.preserve_rng_state, encoded_policy)
 
@@ -62,8 +63,9 @@ def decode_spec(encoded: tuple) -> RegionSpec:
     output_recompute, keep_outputs, preserve_rng_state, encoded_policy = encoded
     policy = None
     if encoded_policy is not None:
-        name, save_ops, save_everything = encoded_policy
-        policy = Policy(name, save_ops=frozenset(save_ops), save_everything=save_everything)
+        name, save_ops, save_everything, calls = encoded_policy
+        policy = Policy(name, save_ops=frozenset(save_ops), save_everything=save_everything,
+                        save_calls=frozenset(calls))
     return RegionSpec(
         output_recompute=output_recompute,
         keep_outputs=keep_outputs,

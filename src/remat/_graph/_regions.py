@@ -165,6 +165,7 @@ def plan_recompute(
     outer = [Region("root", "", type(root).__name__, spec)] if spec is not None else []
     regions = {n: outer + regions_of(n, modules) for n in forward}
     kept = _region_outputs(forward, regions)
+    calls = _call_numbers(forward, regions)
     recompute: set[fx.Node] = set()
     for node in forward:
         if _is_multi_output(node):
@@ -175,22 +176,46 @@ def plan_recompute(
             continue
         if not is_replayable(node):
             continue
-        if any(_region_recomputes(r, node, kept) for r in regions[node]):
+        if any(_region_recomputes(r, node, kept, calls) for r in regions[node]):
             recompute.add(node)
     return regions, recompute
+
+
+def _call_numbers(forward: list[fx.Node], regions: dict[fx.Node, list[Region]]) -> dict:
+    """``(region key, node) -> k``: the node is the ``k``-th call of its operator (any overload)
+    among the region's calls a policy may keep (NOTE [Counting calls] in
+    ``remat/_vocab/policy.py``: no views, no mutating operators), in graph order."""
+    seen: dict[tuple[str, str], int] = {}
+    numbers: dict[tuple[str, fx.Node], int] = {}
+    for node in forward:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or target.is_view or target._schema.is_mutable:
+            continue
+        for region in regions[node]:
+            at = (region.key, target._schema.name)
+            numbers[(region.key, node)] = seen.get(at, 0)
+            seen[at] = seen.get(at, 0) + 1
+    return numbers
 
 
 def _is_multi_output(node: fx.Node) -> bool:
     return bool(node.users) and all(u.target is operator.getitem for u in node.users)
 
 
-def _region_recomputes(region: Region, node: fx.Node, kept: dict[fx.Node, set[str]]) -> bool:
+def _region_recomputes(region: Region, node: fx.Node, kept: dict[fx.Node, set[str]],
+                       calls: dict) -> bool:
     if region.key in kept.get(node, ()) and not region.spec.output_recompute:
         return False
     if not region.spec.mp_comm_recompute and is_communication(node):
         return False  # NOTE [Kept collectives]: backward reads the forward's result
     policy = region.spec.policy
-    return policy is None or not policy.saves(op_name(node))
+    if policy is None:
+        return True
+    call = node.args[0] if node.target is operator.getitem else node  # one call, several outputs
+    index = calls.get((region.key, call))
+    if index is None:
+        return not policy.saves(op_name(node))
+    return not policy.saves_call(op_name(node), index)
 
 
 def _region_outputs(

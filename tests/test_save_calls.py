@@ -1,0 +1,137 @@
+"""Per-call policies (``remat.save_calls``): the per-operator choices of ``remat.plan``.
+
+Each test compares with the unmarked model bit for bit and counts what recomputation
+re-ran: the eager engine and the graph pass must keep the same calls.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat._vocab.policy import parse_call_key, policy_from_name
+from tests._harness import assert_bitwise_equal
+
+
+def _block(dropout: float = 0.0) -> torch.nn.Sequential:
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(dropout),
+        torch.nn.Linear(16, 16), torch.nn.GELU(),
+        torch.nn.Linear(16, 8), torch.nn.GELU())
+
+
+def _net(dropout: float = 0.0) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_block(dropout), _block(dropout))
+
+
+class _CountAddmm(TorchDispatchMode):
+    """Counts ``aten::addmm`` calls: in backward, only recomputation runs it (gradients use mm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.addmm.default:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor, forward=None) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    (forward or model)(x).sum().backward()
+    return [p.grad for p in model.parameters()] + [x.grad]
+
+
+# --- the vocabulary ------------------------------------------------------------------
+
+
+def test_a_call_policy_prints_sorted_and_reads_back_from_its_name():
+    p = remat.save_calls("aten::mm#2", "aten::addmm.default#0")
+    assert repr(p) == "save_calls('aten::addmm#0', 'aten::mm#2')"
+    assert policy_from_name(p.name) == p
+    assert policy_from_name(remat.save_only("aten::mm").name) == remat.save_only("aten::mm")
+    assert policy_from_name("save_compute_intensive") is remat.save_compute_intensive
+    assert (p.saves("aten::mm"), p.saves("aten::relu")) == (True, False)
+    assert (p.saves_call("aten::mm", 2), p.saves_call("aten::mm", 1)) == (True, False)
+
+
+@pytest.mark.parametrize("key", ["aten::mm", "mm#0", "aten::mm#x", "aten::mm#-1", ""])
+def test_a_malformed_call_key_is_refused_with_its_form(key):
+    with pytest.raises(ValueError, match=r"remat.save_calls: a call key looks like 'aten::mm#0'"):
+        remat.save_calls(key)
+
+
+def test_a_repeated_call_key_and_an_unknown_name_are_refused():
+    with pytest.raises(ValueError, match="repeated"):
+        remat.save_calls("aten::mm#0", "aten::mm.default#0")
+    with pytest.raises(ValueError, match="no policy is named 'keep_some'"):
+        policy_from_name("keep_some")
+    assert parse_call_key("aten::bmm#12") == ("aten::bmm", 12)
+
+
+# --- eager ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kept", [(), (0,), (1,), (0, 2), (0, 1, 2)])
+@pytest.mark.parametrize("front", ["cell", "checkpoint"])
+def test_eager_keeps_exactly_the_calls_named(kept, front):
+    """Block 0's three products: recomputation re-runs those not named, gradients unchanged."""
+    net, x = _net(dropout=0.25), torch.randn(4, 8)
+    expected = _grads(copy.deepcopy(net), x.clone().requires_grad_())
+    marked = copy.deepcopy(net)
+    policy = remat.save_calls(*[f"aten::addmm#{k}" for k in kept])
+    forward = None
+    if front == "cell":
+        remat.recompute_module(marked[0], policy=policy)
+    else:
+        def forward(t):
+            h = remat.checkpoint(marked[0], t, use_reentrant=False,
+                                 context_fn=remat.policy_context(policy))
+            return marked[1](h)
+    x2 = x.clone().requires_grad_()
+    torch.manual_seed(1)
+    loss = (forward or marked)(x2).sum()
+    counter = _CountAddmm()
+    with counter:
+        loss.backward()
+    assert counter.calls == 3 - len(kept)
+    assert_bitwise_equal([p.grad for p in marked.parameters()] + [x2.grad], expected)
+
+
+def test_calls_are_counted_per_region_and_across_overloads():
+    """Two marked blocks each count from 0; ``aten::addmm#1`` keeps the second product of each."""
+    net, x = _net(), torch.randn(4, 8)
+    for block in net:
+        remat.recompute_module(block, policy=remat.save_calls("aten::addmm#1"))
+    loss = net(x.requires_grad_()).sum()
+    counter = _CountAddmm()
+    with counter:
+        loss.backward()
+    assert counter.calls == 4
+
+
+# --- graph mode ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kept", [(0,), (1,), (2,), (0, 1)])
+def test_the_graph_pass_keeps_the_calls_eager_keeps(kept):
+    """The copies the pass puts in backward are the products the policy does not name (the
+    last product's output feeds a GELU's backward, so it is rebuilt unless kept); gradients
+    bit for bit those of the same model compiled unmarked, dropout included."""
+    net, x = _net(dropout=0.25), torch.randn(4, 8)
+    plain = remat.compile(copy.deepcopy(net))
+    expected = _grads(plain, x.clone().requires_grad_())
+    marked_net = copy.deepcopy(net)
+    remat.recompute_module(marked_net[0], policy=remat.save_calls(*[f"aten::addmm#{k}" for k in kept]))
+    marked = remat.compile(marked_net)
+    got = _grads(marked_net, x.clone().requires_grad_(), forward=marked)
+    assert_bitwise_equal(got[:-1], expected[:-1])
+    copies = sorted(where for _, op, where in marked.remat_reports[0].duplicated if op == "aten::addmm")
+    linears = ["0.0 (Linear)", "0.3 (Linear)", "0.5 (Linear)"]
+    assert copies == [name for k, name in enumerate(linears) if k not in kept]
