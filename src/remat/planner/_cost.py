@@ -39,6 +39,21 @@ the calibration of the children's forward times (a roofline on fake tensors; an
 operator mark counts two runs: one hands its output to whoever saved it, one rebuilds
 what it saved itself, NOTE [Output pass]). Blocks of different classes bring their own
 columns; a block lacks the others.
+
+NOTE [Options per operator]
+Between ``recompute`` (keep nothing inside a block) and ``selective`` (keep every
+matrix product, convolution and attention) lie the per-operator options, family
+``ops``: the block marked with :func:`remat.save_calls`, keeping the outputs of the
+calls named (``"ops:aten::addmm#3+aten::mm#0"``, NOTE [Counting calls] in
+``remat/_vocab/policy.py``) and rebuilding the rest. The candidates are a block's
+calls of :data:`remat._vocab.policy.COMPUTE_INTENSIVE_OPS`, numbered by the unmarked
+traced run as the engine numbers them; ranked by roofline cost per byte of output
+(FLOPs and bytes moved: the same ranking run after run, whatever the timer says) and
+cut at :data:`OPS_SHARES` of their number, as torch's knapsack would keep the dearest
+per byte first. Each option is then measured like every other: one tracked run with every
+block that has it marked alike (bytes kept, peak) and its timed step (calibration); its
+forward time is the block's less that of the calls kept (a re-run runs all the others).
+The same policy is applied by ``remat.compile``'s graph pass, which numbers the calls alike.
 """
 
 from __future__ import annotations
@@ -55,7 +70,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat._front import blocks as _blocks
 from remat._front.marks import unmark_module
-from remat._vocab.policy import save_compute_intensive
+from remat._vocab.policy import COMPUTE_INTENSIVE_OPS, call_key, save_compute_intensive
 from remat.memory.internal import (
     Step,
     local_nbytes,
@@ -64,13 +79,32 @@ from remat.memory.internal import (
 )
 from remat.memory.profile import OptimizerLike, measure
 from remat.planner._settings import Settings, child_mark, children_in, mark_choices
-from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OUTPUT, RECOMPUTE, Problem, evaluate
+from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OPS, OUTPUT, RECOMPUTE, Problem, evaluate
 
 API = "remat.plan"
 #: a child gets options when its mark would drop this share of its block's kept bytes
 CHILD_SHARE = 0.1
 #: at most this many children of a block get options (each alone, then all together)
 MAX_CHILDREN = 3
+#: the per-operator options of a block keep these shares of its candidate calls (NOTE
+#: [Options per operator]); all of them is ``selective``
+OPS_SHARES = (0.25, 0.5, 0.75)
+
+
+def ops_options(calls: Mapping[str, tuple[float, float]]) -> list[str]:
+    """The ``ops:`` options of one block from its candidate calls ``{key: (rank cost, bytes)}``
+    in call order (NOTE [Options per operator]): the calls whose outputs are dearest to
+    rebuild per byte kept, the most expensive first, cut at :data:`OPS_SHARES` of their number.
+
+    Example:
+        >>> ops_options({"aten::mm#0": (1.0, 4), "aten::mm#1": (8.0, 4), "aten::bmm#0": (2.0, 8),
+        ...              "aten::mm#2": (0.5, 4)})
+        ['ops:aten::mm#1', 'ops:aten::mm#0+aten::mm#1', 'ops:aten::bmm#0+aten::mm#0+aten::mm#1']
+    """
+    order = list(calls)
+    ranked = sorted(order, key=lambda k: (-calls[k][0] / max(calls[k][1], 1.0), order.index(k)))
+    sizes = sorted({round(len(ranked) * share) for share in OPS_SHARES} & set(range(1, len(ranked))))
+    return [f"{OPS}:{'+'.join(sorted(ranked[:size]))}" for size in sizes]
 
 
 def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
@@ -238,6 +272,11 @@ class _Ops(TorchDispatchMode):
         self.parts: list[tuple[int, str]] = []  # the children of the block running now
         self.part_total: dict[tuple[int, str], float] = {}
         self.part_outs: dict[tuple[int, str], set] = {}  # storages of each child's output
+        # per block: the calls of each operator name in the forward running now, and the cost
+        # (as ``total``), roofline cost and output bytes of each call a per-operator option
+        # may keep (NOTE [Options per operator])
+        self.numbered: dict[int, dict[str, int]] = {}
+        self.calls: dict[int, dict[str, list[float]]] = {}
         self._propagating = 0
         self._patches: list = []
 
@@ -277,7 +316,33 @@ class _Ops(TorchDispatchMode):
                 self.part_total[part] = self.part_total.get(part, 0.0) + cost
             if not save_compute_intensive.saves(func.name()):
                 self.recomputed[self.block] = self.recomputed.get(self.block, 0.0) + cost
+            self._number(func, args, kwargs, out, cost)
         return out
+
+    def start_block(self, block: int) -> None:
+        """Block ``block``'s forward begins: its calls are numbered from 0 again."""
+        self.block = block
+        self.numbered[block] = {}
+
+    def _number(self, func: Any, args: tuple, kwargs: dict, out: Any, cost: float) -> None:
+        """Number the call as the selective engine does (NOTE [Counting calls] in
+        ``remat/_vocab/policy.py``); record a matrix product's, a convolution's or an attention's."""
+        if not isinstance(func, torch._ops.OpOverload) or func.is_view or func._schema.is_mutable:
+            return
+        name = func._schema.name
+        numbered = self.numbered.setdefault(self.block, {})
+        index = numbered.get(name, 0)
+        numbered[name] = index + 1
+        if name not in COMPUTE_INTENSIVE_OPS:
+            return
+        packet = func._overloadpacket
+        flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, outs)) if isinstance(t, torch.Tensor))
+        entry = self.calls.setdefault(self.block, {}).setdefault(call_key(name, index), [0.0, 0.0, 0.0])
+        entry[0] += cost
+        entry[1] += flops / self.throughput + moved / self.bandwidth
+        entry[2] = float(sum(t.numel() * t.element_size() for t in outs))
 
 
 @dataclass
@@ -331,7 +396,7 @@ def _run_traced(model: torch.nn.Module, step: Step, blocks: list, ops: Any) -> t
         i = ids[id(module)]
         order.append(i)
         ins.setdefault(i, set()).update(keys((args, kwargs)))
-        ops.block = i
+        ops.start_block(i)
 
     alive: list = []  # storages stay alive while traced, so their keys are not reused
 
@@ -396,6 +461,10 @@ def trace(model: torch.nn.Module, blocks: list, settings: Settings, *, timed: bo
     for cost in (ops.total, ops.recomputed, ops.part_total):  # per forward of a block
         for key in cost:
             cost[key] /= calls
+    for block in ops.calls.values():
+        for entry in block.values():
+            entry[0] /= calls
+            entry[1] /= calls
     ordered = [blocks[i] for i in index]
     leaving = {ordered[k][0]: {child for (i, child), out in ops.part_outs.items()
                                if i == index[k] and out & outs.get(i, set())} for k in range(n)}
@@ -429,7 +498,7 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
     names, blocks = traced.names, traced.blocks
     inner: dict[str, list[str]] = {name: [] for name in names}
     columns: list[str] = []
-    pending = ["keep", *(o for o in settings.options if o not in ("keep", CHILDREN))]
+    pending = ["keep", *(o for o in settings.options if o not in ("keep", CHILDREN, OPS))]
     uniform: dict[str, dict[str, str]] = {}  # option -> the blocks its run marks
     reports = {}
     measured = model
@@ -446,6 +515,11 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
             unmarked = {r.name: r for r in reports["keep"].rows}
             inner = {name: child_options(name, m, unmarked, traced.leaving[name], traced.calls)
                      for name, m in blocks}
+        if option == "keep" and OPS in settings.options:  # NOTE [Options per operator]
+            for k, name in enumerate(names):
+                found = traced.ops.calls.get(traced.index[k], {})
+                inner[name] += ops_options({key: (e[1], e[2]) for key, e in found.items()})
+        if option == "keep":
             columns = list(dict.fromkeys(c for name in names for c in inner[name]))
             pending += columns
     steps: dict[str, float] = {}
@@ -477,8 +551,6 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
         # it, once to rebuild what it saved itself (NOTE [Output pass] in _engine/hooked.py)
         return once if child_mark(dict(blocks[k][1].named_children())[child]) == {} else 2 * once
 
-    child_s = [[sum(child_seconds(k, c) for c in children_in(o)) if o in runs.inner[names[k]] else 0.0
-                for o in runs.columns] for k in range(len(names))]
     report = runs.reports["keep"]
     if settings.fake:
         forward = [ops.total.get(i, 0.0) for i in traced.index]
@@ -488,6 +560,18 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
         forward = [seconds(name) for name in names]
         step = runs.steps["keep"] if runs.steps else (report.step_ms or 0.0) / 1e3
         timed = "measured, each option scaled by its own timed run"
+    def inner_seconds(k: int, option: str) -> float:
+        if option not in runs.inner[names[k]]:
+            return 0.0
+        if not option.startswith(f"{OPS}:"):
+            return sum(child_seconds(k, c) for c in children_in(option))
+        # NOTE [Options per operator]: the re-run runs all but the kept calls
+        block = traced.index[k]
+        kept = sum(ops.calls[block][key][0] for key in option.partition(":")[2].split("+"))
+        total = ops.total.get(block, 0.0)
+        return forward[k] * max(0.0, 1.0 - kept / total) if total else forward[k]
+
+    child_s = [[inner_seconds(k, o) for o in runs.columns] for k in range(len(names))]
     share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in traced.index]
     grads = [sum(local_nbytes(p) for p in m.parameters() if p.requires_grad) for _, m in blocks]
     all_grads = sum(local_nbytes(p) for p in runs.measured.parameters() if p.requires_grad)

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from remat._front.marks import recompute_module, unmark_module
-from remat._vocab.policy import save_compute_intensive
+from remat._vocab.policy import save_calls, save_compute_intensive
 from remat.memory.internal import Step
 from remat.memory.profile import OptimizerLike
-from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OPTIONS
+from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OPS, OPTIONS
 
 API = "remat.plan"
 MARKS: dict[str, dict] = {
@@ -52,9 +52,16 @@ def marks_of(name: str, block: torch.nn.Module, choice: str,
         return [] if choice == "keep" else [(name, block, MARKS[choice])]
     family, _, parts = choice.partition(":")
     kids = dict(block.named_children())
+    if family == OPS:  # NOTE [Options per operator]: the kept calls, the rest rebuilt
+        keys = [] if parts == "" else parts.split("+")
+        try:
+            return [(name, block, {"policy": save_calls(*keys)})]
+        except ValueError as err:
+            raise ValueError(f"{api}: option {choice!r} of block {name!r}: {err}") from None
     if family != CHILDREN or not parts:
         raise ValueError(f"{api}: unknown option {choice!r} for block {name!r}; choose from "
-                         f"{BLOCK_OPTIONS} or '{CHILDREN}:<child>+<child>'")
+                         f"{BLOCK_OPTIONS}, '{CHILDREN}:<child>+<child>' or "
+                         f"'{OPS}:<operator>#<call>+...' ('ops:aten::mm#0')")
     missing = [c for c in children_in(choice) if c not in kids]
     if missing:
         raise ValueError(f"{api}: block {name!r} ({type(block).__name__}) has no child {missing[0]!r} "

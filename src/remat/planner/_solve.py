@@ -24,7 +24,9 @@ An option that is not allowed has ``kept`` None (``output`` where a block's outp
 feeds more than the next block).
 
 Options past the first four recompute parts of a block (the ``children`` family,
-``"children:attn"``, ``"children:fc+gelu"``: NOTE [Options inside blocks] in ``_cost.py``);
+``"children:attn"``, ``"children:fc+gelu"``: NOTE [Options inside blocks] in ``_cost.py``)
+or keep some of its operators' outputs (the ``ops`` family, ``"ops:aten::addmm#3"``: NOTE
+[Options per operator]);
 to the solvers they are columns like ``recompute``: bytes kept, bytes held in the
 block's backward, extra time. ``Problem.options`` names the columns; a block without
 the children of a column has ``kept`` None there.
@@ -53,8 +55,11 @@ BLOCK_OPTIONS = ("keep", "recompute", "selective", "output")
 KEEP, RECOMPUTE, SELECTIVE, OUTPUT = range(4)
 #: the family of options that mark children of a block, named ``"children:<child>+<child>"``
 CHILDREN = "children"
+#: the family of per-operator options: the block marked with a policy keeping the outputs of
+#: the operator calls named, ``"ops:aten::addmm#3+aten::bmm#0"`` (NOTE [Options per operator])
+OPS = "ops"
 #: the option families a plan may use (``remat.plan(options=...)``)
-OPTIONS = (*BLOCK_OPTIONS, CHILDREN)
+OPTIONS = (*BLOCK_OPTIONS, CHILDREN, OPS)
 
 
 class BudgetError(ValueError):

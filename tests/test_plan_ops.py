@@ -1,0 +1,108 @@
+"""Per-operator options of ``remat.plan`` (NOTE [Options per operator]): which operator
+outputs a block keeps, chosen per block, applied in eager mode and by ``remat.compile`` alike."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import remat
+from remat.planner import sweep
+from tests.test_plan import grads, sequence, tiny_transformer, with_choices
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _ops_of(plan: remat.Plan) -> set[str]:
+    return {c for c in plan.choices.values() if c.startswith("ops:")}
+
+
+@pytest.fixture(scope="module")
+def plans() -> list[remat.Plan]:
+    out = sweep(tiny_transformer(), sequence(), budgets=[0.95, 0.9, 0.85, 0.8, 0.75, 0.7],
+                options=("keep", "ops"), repeat=1, floors=True)
+    return [p for p in out if isinstance(p, remat.Plan)]
+
+
+def test_each_block_gets_the_same_options_keyed_by_its_own_calls():
+    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._settings import Settings
+    from remat.memory.internal import Step
+
+    model, x = tiny_transformer(), sequence()
+    settings = Settings(step=Step(inputs=(x,), api="test"), optimizer=None, options=("keep", "ops"), repeat=1)
+    costs = measure_costs(model, find_blocks(model), settings)
+    ops = [o for o in costs.options if o.startswith("ops:")]
+    # three shares of the five products (qkv, two attention bmm... as numbered per name)
+    assert len(ops) == 3
+    keys = [set(o.partition(":")[2].split("+")) for o in ops]
+    assert keys[0] < keys[1] < keys[2]  # each keeps the previous one's calls and more
+    assert all(k.partition("#")[0] in remat._vocab.policy.COMPUTE_INTENSIVE_OPS for s in keys for k in s)
+    # every block has every column, and keeping more never keeps fewer bytes
+    for row in costs.kept:
+        columns = [row[costs.options.index(o)] for o in ops]
+        assert None not in columns and columns == sorted(columns)
+    other = tiny_transformer()
+    again = measure_costs(other, find_blocks(other), settings)
+    assert [o for o in again.options if o.startswith("ops:")] == ops  # no timer decides them
+
+
+def test_plans_with_per_operator_options_hold_their_budgets(plans):
+    assert len(plans) >= 4
+    assert any(_ops_of(p) for p in plans)
+    for p in plans:
+        assert p.measured_peak_bytes <= p.budget_bytes, p.choices
+
+
+def test_per_operator_plans_train_bitwise_equal_eager_and_compiled_dropout_included(plans):
+    x = sequence()
+    expected = grads(tiny_transformer(), x)
+    chosen = [p for p in plans if _ops_of(p)]
+    forced = sorted({o for p in plans for o in _ops_of(p)})
+    mixed = with_choices(chosen[0], [forced[0], "keep", forced[-1], "recompute"])
+    for plan in [*chosen, mixed]:
+        eager = tiny_transformer()
+        plan.apply(eager)
+        got = grads(eager, x)
+        assert all(torch.equal(got[n], expected[n]) for n in expected), plan.choices
+        model = tiny_transformer()
+        plan.apply(model)
+        compiled = remat.compile(model)
+        torch.manual_seed(123)
+        compiled(x).float().pow(2).mean().backward()
+        assert all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters()), plan.choices
+        copies = compiled.remat_reports[0].duplicated
+        assert copies, plan.choices  # the graph pass rebuilt something: the marks reached it
+
+
+def test_a_per_operator_plan_round_trips_through_json_and_sets_save_calls(plans):
+    plan = next(p for p in plans if _ops_of(p))
+    again = remat.Plan.from_json(plan.to_json())
+    assert again == plan
+    model = tiny_transformer()
+    names = again.apply(model)
+    marks = remat.marked_modules(model)
+    assert sorted(marks) == sorted(names)
+    for d in plan.decisions:
+        if d.choice.startswith("ops:"):
+            keys = d.choice.partition(":")[2].split("+")
+            assert marks[d.name].policy == remat.save_calls(*keys)
+    assert "ops:" in str(plan)
+
+
+@pytest.mark.parametrize("choice", ["ops:aten::mm", "ops:mm#0", "ops:aten::mm#0+aten::mm#0"])
+def test_a_malformed_per_operator_option_is_refused_and_marks_nothing(plans, choice):
+    plan = with_choices(plans[0], ["keep", "recompute", choice, "keep"])
+    model = tiny_transformer()
+    with pytest.raises(ValueError, match="remat.Plan.apply: option 'ops:"):
+        plan.apply(model)
+    assert remat.marked_modules(model) == {}
+
+
+def test_per_operator_options_can_be_left_out():
+    plan = remat.plan(tiny_transformer(), sequence(), budget=0.8, repeat=1,
+                      options=remat.planner.BLOCK_OPTIONS)
+    assert not _ops_of(plan)
+    assert dataclasses.asdict(plan)["decisions"]
