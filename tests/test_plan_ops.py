@@ -27,9 +27,9 @@ def plans() -> list[remat.Plan]:
 
 
 def test_each_block_gets_the_same_options_keyed_by_its_own_calls():
+    from remat.memory.internal import Step
     from remat.planner._cost import find_blocks, measure_costs
     from remat.planner._settings import Settings
-    from remat.memory.internal import Step
 
     model, x = tiny_transformer(), sequence()
     settings = Settings(step=Step(inputs=(x,), api="test"), optimizer=None, options=("keep", "ops"), repeat=1)
