@@ -46,11 +46,12 @@ matrix product, convolution and attention) lie the per-operator options, family
 ``ops``: the block marked with :func:`remat.save_calls`, keeping the outputs of the
 calls named (``"ops:aten::addmm#3+aten::mm#0"``, NOTE [Counting calls] in
 ``remat/_vocab/policy.py``) and rebuilding the rest. The candidates are a block's
-calls of :data:`remat._vocab.policy.COMPUTE_INTENSIVE_OPS`, numbered by the unmarked
-traced run as the engine numbers them; ranked by roofline cost per byte of output
+calls of :data:`remat._vocab.policy.COMPUTE_INTENSIVE_OPS` whose output backward reads (a
+saved-tensor hook of the unmarked traced run sees it saved), numbered by that run as the
+engine numbers them; ranked by roofline cost per byte of output
 (FLOPs and bytes moved: the same ranking run after run, whatever the timer says) and
-cut at :data:`OPS_SHARES` of their number, as torch's knapsack would keep the dearest
-per byte first. Each option is then measured like every other: one tracked run with every
+cut at :data:`OPS_SHARES` of their number and all of them, as torch's knapsack would keep
+the dearest per byte first. Each option is then measured like every other: one tracked run with every
 block that has it marked alike (bytes kept, peak) and its timed step (calibration); its
 forward time is the block's less that of the calls kept (a re-run runs all the others).
 The same policy is applied by ``remat.compile``'s graph pass, which numbers the calls alike.
@@ -94,16 +95,18 @@ OPS_SHARES = (0.25, 0.5, 0.75)
 def ops_options(calls: Mapping[str, tuple[float, float]]) -> list[str]:
     """The ``ops:`` options of one block from its candidate calls ``{key: (rank cost, bytes)}``
     in call order (NOTE [Options per operator]): the calls whose outputs are dearest to
-    rebuild per byte kept, the most expensive first, cut at :data:`OPS_SHARES` of their number.
+    rebuild per byte kept, the most expensive first, cut at :data:`OPS_SHARES` of their number,
+    and all of them (unlike ``selective``, none whose output backward does not read).
 
     Example:
         >>> ops_options({"aten::mm#0": (1.0, 4), "aten::mm#1": (8.0, 4), "aten::bmm#0": (2.0, 8),
         ...              "aten::mm#2": (0.5, 4)})
-        ['ops:aten::mm#1', 'ops:aten::mm#0+aten::mm#1', 'ops:aten::bmm#0+aten::mm#0+aten::mm#1']
+        ['ops:aten::mm#1', 'ops:aten::mm#0+aten::mm#1', 'ops:aten::bmm#0+aten::mm#0+aten::mm#1', 'ops:aten::bmm#0+aten::mm#0+aten::mm#1+aten::mm#2']
     """
     order = list(calls)
     ranked = sorted(order, key=lambda k: (-calls[k][0] / max(calls[k][1], 1.0), order.index(k)))
-    sizes = sorted({round(len(ranked) * share) for share in OPS_SHARES} & set(range(1, len(ranked))))
+    sizes = sorted({round(len(ranked) * share) for share in OPS_SHARES} & set(range(1, len(ranked)))
+                   | ({len(ranked)} if ranked else set()))
     return [f"{OPS}:{'+'.join(sorted(ranked[:size]))}" for size in sizes]
 
 
@@ -277,6 +280,9 @@ class _Ops(TorchDispatchMode):
         # may keep (NOTE [Options per operator])
         self.numbered: dict[int, dict[str, int]] = {}
         self.calls: dict[int, dict[str, list[float]]] = {}
+        self.producer: dict[int, tuple[int, str]] = {}  # storage -> the candidate call that made it
+        self.held: list = []
+        self.saved: set[tuple[int, str]] = set()  # candidate calls whose output backward reads
         self._propagating = 0
         self._patches: list = []
 
@@ -339,10 +345,29 @@ class _Ops(TorchDispatchMode):
         flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, outs)) if isinstance(t, torch.Tensor))
-        entry = self.calls.setdefault(self.block, {}).setdefault(call_key(name, index), [0.0, 0.0, 0.0])
+        key = call_key(name, index)
+        entry = self.calls.setdefault(self.block, {}).setdefault(key, [0.0, 0.0, 0.0])
         entry[0] += cost
         entry[1] += flops / self.throughput + moved / self.bandwidth
         entry[2] = float(sum(t.numel() * t.element_size() for t in outs))
+        self.held.append(outs)  # held until the step ends: no later tensor reuses the storage
+        for storage in local_storages(outs):
+            self.producer[storage._cdata] = (self.block, key)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Saved-tensor hook: note the candidate call whose output autograd saves (a view's too)."""
+        for storage in local_storages([tensor]):
+            made = self.producer.get(storage._cdata)
+            if made is not None:
+                self.saved.add(made)
+        return tensor
+
+    def candidates(self, block: int) -> dict[str, tuple[float, float]]:
+        """Block ``block``'s candidate calls, ``{key: (roofline cost, output bytes)}`` in call
+        order: those whose output backward reads (keeping another saves no memory in graph mode
+        and buys only its own re-run in eager)."""
+        found = self.calls.get(block, {})
+        return {key: (e[1], e[2]) for key, e in found.items() if (block, key) in self.saved}
 
 
 @dataclass
@@ -422,9 +447,10 @@ def _run_traced(model: torch.nn.Module, step: Step, blocks: list, ops: Any) -> t
             handles.append(kid.register_forward_pre_hook(enter((i, child))))
             handles.append(kid.register_forward_hook(leave))
     try:
-        with ops:
+        with ops, torch.autograd.graph.saved_tensors_hooks(ops.pack, lambda t: t):
             alive.append(step.run(model))
     finally:
+        ops.held.clear()
         for h in handles:
             h.remove()
         model.zero_grad(set_to_none=True)
@@ -517,8 +543,7 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
                      for name, m in blocks}
         if option == "keep" and OPS in settings.options:  # NOTE [Options per operator]
             for k, name in enumerate(names):
-                found = traced.ops.calls.get(traced.index[k], {})
-                inner[name] += ops_options({key: (e[1], e[2]) for key, e in found.items()})
+                inner[name] += ops_options(traced.ops.candidates(traced.index[k]))
         if option == "keep":
             columns = list(dict.fromkeys(c for name in names for c in inner[name]))
             pending += columns
