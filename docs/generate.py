@@ -90,7 +90,7 @@ def run(output: Output, workdir: pathlib.Path | None = None) -> str:
                           check=False)
     if done.returncode != 0:
         raise SystemExit(f"docs/generate.py: {output.command!r} failed:\n{done.stderr}")
-    lines = done.stdout.rstrip("\n").split("\n")
+    lines = done.stdout.strip("\n").split("\n")
     if output.head is not None and len(lines) > output.head:
         lines = [*lines[:output.head], " ..."]
     if output.show_command:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import io
@@ -11,6 +12,7 @@ import socket
 import traceback
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,14 +35,44 @@ def step_grads(model: torch.nn.Module, forward: Callable, inputs: list[torch.Ten
     return grads_of(model, *xs), loss.detach()
 
 
-def assert_bitwise_equal(a: list, b: list) -> None:
+def bitwise_equal(a: object, b: object) -> bool:
+    """Whether ``a`` and ``b`` are equal bit for bit: tensors by ``torch.equal``, lists and
+    tuples item by item (and of the same length), anything else (``None``, counts) by ``==``."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return (isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(bitwise_equal(x, y) for x, y in zip(a, b, strict=True)))
+    return a == b
+
+
+def assert_bitwise_equal(a: list, b: list, what: str = "tensor") -> None:
     """``a`` and ``b`` hold as many tensors, equal bit for bit (``torch.equal``), ``None`` where
-    the other is ``None``."""
-    assert len(a) == len(b), f"{len(a)} tensors against {len(b)}"
+    the other is ``None``; ``what`` names them in the failure message."""
+    assert len(a) == len(b), f"{what}s: {len(a)} against {len(b)}"
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert (x is None) == (y is None), i
+        assert (x is None) == (y is None), f"{what} #{i}: None on one side only"
         if x is not None:
-            assert torch.equal(x, y), f"tensor {i} differs: max abs diff {(x - y).abs().max()}"
+            assert torch.equal(x, y), f"{what} #{i} differs: max abs diff {(x - y).abs().max()}"
+
+
+def assert_bitwise_equal_named(a: list[tuple[str, torch.Tensor | None]],
+                               b: list[tuple[str, torch.Tensor | None]]) -> None:
+    """``a`` and ``b`` are ``(name, tensor or None)`` lists with the same names in the same order,
+    their tensors equal bit for bit (``torch.equal``); the failure lists every name that differs."""
+    assert [n for n, _ in a] == [n for n, _ in b]
+    bad = []
+    for (name, x), (_, y) in zip(a, b, strict=True):
+        if (x is None) != (y is None):
+            bad.append(f"{name}: None in {'the first' if x is None else 'the second'} only")
+        elif x is not None and not torch.equal(x, y):
+            bad.append(f"{name}: max abs diff {(x - y).abs().max().item():.3g}")
+    assert not bad, "\n".join(bad)
+
+
+def named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of each parameter's gradient, by parameter name (every parameter must have one)."""
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def assert_close_within_tolerance(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
@@ -49,6 +81,18 @@ def assert_close_within_tolerance(a: dict, b: dict, rtol: float = 1e-5, atol: fl
     assert a.keys() == b.keys()
     for name, value in a.items():
         torch.testing.assert_close(value, b[name], rtol=rtol, atol=atol, msg=name)
+
+
+def run_program(source: str, seed: int = 0) -> tuple[dict, str]:
+    """Execute a program's text with torch's and numpy's seeds set; return its globals and
+    what it printed."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    scope: dict = {"__name__": "__seed__"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(source, "<program>", "exec"), scope)  # noqa: S102 - the program, verbatim
+    return scope, out.getvalue()
 
 
 class TransformerBlock(torch.nn.Module):
@@ -69,6 +113,19 @@ class TransformerBlock(torch.nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class MLPBlock(torch.nn.Module):
+    """Post-norm MLP block: ``norm(x + down(gelu(up(x))))``; up and down split for tensor
+    parallelism (up column-wise, down row-wise)."""
+
+    def __init__(self, d: int = 16, hidden: int = 64) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d)
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(F.gelu(self.up(x))))
 
 
 # --- two ranks -------------------------------------------------------------------------------

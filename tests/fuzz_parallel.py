@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import remat
+from tests._harness import bitwise_equal
 
 D, HEADS = 16, 4
 
@@ -210,14 +211,6 @@ def _train(model: Chain, x: torch.Tensor) -> list:
     return steps
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
 def run_case(seed: int) -> dict:
     """Return ``{"verdict": "ok" | "mismatch" | "error", ...}`` for one case on this rank."""
     case = make_case(seed)
@@ -229,7 +222,7 @@ def run_case(seed: int) -> dict:
         return {"case": case, "verdict": "error", "error": traceback.format_exc(limit=6)}
     for step, (p, m) in enumerate(zip(plain, marked, strict=True)):
         for what, i in (("loss", 0), ("gradients", 3), ("parameters", 4)):
-            if not _same(p[i], m[i]):
+            if not bitwise_equal(p[i], m[i]):
                 return {"case": case, "verdict": "mismatch", "step": step, "what": what}
     return {"case": case, "verdict": "ok", "plain": [(f, b) for _, f, b, _, _ in plain],
             "marked": [(f, b) for _, f, b, _, _ in marked]}

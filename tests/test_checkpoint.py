@@ -432,10 +432,25 @@ def test_same_bytes_kept_as_torch_checkpoint():
     ids=lambda o: ",".join(o) or "default",
 )
 def test_no_engine_object_outlives_its_graph(options):
+    """Counts only the engine objects this test's own graphs create: objects an earlier test
+    left behind (or holds) are taken as a baseline first, so the test does not depend on order."""
     import gc
 
     from remat._engine import hooked as _hooked
     from remat._engine import reentrant as _reentrant
+
+    kinds = (_hooked.HookedFrame, _hooked._Holder, _reentrant.ReentrantFrame, _outputs.OutputRef)
+
+    def engine_objects() -> list:
+        gc.collect()
+        with warnings.catch_warnings():  # gc.get_objects() trips deprecated torch attributes
+            warnings.simplefilter("ignore")
+            return [o for o in gc.get_objects() if isinstance(o, kinds)]
+
+    before = engine_objects()  # held until the end, so no new object can reuse their ids
+    ids_before = {id(o) for o in before}
+    registry_before = dict(_outputs._registry)
+    hook_before = _outputs.hook_active()
 
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)])
     remat.apply(model, where=lambda name, m: name in ("0", "1", "2"), **options)
@@ -443,11 +458,10 @@ def test_no_engine_object_outlives_its_graph(options):
         model(torch.randn(2, 8, requires_grad=True)).sum().backward()
     y = model(torch.randn(2, 8, requires_grad=True))  # forward only, then dropped
     del y
-    gc.collect()
-    with warnings.catch_warnings():  # gc.get_objects() trips deprecated torch attributes
-        warnings.simplefilter("ignore")
-        alive = [o for o in gc.get_objects() if isinstance(o, (_hooked.HookedFrame, _hooked._Holder, _reentrant.ReentrantFrame, _outputs.OutputRef))]
-    assert alive == [] and _outputs._registry == {} and not _outputs.hook_active()
+    alive = [o for o in engine_objects() if id(o) not in ids_before]
+    added = {k: v for k, v in _outputs._registry.items() if registry_before.get(k) is not v}
+    assert alive == [] and added == {} and _outputs.hook_active() == hook_before
+    del before
 
 
 def test_kept_output_changed_in_place_is_rebuilt_not_replayed():

@@ -57,6 +57,17 @@ def test_readme_is_a_front_page():
         assert needed.replace("remat[", '".[') in text or needed in text, needed
 
 
+#: the project's own names for MindSpore's documentation pages, which a reader does not know
+INTERNAL_WORDS = re.compile(r"seed 00\d|seeds 00\d|seed marks|seed's|the seed\b", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("page", [*PAGES, *(f"docs/outputs/{o.name}.out" for o in generate.OUTPUTS)])
+def test_pages_and_outputs_speak_in_users_words(page):
+    """MindSpore's pages by their titles ("MindSpore's recompute tutorial"), not as seeds."""
+    found = INTERNAL_WORDS.findall((ROOT / page).read_text())
+    assert not found, f"{page}: {sorted(set(found))}"
+
+
 @pytest.mark.parametrize("output", [o for o in generate.OUTPUTS if not o.slow], ids=lambda o: o.name)
 def test_each_output_shown_comes_from_its_script(output):
     """Deterministic outputs are shown exactly as their script prints them now; the others in shape."""

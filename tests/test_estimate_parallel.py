@@ -20,7 +20,7 @@ from torch import nn
 
 import remat
 from remat.memory._tracker import local_nbytes
-from tests._harness import WORLD, assert_every_rank_succeeded, spawn_two_ranks
+from tests._harness import WORLD, MLPBlock, assert_every_rank_succeeded, spawn_two_ranks
 
 PG_TIMEOUT_S = 30
 DEADLINE_S = 120
@@ -32,20 +32,9 @@ STEPS = 3
 # --- the model, its parallelisms, its step ----------------------------------------------
 
 
-class MLPBlock(nn.Module):
-    """Post-norm MLP block: ``norm(x + down(gelu(up(x))))``."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.up, self.down, self.norm = nn.Linear(D, hidden), nn.Linear(hidden, D), nn.LayerNorm(D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
-
-
 def make(hidden: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[MLPBlock(hidden) for _ in range(BLOCKS)])
+    return nn.Sequential(*[MLPBlock(D, hidden) for _ in range(BLOCKS)])
 
 
 def tensor_parallel(model: nn.Sequential, mesh: object) -> nn.Sequential:
@@ -396,7 +385,7 @@ def test_a_composed_rank_plan_grows_each_phase_at_its_own_rate():
 
 
 def _tiny() -> nn.Sequential:
-    return nn.Sequential(MLPBlock(8), MLPBlock(8))
+    return nn.Sequential(MLPBlock(D, 8), MLPBlock(D, 8))
 
 
 def test_bad_arguments_name_the_api_and_the_fix():

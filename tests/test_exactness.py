@@ -18,6 +18,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import remat
 from remat._engine import outputs as _outputs
+from tests._harness import assert_bitwise_equal
 
 W = 6
 
@@ -49,11 +50,7 @@ def assert_exact(model: nn.Module, mark: Callable[[nn.Module], None], x: torch.T
         a = _run(plain, forward, x, seed + step, backwards)
         b = _run(marked, forward, x, seed + step, backwards)
         for key in a:
-            assert len(a[key]) == len(b[key]), key
-            for i, (u, v) in enumerate(zip(a[key], b[key], strict=True)):
-                assert (u is None) == (v is None), (key, i)
-                if u is not None:
-                    assert torch.equal(u, v), f"step {step}: {key} #{i} differs by {(u - v).abs().max()}"
+            assert_bitwise_equal(a[key], b[key], what=f"step {step}: {key}")
         for m in (plain, marked):
             with torch.no_grad():
                 for p in m.parameters():

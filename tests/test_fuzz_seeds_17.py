@@ -30,6 +30,7 @@ from torch import nn
 
 import remat
 from remat import ops
+from tests._harness import assert_bitwise_equal_named
 
 torch.set_num_threads(1)
 
@@ -91,17 +92,6 @@ def _train(model: nn.Module, inputs: list, loss: Callable, steps: int = 2) -> li
         seen += [(f"step {step} param {n}", p.detach().clone())
                  for n, p in model.named_parameters()]
     return seen
-
-
-def _assert_bitwise(plain: list, marked: list) -> None:
-    assert [n for n, _ in plain] == [n for n, _ in marked]
-    bad = []
-    for (name, a), (_, b) in zip(plain, marked, strict=True):
-        if (a is None) != (b is None):
-            bad.append(f"{name}: None in {'plain' if a is None else 'marked'} only")
-        elif a is not None and not torch.equal(a, b):
-            bad.append(f"{name}: max abs diff {(a - b).abs().max().item():.3g}")
-    assert not bad, "\n".join(bad)
 
 
 # --- blocks -------------------------------------------------------------------------------
@@ -593,7 +583,7 @@ def test_marked_module_called_through_reentrant_bound_method(seed):
     def loss(out):
         return _losses(out if isinstance(out, tuple) else (out,), case.loss)
 
-    _assert_bitwise(_train(plain, inputs, loss), _train(marked, inputs, loss))
+    assert_bitwise_equal_named(_train(plain, inputs, loss), _train(marked, inputs, loss))
 
 
 # --- the smallest form ----------------------------------------------------------------

@@ -17,7 +17,7 @@ import remat
 from remat import ops
 from remat._graph import _compare
 from remat.models import resnet
-from tests._harness import assert_close_within_tolerance
+from tests._harness import assert_close_within_tolerance, named_grads
 
 torch.set_num_threads(1)
 
@@ -37,15 +37,11 @@ class SeedMLP(remat.nn.Cell):
         return self.fc3(self.relu2(self.fc2(self.relu1(self.fc1(x)))))
 
 
-def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def train_step(fn, model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     out = fn(x)
     out.sum().backward()
-    return out.detach(), grads(model)
+    return out.detach(), named_grads(model)
 
 
 def dump_lines(report, stage: str) -> list[str]:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-
-import numpy as np
 import pytest
 import torch
 
-from remat.ms import _context
+from tests._harness import run_program
 from tests.test_seeds import SEED_000_MINDSPORE, swap_imports
 
 torch.set_num_threads(1)
@@ -24,18 +20,11 @@ def program(context: str) -> str:
 
 
 def run(context: str) -> tuple[dict, str]:
-    torch.manual_seed(0)
-    np.random.seed(0)
-    scope: dict = {"__name__": "__seed__"}
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(program(context), "<seed>", "exec"), scope)  # noqa: S102
-    return scope, out.getvalue()
+    return run_program(program(context))
 
 
 @pytest.fixture
-def fresh_context(monkeypatch):
-    monkeypatch.setattr(_context, "_context", dict(_context._DEFAULTS))
+def fresh_context(fresh_ms_context):
     torch._dynamo.reset()
 
 

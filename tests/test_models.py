@@ -5,7 +5,7 @@ import torch
 
 import remat
 from remat.models import GPT, GPTConfig, ResidualBlock, gpt, resnet, resnet50
-from tests._harness import assert_bitwise_equal
+from tests._harness import assert_bitwise_equal, named_grads
 
 # torchvision's resnet50(num_classes=10) layout: 25,557,032 parameters with 1000 classes,
 # minus the 1000-class head (2048 * 1000 + 1000) plus a 10-class head (2048 * 10 + 10).
@@ -82,11 +82,11 @@ def test_gpt_marks_every_block():
         GPTConfig(width=10, heads=3)
 
 
-def _grads(model, x, step):
+def _loss_and_grads(model, x, step):
     model.zero_grad()
     loss = step(model, x)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), named_grads(model)
 
 
 @pytest.mark.parametrize(
@@ -103,8 +103,8 @@ def test_marked_resnet_gradients_equal_unmarked(options):
     def step(m, x):
         return m(x).square().mean()
 
-    loss_a, grads_a = _grads(plain, x, step)
-    loss_b, grads_b = _grads(marked, x, step)
+    loss_a, grads_a = _loss_and_grads(plain, x, step)
+    loss_b, grads_b = _loss_and_grads(marked, x, step)
     assert torch.equal(loss_a, loss_b)
     assert list(grads_b) == list(grads_a)
     assert_bitwise_equal(list(grads_b.values()), list(grads_a.values()))
@@ -121,8 +121,8 @@ def test_marked_gpt_gradients_equal_unmarked():
     def step(m, x):
         return torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten())
 
-    loss_a, grads_a = _grads(plain, tokens, step)
-    loss_b, grads_b = _grads(marked, tokens, step)
+    loss_a, grads_a = _loss_and_grads(plain, tokens, step)
+    loss_b, grads_b = _loss_and_grads(marked, tokens, step)
     assert torch.equal(loss_a, loss_b)
     assert list(grads_b) == list(grads_a)
     assert_bitwise_equal(list(grads_b.values()), list(grads_a.values()))

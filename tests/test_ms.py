@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import remat
 import remat.ms as mindspore
-from remat.ms import Tensor, _context, nn, ops
+from remat.ms import Tensor, nn, ops
 
 torch.set_num_threads(1)
 
@@ -66,12 +66,7 @@ def test_tensor_rejects_bad_input():
 # --- context and seeds -----------------------------------------------------------------------
 
 
-@pytest.fixture
-def fresh_context(monkeypatch):
-    monkeypatch.setattr(_context, "_context", dict(_context._DEFAULTS))
-
-
-def test_set_context_records_and_validates(fresh_context):
+def test_set_context_records_and_validates(fresh_ms_context):
     mindspore.set_context(mode=mindspore.GRAPH_MODE, save_graphs=True, save_graphs_path="/tmp/g")
     assert mindspore.get_context("mode") == mindspore.GRAPH_MODE == 0
     assert mindspore.get_context("save_graphs_path") == "/tmp/g"
@@ -87,7 +82,7 @@ def test_set_context_records_and_validates(fresh_context):
         mindspore.get_context("x")
 
 
-def test_graph_mode_gives_pynative_gradients_without_warning(fresh_context):
+def test_graph_mode_gives_pynative_gradients_without_warning(fresh_ms_context):
     fc = nn.Dense(3, 2)
     x = torch.randn(4, 3)
     eager = ops.grad(fc, None, fc.weight)(x)

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
+from tests._harness import assert_bitwise_equal_named
 
 EARLY_STOP = [True, False]
 
@@ -543,11 +544,7 @@ def test_region_over_marked_module(form, outer, mark, model):
     MARKS[mark](marked.blk)
     expected = _train(plain, None, False)
     actual = _train(marked, _outer(form, reentrant, early_stop), early_stop_global)
-    assert [k for k, _ in actual] == [k for k, _ in expected]
-    for (what, a), (_, e) in zip(actual, expected, strict=True):
-        assert (a is None) == (e is None), what
-        if a is not None:
-            assert torch.equal(a, e), f"{what} differs"
+    assert_bitwise_equal_named(actual, expected)
 
 
 def _with_grad_inside(blk, t):
@@ -565,7 +562,4 @@ def test_backward_inside_outer_region_over_marked_module(mark, model):
     expected = _train(plain, _with_grad_inside, False)
     outer = functools.partial(remat.checkpoint, _with_grad_inside, use_reentrant=False)
     actual = _train(marked, outer, True)
-    for (what, a), (_, e) in zip(actual, expected, strict=True):
-        assert (a is None) == (e is None), what
-        if a is not None:
-            assert torch.equal(a, e), f"{what} differs"
+    assert_bitwise_equal_named(actual, expected)

@@ -96,7 +96,7 @@ def _mlp(act: torch.nn.Module, seed: int = 0) -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(6, 8), act, torch.nn.Linear(8, 3))
 
 
-def _grads(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+def _input_and_param_grads(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     x = x.clone().requires_grad_(True)
     model(x).square().sum().backward()
     return [x.grad] + [p.grad for p in model.parameters()]
@@ -106,7 +106,7 @@ def test_marked_primitive_runs_again_in_backward_and_gives_equal_gradients():
     x = torch.randn(5, 6)
     bare, marked = _mlp(CountingTanh()), _mlp(CountingTanh())
     marked[1].recompute()
-    expected, got = _grads(bare, x), _grads(marked, x)
+    expected, got = _input_and_param_grads(bare, x), _input_and_param_grads(marked, x)
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     assert (bare[1].runs, marked[1].runs) == (1, 2)  # forward once; forward + one rebuild
 
@@ -116,7 +116,7 @@ def test_every_unary_primitive_gives_equal_gradients_when_marked(make):
     x = torch.randn(5, 6)
     bare, marked = _mlp(make()), _mlp(make())
     marked[1].recompute()
-    assert all(torch.equal(a, b) for a, b in zip(_grads(bare, x), _grads(marked, x), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_input_and_param_grads(bare, x), _input_and_param_grads(marked, x), strict=True))
 
 
 class Attention(torch.nn.Module):
@@ -144,7 +144,7 @@ def test_binary_primitives_give_equal_gradients_when_marked():
     for m in marked.modules():
         if isinstance(m, ops.Primitive):
             m.recompute()
-    assert all(torch.equal(a, b) for a, b in zip(_grads(bare, x), _grads(marked, x), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_input_and_param_grads(bare, x), _input_and_param_grads(marked, x), strict=True))
 
 
 # --- memory: what a mark stops keeping ------------------------------------------------------
@@ -253,5 +253,5 @@ def test_a_primitive_called_twice_is_two_regions():
     marked = copy.deepcopy(bare)
     marked.relu.recompute()
     x = torch.randn(4, 6)
-    assert all(torch.equal(a, b) for a, b in zip(_grads(bare, x), _grads(marked, x), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_input_and_param_grads(bare, x), _input_and_param_grads(marked, x), strict=True))
     assert (bare.relu.runs, marked.relu.runs) == (2, 4)  # each call rebuilt once

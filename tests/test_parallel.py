@@ -20,24 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 import remat
-from tests._harness import WORLD, assert_every_rank_succeeded, spawn_two_ranks
+from tests._harness import WORLD, MLPBlock, assert_every_rank_succeeded, spawn_two_ranks
 
 PG_TIMEOUT_S = 30
 DEADLINE_S = 150
 
 
 # --- models ----------------------------------------------------------------------------
-
-
-class MLPBlock(nn.Module):
-    """Post-norm MLP block: ``norm(x + down(gelu(up(x))))``; tensor-parallel up/down."""
-
-    def __init__(self, d: int = 16, hidden: int = 64) -> None:
-        super().__init__()
-        self.up, self.down, self.norm = nn.Linear(d, hidden), nn.Linear(hidden, d), nn.LayerNorm(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
 
 
 def _blocks(n: int, d: int = 16, hidden: int = 64) -> nn.Sequential:

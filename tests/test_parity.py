@@ -19,19 +19,16 @@ import torch
 import torch.utils.checkpoint as tuc
 
 import remat
+from tests._harness import bitwise_equal
 
 torch_ctx = tuc  # torch's context managers and types, read by the tests only
 
 
-def grads_of(fn, *inputs):
+def output_and_grads(fn, *inputs):
     """Output and gradients of ``fn(*inputs).sum()`` with respect to the inputs that need them."""
     out = fn(*inputs)
     wrt = [t for t in inputs if t.requires_grad]
     return out.detach(), torch.autograd.grad(out.sum(), wrt)
-
-
-def same(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 # --- every public name --------------------------------------------------------------
@@ -310,7 +307,7 @@ def test_graph_exec_group_detects_overlapping_backward_calls(group_cls):
             torch.autograd.grad(y.sum(), x)
     # outside a group the same two calls re-run twice and both are exact
     g1 = torch.autograd.grad(y.sum(), x, retain_graph=True)
-    assert same(g1, torch.autograd.grad(y.sum(), x))
+    assert bitwise_equal(g1, torch.autograd.grad(y.sum(), x))
 
 
 def test_graph_exec_groups_do_not_nest_across_libraries():
@@ -364,9 +361,9 @@ def test_selective_contexts_save_what_torch_saves_and_give_bitwise_gradients(pol
     block = 64 * 64 * 4
     assert base_bytes == 3 * block  # mm, sin and cos outputs
     assert ours_bytes == torch_bytes == 2 * block  # the two mm outputs; sin and cos are rebuilt
-    base = grads_of(_sac_fn, x, y)
-    ours = grads_of(lambda a, b: remat.checkpoint(_sac_fn, a, b, use_reentrant=False, context_fn=context_fn), x, y)
-    assert torch.equal(ours[0], base[0]) and same(ours[1], base[1])
+    base = output_and_grads(_sac_fn, x, y)
+    ours = output_and_grads(lambda a, b: remat.checkpoint(_sac_fn, a, b, use_reentrant=False, context_fn=context_fn), x, y)
+    assert torch.equal(ours[0], base[0]) and bitwise_equal(ours[1], base[1])
 
 
 def test_policy_function_is_asked_in_forward_only_with_a_context():
@@ -472,7 +469,7 @@ def test_unpacking_a_saved_tensor_twice_raises_torchs_message():
     expected = torch.autograd.grad(foo(*inputs).sum(), inputs)  # baseline: unpacks once
     raised.append("in region")
     got = torch.autograd.grad(remat.checkpoint(foo, *inputs, use_reentrant=False).sum(), inputs)
-    assert raised == ["in region", True] and same(got, expected)
+    assert raised == ["in region", True] and bitwise_equal(got, expected)
 
 
 def test_reentrant_grad_works_where_torch_raises():
@@ -490,7 +487,7 @@ def test_reentrant_grad_works_where_torch_raises():
     want = torch.autograd.grad(lin(x).sum(), [x, *lin.parameters()])
     got = torch.autograd.grad(remat.checkpoint(Opaque(), x, use_reentrant=True).sum(),
                               [x, *lin.parameters()])
-    assert same(list(got), list(want))
+    assert bitwise_equal(list(got), list(want))
 
 
 # --- torch's test_utils.py: TestCheckpoint --------------------------------------------
@@ -507,7 +504,7 @@ def test_checkpoint_valid_non_reentrant_grads_equal():
     out_ck = remat.checkpoint_sequential(list(model.children()), 2, x, use_reentrant=False)
     assert torch.equal(out_ck, out)
     got = torch.autograd.grad([out_ck], [x], [torch.ones(1, 5)], create_graph=True)
-    assert same(got, expected)
+    assert bitwise_equal(got, expected)
 
 
 def test_checkpoint_function_apply_matches_torch():
@@ -522,8 +519,8 @@ def test_checkpoint_function_apply_matches_torch():
         return [x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone()]
 
     plain = grads(lambda: lin(x))
-    assert same(grads(lambda: remat.CheckpointFunction.apply(lin, True, x)), plain)
-    assert same(grads(lambda: tuc.CheckpointFunction.apply(lin, True, x)), plain)
+    assert bitwise_equal(grads(lambda: remat.CheckpointFunction.apply(lin, True, x)), plain)
+    assert bitwise_equal(grads(lambda: tuc.CheckpointFunction.apply(lin, True, x)), plain)
 
 
 def test_helpers_behave_like_torchs():
@@ -577,7 +574,7 @@ def test_parameter_used_in_an_out():
 
     expected = torch.autograd.grad(fn(x).sum(), (w, x))
     got = torch.autograd.grad(remat.checkpoint(fn, x, use_reentrant=False).sum(), (w, x))
-    assert same(got, expected)
+    assert bitwise_equal(got, expected)
 
 
 def test_arbitrary_input_output():
@@ -660,7 +657,7 @@ def test_non_tensor_inputs_and_outputs(use_reentrant):
     assert torch.equal(res[1], plain[1]) and torch.equal(res[4], plain[4]) and torch.equal(res[6], t1)
     got = torch.autograd.grad([res[1].sum(), res[4].sum()], (t1, t2, t3), retain_graph=True)
     expected = torch.autograd.grad([plain[1].sum(), plain[4].sum()], (t1, t2, t3))
-    assert same(got, expected)
+    assert bitwise_equal(got, expected)
 
 
 def test_partial_grad():
@@ -700,7 +697,7 @@ def test_selective_contexts_allow_a_second_backward_unlike_torch():
         context_fn = functools.partial(create, [torch.ops.aten.mm.default])
         out = remat.checkpoint(_sac_fn, x, y, use_reentrant=False, context_fn=context_fn).sum()
         first = torch.autograd.grad(out, (x, y), retain_graph=True)
-        assert same(first, expected) and same(torch.autograd.grad(out, (x, y)), expected)
+        assert bitwise_equal(first, expected) and bitwise_equal(torch.autograd.grad(out, (x, y)), expected)
 
 
 def test_selective_contexts_rebuild_a_kept_output_changed_in_place():
@@ -717,7 +714,7 @@ def test_selective_contexts_rebuild_a_kept_output_changed_in_place():
     expected = torch.autograd.grad(fn(x).sum(), x)
     context_fn = functools.partial(remat.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
     got = torch.autograd.grad(remat.checkpoint(fn, x, use_reentrant=False, context_fn=context_fn).sum(), x)
-    assert same(got, expected)
+    assert bitwise_equal(got, expected)
     torch_fn = functools.partial(tuc.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
     out = tuc.checkpoint(fn, x, use_reentrant=False, context_fn=torch_fn).sum()
     with pytest.raises(RuntimeError, match="has been mutated"):

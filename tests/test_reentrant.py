@@ -25,7 +25,7 @@ def _marks(model: nn.Module) -> dict:
     }
 
 
-def _grads(model: nn.Module, *inputs: torch.Tensor) -> list:
+def _param_and_input_grads(model: nn.Module, *inputs: torch.Tensor) -> list:
     return [p.grad for p in model.parameters()] + [x.grad for x in inputs]
 
 
@@ -41,7 +41,7 @@ def test_gradient_penalty_is_differentiable_and_exact(how):
         grads = torch.autograd.grad((forward(x) * weights).sum(), [x, *params], create_graph=True)
         assert grads[0].requires_grad and grads[1].requires_grad
         sum(g.pow(2).sum() for g in grads).backward()
-        return _grads(model, x)
+        return _param_and_input_grads(model, x)
 
     plain = copy.deepcopy(model)
     assert_bitwise_equal(penalty(plain, plain), penalty(_marks(model)[how], model))
@@ -58,7 +58,7 @@ def test_gradient_penalty_through_shared_weights_is_exact():
         out = remat.checkpoint(f, h, use_reentrant=True) if mark else f(h)
         (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
         gx.pow(2).sum().backward()
-        grads = _grads(lin, x)
+        grads = _param_and_input_grads(lin, x)
         lin.zero_grad(set_to_none=True)
         return grads
 
@@ -82,7 +82,7 @@ def test_gradient_penalty_through_the_output_differs_at_most_in_the_last_bits(lo
         else:
             (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
             gx.pow(2).sum().backward()
-        return _grads(model, x)
+        return _param_and_input_grads(model, x)
 
     plain = copy.deepcopy(model)
     for want, got in zip(run(plain, plain), run(_marks(model)["recompute"], model), strict=True):
@@ -145,7 +145,7 @@ def test_in_place_on_a_view_output(how):
         out = forward(x)
         out.relu_()
         out.pow(2).sum().backward()
-        return _grads(model, x)
+        return _param_and_input_grads(model, x)
 
     plain = copy.deepcopy(model)
     assert_bitwise_equal(run(plain, plain), run(_marks(model)[how], model))
@@ -175,9 +175,9 @@ def test_region_writing_its_argument_backward_twice(requires_grad, how):
         out = forward(a)
         loss = (out.sum() + a.pow(2).sum())  # a later reader sees (and differentiates) the ReLU
         loss.backward(retain_graph=True)
-        first = [g.clone() for g in _grads(model, *([x] if requires_grad else []))]
+        first = [g.clone() for g in _param_and_input_grads(model, *([x] if requires_grad else []))]
         loss.backward(retain_graph=True)
-        return first + _grads(model, *([x] if requires_grad else []))
+        return first + _param_and_input_grads(model, *([x] if requires_grad else []))
 
     plain = copy.deepcopy(model)
     assert_bitwise_equal(run(plain, plain), run(_marks(model)[how], model))
@@ -210,13 +210,13 @@ def test_each_parameter_gradient_arrives_once(how):
     x = torch.randn(5, 4, requires_grad=True)
     _marks(model)[how](x).sum().backward()
     assert calls == {i: 1 for i in range(4)}
-    grads = _grads(model, x)
+    grads = _param_and_input_grads(model, x)
     plain = copy.deepcopy(model)
     for p in plain.parameters():
         p.grad = None
     y = x.detach().clone().requires_grad_()
     plain(y).sum().backward()
-    assert_bitwise_equal(_grads(plain, y), grads)
+    assert_bitwise_equal(_param_and_input_grads(plain, y), grads)
 
 
 def test_backward_with_inputs_gets_only_those():
@@ -256,13 +256,13 @@ def test_gradients_bitwise_unless_read_twice_inside_and_also_outside(outside):
         out = remat.checkpoint(model, h, use_reentrant=reentrant)
         loss = out.sum() + (h.pow(2).sum() if outside else 0)
         loss.backward()
-        return _grads(model, x)
+        return _param_and_input_grads(model, x)
 
     plain = copy.deepcopy(block)
     x = x0.clone().requires_grad_()
     h = torch.sin(x)
     (plain(h).sum() + (h.pow(2).sum() if outside else 0)).backward()
-    want = _grads(plain, x)
+    want = _param_and_input_grads(plain, x)
     assert_bitwise_equal(want, run(False))
     got = run(True)
     assert_bitwise_equal(want[:-1], got[:-1])  # the parameters: bitwise
@@ -327,13 +327,13 @@ def test_parameter_gradient_hooks_run_once(how, call):
         params = list(model.parameters())
         if call == "backward":
             loss.backward()
-            grads = _grads(model, x)
+            grads = _param_and_input_grads(model, x)
         elif call == "grad":
             grads = list(torch.autograd.grad(loss, [x, *params]))
         else:
             (gx,) = torch.autograd.grad(loss, x, create_graph=True)
             gx.pow(2).sum().backward()
-            grads = _grads(model, x)
+            grads = _param_and_input_grads(model, x)
         return grads, calls
 
     plain = copy.deepcopy(model)
@@ -364,7 +364,7 @@ def test_parametrized_module_in_a_reentrant_region():
         calls = _hooked(model)
         x = x0.clone().requires_grad_()
         forward(x).pow(2).sum().backward()
-        return _grads(model, x), calls
+        return _param_and_input_grads(model, x), calls
 
     plain = copy.deepcopy(model)
     want = run(plain, plain)
@@ -407,7 +407,7 @@ def test_region_writing_an_argument_that_is_a_view(how, readers):
         if readers == 2:
             loss = loss + base.exp().sum()
         loss.backward()
-        return _grads(model, x)
+        return _param_and_input_grads(model, x)
 
     plain = copy.deepcopy(model)
     assert_bitwise_equal(run(plain, plain), run(_marks(model)[how], model))
@@ -430,7 +430,7 @@ def test_gradient_penalty_through_a_region_writing_its_argument(how, view):
             out = forward(arg)
             (gx,) = torch.autograd.grad((out * weights).sum() + a.sum(), x, create_graph=True)
             gx.pow(2).sum().backward()
-            return _grads(model, x)
+            return _param_and_input_grads(model, x)
 
         plain = copy.deepcopy(model)
         assert_bitwise_equal(run(plain, plain), run(_marks(model)[how], model))

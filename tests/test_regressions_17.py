@@ -15,6 +15,7 @@ from torch import nn
 
 import remat
 from remat._engine import outputs as _outputs
+from tests._harness import assert_bitwise_equal
 
 
 def _alive(refs: list) -> int:
@@ -90,12 +91,6 @@ def _step(model: nn.Module, run, x: torch.Tensor) -> list:
     return [xi.grad, *(p.grad for p in model.parameters()), *model.buffers()]
 
 
-def _assert_equal(a: list, b: list) -> None:
-    assert len(a) == len(b)
-    for i, (u, v) in enumerate(zip(a, b, strict=True)):
-        assert torch.equal(u, v), f"tensor {i} differs"
-
-
 def test_save_all_mark_under_checkpoint_with_save_all_context() -> None:
     """Issue 17: a block marked with ``policy=save_all`` whose bound method (opaque to remat:
     the mark's wrapper) is also checkpointed with a save_all ``context_fn`` raised "aten.clone
@@ -109,7 +104,7 @@ def test_save_all_mark_under_checkpoint_with_save_all_context() -> None:
     got = _step(marked, lambda m, t: remat.checkpoint(
         m.forward, t, use_reentrant=False, early_stop=False,
         context_fn=remat.policy_context(remat.save_all)), x)
-    _assert_equal(want, got)
+    assert_bitwise_equal(want, got)
 
 
 def test_output_recompute_mark_under_checkpoint_with_torch_sac() -> None:
@@ -127,4 +122,4 @@ def test_output_recompute_mark_under_checkpoint_with_torch_sac() -> None:
     got = _step(marked, lambda m, t: remat.checkpoint(
         m.forward, t, use_reentrant=False, early_stop=False,
         context_fn=lambda: create_selective_checkpoint_contexts(policy_fn)), x)
-    _assert_equal(want, got)
+    assert_bitwise_equal(want, got)

@@ -6,16 +6,14 @@ changes nothing but the import lines; the program is then executed as is.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 import weakref
 
-import numpy as np
 import pytest
 import torch
 
 import remat
+from tests._harness import run_program
 
 torch.set_num_threads(1)
 F32 = 4  # bytes per float32 element
@@ -116,17 +114,6 @@ def without_recompute(source: str) -> str:
     return source.replace("recompute(self.conv, x)", "self.conv(x)")
 
 
-def run(source: str, seed: int = 0) -> tuple[dict, str]:
-    """Execute a program with fixed seeds; return its globals and what it printed."""
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    scope: dict = {"__name__": "__seed__"}
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(source, "<seed>", "exec"), scope)  # noqa: S102 - the seed program, verbatim
-    return scope, out.getvalue()
-
-
 def test_swap_changes_only_import_lines():
     for program in (SEED_000_MINDSPORE, SEED_002_MINDSPORE):
         before, after = program.splitlines(), swap_imports(program).splitlines()
@@ -139,7 +126,7 @@ def test_swap_changes_only_import_lines():
 
 
 def test_seed_000_runs_and_prints_the_gradient_of_fc1_weight():
-    scope, printed = run(swap_imports(SEED_000_MINDSPORE))
+    scope, printed = run_program(swap_imports(SEED_000_MINDSPORE))
     grads, model = scope["grads"], scope["model"]
     assert isinstance(grads, tuple) and len(grads) == 1 and grads[0].shape == (24, 12)
     assert printed == str(grads) + "\n"
@@ -151,16 +138,16 @@ def test_seed_000_runs_and_prints_the_gradient_of_fc1_weight():
 
 
 def test_seed_000_gradients_equal_the_program_without_marks():
-    marked, _ = run(swap_imports(SEED_000_MINDSPORE))
-    bare, _ = run(swap_imports(without_recompute(SEED_000_MINDSPORE)))
+    marked, _ = run_program(swap_imports(SEED_000_MINDSPORE))
+    bare, _ = run_program(swap_imports(without_recompute(SEED_000_MINDSPORE)))
     assert remat.marked_modules(bare["model"]) == {}
     assert torch.equal(marked["loss"], bare["loss"])
     assert torch.equal(marked["grads"][0], bare["grads"][0])
 
 
 def test_seed_000_every_parameter_gradient_equals_the_unmarked_model():
-    marked, _ = run(swap_imports(SEED_000_MINDSPORE))
-    bare, _ = run(swap_imports(without_recompute(SEED_000_MINDSPORE)))
+    marked, _ = run_program(swap_imports(SEED_000_MINDSPORE))
+    bare, _ = run_program(swap_imports(without_recompute(SEED_000_MINDSPORE)))
     ms = marked["mindspore"]
     grad_of = lambda scope: ms.value_and_grad(
         scope["forward_fn"], 0, tuple(scope["model"].parameters()), has_aux=True
@@ -207,7 +194,7 @@ def test_seed_000_memory_relu2_is_rebuilt_from_fc2s_kept_output():
     into one chain that keeps only its first input, fc1's output (B x 24).
     """
     B = 32
-    scope, _ = run(swap_imports(SEED_000_MINDSPORE))
+    scope, _ = run_program(swap_imports(SEED_000_MINDSPORE))
     model, x = scope["model"], torch.randn(B, 12)
     assert _kept(model, x) == (B * (24 + 48) * F32, {"h2": True, "r2": False})
     remat.unmark(model)
@@ -223,15 +210,15 @@ def test_seed_000_memory_relu2_is_rebuilt_from_fc2s_kept_output():
 
 def test_seed_002_prints_exactly_the_seeds_gradient():
     """print(grad) writes numpy's text, as MindSpore's print does; the seed folds its lines."""
-    scope, printed = run(swap_imports(SEED_002_MINDSPORE))
+    scope, printed = run_program(swap_imports(SEED_002_MINDSPORE))
     assert printed == SEED_002_PRINTED_LINES
     assert " ".join(printed.split()) == SEED_002_PRINTED
     assert isinstance(scope["grad"], torch.Tensor) and scope["grad"].shape == (2, 2, 2, 2)
 
 
 def test_seed_002_gradient_equals_the_program_without_recompute():
-    marked, _ = run(swap_imports(SEED_002_MINDSPORE))
-    bare, printed = run(swap_imports(without_recompute(SEED_002_MINDSPORE)))
+    marked, _ = run_program(swap_imports(SEED_002_MINDSPORE))
+    bare, printed = run_program(swap_imports(without_recompute(SEED_002_MINDSPORE)))
     assert "recompute(" not in without_recompute(SEED_002_MINDSPORE).split("class")[1]
     assert torch.equal(marked["grad"], bare["grad"]) and printed == SEED_002_PRINTED_LINES
     # the weight inside the reentrant block too, and no .grad is left behind
@@ -242,7 +229,7 @@ def test_seed_002_gradient_equals_the_program_without_recompute():
 
 
 def test_seed_002_conv_runs_again_in_backward():
-    scope, _ = run(swap_imports(SEED_002_MINDSPORE))
+    scope, _ = run_program(swap_imports(SEED_002_MINDSPORE))
     net, runs = scope["my_net"], []
     net.conv.register_forward_pre_hook(lambda m, a: runs.append(remat.is_recomputing()))
     scope["ops"].grad(net)(scope["inputs"])

@@ -1,6 +1,6 @@
 """MindSpore-style text dumps (and Graphviz files) of the graphs at each stage of the pass.
 
-One node a line, as in MindSpore's ``save_graphs`` output (seed 003)::
+One node a line, as in MindSpore's ``save_graphs`` output (as its recompute tutorial shows it)::
 
     %12(relu_1) = aten.relu.default(%11) {instance name: relu2 (ReLU)} \
 cnode_attrs: {need_cse_after_recompute: true, recompute: true} : (f32[2, 48]) -> (f32[2, 48])

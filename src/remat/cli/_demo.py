@@ -1,6 +1,6 @@
-"""``remat demo``: seed 003's tutorial, run: ResNet-50 on CIFAR-10 with and without recompute.
+"""``remat demo``: MindSpore's recompute tutorial (ResNet-50, CIFAR-10) with and without recompute.
 
-The same network, from the same seed, trains on the same batches in each
+The same network, from the same random seed, trains on the same batches in each
 configuration; the table compares what each configuration keeps for backward,
 its peak memory, its step time, and its final loss, which recompute must not
 change.
@@ -29,14 +29,15 @@ import remat
 from remat.data import load_cifar10
 from remat.models import resnet, resnet50
 
-#: ``(name, options of Cell.recompute for the seed's blocks, or None for no marks)``.
+#: ``(name, options of Cell.recompute for the tutorial's blocks, or None for no marks)``.
 CONFIGURATIONS: tuple[tuple[str, dict | None], ...] = (
     ("no recompute", None),
-    ("seed marks", {}),
-    ("seed marks + output_recompute", {"output_recompute": True}),
+    ("tutorial marks", {}),
+    ("tutorial marks + output_recompute", {"output_recompute": True}),
     ("selective (save_compute_intensive)", {"policy": remat.save_compute_intensive}),
 )
-#: The planner's row: budgets tried, as shares of the seed marks' measured peak (first that fits).
+#: The planner's row: budgets tried, as shares of the tutorial marks' measured peak (first that
+#: fits).
 PLANNER_SHARES = (0.85, 0.9, 0.95, 1.0)
 
 
@@ -50,10 +51,12 @@ class DemoConfig:
         data_dir: folder of the CIFAR-10 binary files; None for the synthetic set.
         out_dir: where ``demo.json`` and ``memory_timeline.png`` go; None writes nothing.
         device: ``"cpu"``, ``"cuda"``; None picks CUDA when present.
-        model: ``"resnet50"`` (seed 003) or ``"tiny"`` (two small stages, for smoke tests).
+        model: ``"resnet50"`` (the ResNet-50 of MindSpore's recompute tutorial) or ``"tiny"``
+            (two small stages, for smoke tests).
         seed: seed of the weights (the batches are the same in every configuration).
         lr: Adam learning rate.
-        planner: add a row planned by :func:`remat.plan` for a budget below the seed marks' peak.
+        planner: add a row planned by :func:`remat.plan` for a budget below the tutorial
+            marks' peak.
     """
 
     steps: int = 16
@@ -68,8 +71,8 @@ class DemoConfig:
 
 
 def build_model(name: str, options: dict | remat.Plan | None) -> torch.nn.Module:
-    """Build the demo's model, marked with seed 003's recipe when ``options`` is a dict
-    (``Cell.recompute`` options) or as a :class:`remat.Plan` says."""
+    """Build the demo's model, marked as MindSpore's recompute tutorial marks it when
+    ``options`` is a dict (``Cell.recompute`` options), or as a :class:`remat.Plan` says."""
     if name == "resnet50":
         net = resnet50(class_num=10)
     elif name == "tiny":
@@ -84,11 +87,11 @@ def build_model(name: str, options: dict | remat.Plan | None) -> torch.nn.Module
 
 
 def make_plan(config: DemoConfig, data: Any) -> tuple[remat.Plan, int]:
-    """Plan the demo's model for the lowest of :data:`PLANNER_SHARES` of the seed marks' peak
+    """Plan the demo's model for the lowest of :data:`PLANNER_SHARES` of the tutorial marks' peak
     that fits; return the plan and that peak.
 
     The plan's step is the demo's own (:func:`train_configuration`'s ``forward_backward``):
-    load a batch, forward, cross-entropy, backward, without the optimizer step; the seed
+    load a batch, forward, cross-entropy, backward, without the optimizer step; the tutorial
     marks' peak is measured on the same step, so the plan's row is measured as planned.
     """
     from remat.memory.internal import Step
@@ -105,14 +108,14 @@ def make_plan(config: DemoConfig, data: Any) -> tuple[remat.Plan, int]:
         loss.backward()
         return loss
 
-    seeded = build_model(config.model, {}).to(device)
-    seed_peak = measure_peak(seeded, Step(batch=0, custom=step), optimizer=None, fake=False)
-    budgets = [int(share * seed_peak) for share in PLANNER_SHARES]
+    tutorial = build_model(config.model, {}).to(device)
+    tutorial_peak = measure_peak(tutorial, Step(batch=0, custom=step), optimizer=None, fake=False)
+    budgets = [int(share * tutorial_peak) for share in PLANNER_SHARES]
     plans = sweep(model, budgets=budgets, batch=0, step=step, optimizer=None, repeat=1, floors=True)
     fitting = [p for p in plans if isinstance(p, remat.Plan)]
     if not fitting:
         raise plans[-1]
-    return fitting[0], seed_peak
+    return fitting[0], tutorial_peak
 
 
 def has_tracker() -> bool:
@@ -274,7 +277,7 @@ def _train_all(config: DemoConfig, data: Any, progress: bool) -> list[dict]:
 
     rows = []
     columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns) as bar:
+    with Progress(*columns, transient=True) as bar:  # gone once the table prints
         task = bar.add_task("training", total=total)
         for name, options in CONFIGURATIONS:
             bar.update(task, description=f"training: {name}")
@@ -289,14 +292,15 @@ def _train_all(config: DemoConfig, data: Any, progress: bool) -> list[dict]:
 
 def _train_planned(config: DemoConfig, data: Any, rows: list[dict], advance: Callable[[], None]) -> dict:
     start = time.perf_counter()
-    plan, seed_peak = make_plan(config, data)
+    plan, tutorial_peak = make_plan(config, data)
     seconds = time.perf_counter() - start
-    share = plan.budget_bytes / seed_peak
-    row = train_configuration(config, f"remat.plan ({share:.2f}x seed marks' peak)", plan, data, advance)
+    share = plan.budget_bytes / tutorial_peak
+    name = f"remat.plan ({share:.2f}x tutorial marks' peak)"
+    row = train_configuration(config, name, plan, data, advance)
     row.update(plan_budget_bytes=plan.budget_bytes, plan_predicted_peak_bytes=plan.predicted_peak_bytes,
                plan_predicted_overhead=plan.predicted_overhead, plan_seconds=seconds,
                plan_choices=plan.choices, plan_measured_peak_bytes=plan.measured_peak_bytes,
-               plan_seed_peak_bytes=seed_peak)
+               plan_tutorial_peak_bytes=tutorial_peak)
     return row
 
 
@@ -323,7 +327,7 @@ def _plot_timeline(out_dir: str, rows: list[dict]) -> str | None:
         return None
     path = os.path.join(out_dir, "memory_timeline.png")
     plot([r["_tracker"] for r in tracked], path, labels=[r["name"] for r in tracked],
-         title="ResNet-50 (seed 003): memory over one training step")
+         title="ResNet-50 of MindSpore's recompute tutorial: memory over one training step")
     return path
 
 
@@ -340,7 +344,8 @@ def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"ResNet-50 (seed 003) on {result['data']}, {result['device']}")
+    table = Table(title=f"ResNet-50 of MindSpore's recompute tutorial on {result['data']}, "
+                        f"{result['device']}")
     for column in ("configuration", "peak (fwd+bwd)", "kept for backward", "median step",
                    "final loss"):
         table.add_column(column, justify="left" if column == "configuration" else "right")
@@ -365,9 +370,9 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         if "plan_choices" in r:
             counts = {c: list(r["plan_choices"].values()).count(c) for c in dict.fromkeys(r["plan_choices"].values())}
-            console.print(f"remat.plan: budget {_mib(r['plan_budget_bytes'])} (seed marks: "
-                          f"{_mib(r['plan_seed_peak_bytes'])} on the plan's step: forward, loss, backward "
-                          f"of batch 0), predicted {_mib(r['plan_predicted_peak_bytes'])}, measured "
+            console.print(f"remat.plan: budget {_mib(r['plan_budget_bytes'])} (tutorial marks: "
+                          f"{_mib(r['plan_tutorial_peak_bytes'])} on the plan's step: forward, loss, "
+                          f"backward of batch 0), predicted {_mib(r['plan_predicted_peak_bytes'])}, measured "
                           f"{_mib(r['plan_measured_peak_bytes'])}; "
                           f"blocks: " + ", ".join(f"{n} {c}" for c, n in counts.items())
                           + f"; planned in {r['plan_seconds']:.1f} s")

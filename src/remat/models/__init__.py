@@ -1,6 +1,6 @@
 """Ready-made models for the demo, the benchmark and users' experiments (layer 4: tools).
 
-``resnet50`` is seed 003's ResNet-50; ``GPT`` a GPT-2-style decoder. Each
+``resnet50`` is the ResNet-50 of MindSpore's recompute tutorial; ``GPT`` a GPT-2-style decoder. Each
 model has ``recompute_blocks()`` (the blocks its recompute recipe marks) and
 ``mark_blocks(**options)`` (apply the recipe with ``Cell.recompute`` options).
 

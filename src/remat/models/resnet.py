@@ -1,9 +1,9 @@
-"""ResNet-50 of seed 003, written once with :class:`remat.nn.Cell` (layer 4: tools).
+"""The ResNet-50 of MindSpore's recompute tutorial, with :class:`remat.nn.Cell` (layer 4: tools).
 
 The layout is torchvision's (7x7 stem, max pool, bottleneck blocks with the
 stride on the 3x3 convolution, a projection shortcut on the first block of each
 stage, average pool, one linear layer), so ``resnet50(class_num=10)`` has
-23,528,522 parameters. The seed's recompute recipe marks every residual block
+23,528,522 parameters. The tutorial's recompute recipe marks every residual block
 but the first of each stage with ``Cell.recompute()``; :meth:`ResNet.mark_blocks`
 applies it and :meth:`ResNet.recompute_blocks` lists those blocks, so that a
 benchmark can wrap the very same blocks with another tool.
@@ -75,7 +75,7 @@ class ResidualBlock(Cell):
 
 
 class ResNet(Cell):
-    """ResNet of bottleneck blocks, constructed as in seed 003.
+    """ResNet of bottleneck blocks, constructed as in MindSpore's recompute tutorial.
 
     Args:
         block: the residual block class (``ResidualBlock``).
@@ -135,7 +135,7 @@ class ResNet(Cell):
         return self.end_point(torch.flatten(self.avg_pool(x), 1))
 
     def recompute_blocks(self) -> list[nn.Module]:
-        """Return the blocks seed 003 recomputes: every block but the first of each stage.
+        """Return the blocks the recompute tutorial marks: every block but the first of each stage.
 
         Example:
             >>> from remat.models import resnet50
@@ -145,7 +145,7 @@ class ResNet(Cell):
         return [block for layer in self.layers for block in list(layer)[1:]]
 
     def mark_blocks(self, **options: Any) -> list[nn.Module]:
-        """Apply seed 003's marks: ``block.recompute(**options)`` on :meth:`recompute_blocks`.
+        """Apply the tutorial's marks: ``block.recompute(**options)`` on :meth:`recompute_blocks`.
 
         Args:
             **options: keywords of ``Cell.recompute`` (``output_recompute``,
@@ -185,7 +185,7 @@ def resnet(
         layer_nums: blocks per stage (four stages are customary, any number works).
         width: stem channels and bottleneck width of the first stage.
         class_num: number of classes.
-        recompute: apply seed 003's marks (see :meth:`ResNet.mark_blocks`).
+        recompute: apply the recompute tutorial's marks (see :meth:`ResNet.mark_blocks`).
         **options: keywords of ``Cell.recompute`` used when ``recompute`` is True.
 
     Returns:
@@ -206,7 +206,9 @@ def resnet(
 
 
 def resnet50(class_num: int = 10, *, recompute: bool = False, **options: Any) -> ResNet:
-    """ResNet-50 of seed 003: stages [3, 4, 6, 3], [64, 256, 512, 1024] -> [256, 512, 1024, 2048].
+    """ResNet-50 of MindSpore's recompute tutorial: stages of 3, 4, 6 and 3 blocks.
+
+    Channels [64, 256, 512, 1024] -> [256, 512, 1024, 2048], as the tutorial's ``resnet50``.
 
     Args:
         class_num: number of classes (10 for CIFAR-10: 23,528,522 parameters).

@@ -6,8 +6,8 @@ as numpy does (as MindSpore's ``print`` does) and ``repr(t)`` reads
 ``Tensor(shape=[2], dtype=Float32, value=[...])``. Like ``torch.nn.Parameter``,
 the subclass does not propagate: any torch operation on it returns a plain
 ``torch.Tensor``. Gradients returned by ``remat.ms.grad`` and
-``remat.ms.value_and_grad`` are of the same subclass, so they print as the
-seed programs show.
+``remat.ms.value_and_grad`` are of the same subclass, so they print as MindSpore's
+documentation shows.
 
 Example:
     >>> import numpy as np
