@@ -166,9 +166,16 @@ def anchors(name: str, build, inputs, loss_fn, pairs: int) -> dict:
 
 
 def short(choices: dict) -> str:
-    """Choices as letters (k, r, s, o), children as ``c(attn+fc)``."""
-    return " ".join(f"c({c.partition(':')[2]})" if c.startswith("children:") else c[0]
-                    for c in choices.values())
+    """Choices as letters (k, r, s, o), children as ``c(attn+fc)``, per-operator options as
+    ``p(addmm#0+addmm#2)``."""
+    def one(c: str) -> str:
+        family, _, rest = c.partition(":")
+        if family == "children":
+            return f"c({rest})"
+        if family == "ops":
+            return f"p({rest.replace('aten::', '')})"
+        return c[0]
+    return " ".join(one(c) for c in choices.values())
 
 
 def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 3,
@@ -266,7 +273,7 @@ def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 
     return out
 
 
-def versus_compile(name: str, build, inputs, loss_fn, fractions=(1.0, 0.5, 0.2, 0.05), rounds: int = 7) -> dict:
+def versus_compile(name: str, build, inputs, loss_fn, fractions=(0.8, 0.5, 0.2), rounds: int = 15) -> dict:
     """The plan against torch.compile's ``activation_memory_budget`` (backend aot_eager, whose
     min-cut partitioner honours it) on one model, side by side: every configuration's peak from
     allocator events (torch.profiler; the tracker cannot see into compiled code) over one forward
@@ -305,15 +312,32 @@ def versus_compile(name: str, build, inputs, loss_fn, fractions=(1.0, 0.5, 0.2, 
         peaks[label] = allocation_peak(lambda t=configs[label]: step(t))
     step(configs["eager, no recompute"])
     peaks["eager, no recompute"] = allocation_peak(lambda: step(configs["eager, no recompute"]))
-    baseline = sum(p.numel() * p.element_size() for p in base.parameters()) + sum(
-        t.numel() * t.element_size() for t in inputs)
+    # what is alive when a step starts (remat.compile's budget counts it; allocation_peak does not)
+    baseline = sum(t.numel() * t.element_size() for t in (*base.parameters(), *base.buffers(), *inputs))
+    def measured_step(model, batch):  # the loop measured here: the output freed before backward
+        return loss_fn(model(*batch) if isinstance(batch, tuple) else model(batch))
+
     plans = {}
     for fraction in fractions:
         label = f"torch.compile, activation_memory_budget={fraction}"
         target = peaks[label]
+        # remat.compile(budget=): planned and compiled in one call, held by the compiled peak
+        try:
+            model = copy.deepcopy(base)
+            compiled = remat.compile(model, budget=int(baseline + target), example_inputs=inputs,
+                                     step=measured_step, rounds=5)
+        except remat.BudgetError as err:
+            print(f"[vs compile {name}] remat.compile: no plan within {label}'s peak {target:,}: {err}")
+        else:
+            step((model, compiled))
+            c_label = f"remat.compile(budget=) at the peak of budget={fraction}"
+            configs[c_label] = (model, compiled)
+            peaks[c_label] = allocation_peak(lambda t=configs[c_label]: step(t))
+            plans[c_label] = short(compiled.remat_plan.choices)
+            print(compiled.remat_plan)
         budget = target + baseline
         for _ in range(4):  # the tracker's peak and the allocator's differ by a little: re-plan
-            plan = sweep(base, *inputs, budgets=[int(budget)], loss_fn=loss_fn, optimizer=None,
+            plan = sweep(base, *inputs, budgets=[int(budget)], step=measured_step, optimizer=None,
                          repeat=1, floors=True)[0]
             if isinstance(plan, Exception):
                 break
@@ -324,12 +348,12 @@ def versus_compile(name: str, build, inputs, loss_fn, fractions=(1.0, 0.5, 0.2, 
                 break
             budget -= measured - target
         if isinstance(plan, Exception) or measured > target:
-            print(f"[vs compile {name}] no plan within {label}'s peak {target:,}")
+            print(f"[vs compile {name}] no eager plan within {label}'s peak {target:,}")
             continue
-        plan_label = f"remat.plan at the peak of budget={fraction}"
+        plan_label = f"remat.plan (eager) at the peak of budget={fraction}"
         configs[plan_label] = (model, model)
         peaks[plan_label] = measured
-        plans[plan_label] = "".join(c[0] for c in plan.choices.values())
+        plans[plan_label] = short(plan.choices)
     times: dict[str, list] = {k: [] for k in configs}
     for target in configs.values():  # warm-up
         step(target)
@@ -349,13 +373,18 @@ def versus_compile(name: str, build, inputs, loss_fn, fractions=(1.0, 0.5, 0.2, 
     verdicts = []
     for fraction in fractions:
         c = f"torch.compile, activation_memory_budget={fraction}"
-        p = f"remat.plan at the peak of budget={fraction}"
-        if p in rows:
-            verdicts.append({"budget": fraction, "peak_ratio": rows[p]["peak_bytes"] / rows[c]["peak_bytes"],
-                             "time_ratio": rows[p]["median_ms"] / rows[c]["median_ms"]})
+        verdict = {"budget": fraction}
+        for kind, p in (("compiled", f"remat.compile(budget=) at the peak of budget={fraction}"),
+                        ("eager", f"remat.plan (eager) at the peak of budget={fraction}")):
+            if p in rows:
+                verdict[f"{kind}_peak_ratio"] = rows[p]["peak_bytes"] / rows[c]["peak_bytes"]
+                verdict[f"{kind}_time_ratio"] = rows[p]["median_ms"] / rows[c]["median_ms"]
+                verdict[f"{kind}_round_ratio"] = statistics.median(
+                    a / b for a, b in zip(times[p], times[c], strict=True))
+        verdicts.append(verdict)
     for v in verdicts:
-        print(f"[vs compile {name}] budget {v['budget']}: plan/compiled peak {v['peak_ratio']:.3f}, "
-              f"step time {v['time_ratio']:.3f}")
+        shown = ", ".join(f"{k} {x:.3f}" for k, x in v.items() if k != "budget")
+        print(f"[vs compile {name}] budget {v['budget']}: {shown or 'no plan'}")
     return {"model": name, "rounds": rounds, "rows": rows, "verdicts": verdicts}
 
 

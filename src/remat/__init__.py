@@ -38,7 +38,6 @@ from remat._front.checkpoint_selective import (
 from remat._front.functional import recompute
 from remat._front.hf import gradient_checkpointing_enable
 from remat._front.marks import apply, mark_of, marked_modules, recompute_module, unmark
-from remat._graph import compile
 from remat._vocab.policy import (
     Policy,
     recompute_all,
@@ -50,7 +49,7 @@ from remat._vocab.policy import (
 from remat._vocab.spec import RegionSpec
 from remat.memory.estimate import estimate
 from remat.memory.profile import profile
-from remat.planner import BudgetError, Plan, plan
+from remat.planner import BudgetError, Plan, compile, plan
 
 __version__ = "0.1.0"
 

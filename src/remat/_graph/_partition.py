@@ -52,6 +52,9 @@ class GraphReport:
             (saved values that are not graph inputs such as parameters).
         saved: names of those saved activations.
         dumps: paths of the dump files written (empty without ``save_graphs``).
+        copy_flops: floating-point operations of the copies (``torch.utils.flop_counter``'s
+            formulas on the traced shapes): what recomputation computes.
+        copy_bytes: bytes the copies read and write: what recomputation moves.
     """
 
     recomputed: list[tuple[str, str, str]] = field(default_factory=list)
@@ -61,6 +64,8 @@ class GraphReport:
     saved_bytes: int = 0
     saved: list[str] = field(default_factory=list)
     dumps: list[str] = field(default_factory=list)
+    copy_flops: float = 0.0
+    copy_bytes: int = 0
 
 
 def split_joint(graph: fx.Graph) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -185,6 +190,9 @@ def _fill_report(
     alive = set(graph.nodes)
     report.recomputed = [(n.name, _op(n), module_path(n)) for n in forward if n in recompute]
     report.duplicated = [(c.name, _op(c), module_path(c)) for c in copies.values() if c in alive]
+    work = [_work(c) for c in copies.values() if c in alive]
+    report.copy_flops = float(sum(f for f, _ in work))
+    report.copy_bytes = int(sum(b for _, b in work))
     report.target_grad = [
         n.name for n in graph.nodes if n.meta.get(ATTRS, {}).get("target_grad")
     ]
@@ -196,6 +204,30 @@ def _fill_report(
     ]
     report.saved = [n.name for n in saved]
     report.saved_bytes = sum(_nbytes(n.meta.get("val")) for n in saved)
+
+
+def _work(node: fx.Node) -> tuple[float, int]:
+    """``(FLOPs, bytes read and written)`` of one copied node, from its traced values."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or is_view(node):
+        return 0.0, 0
+    from torch.utils._pytree import tree_leaves, tree_map
+    from torch.utils.flop_counter import flop_registry
+
+    def value(a: Any) -> Any:
+        return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+    args, kwargs = tree_map(value, (node.args, node.kwargs))
+    out = node.meta.get("val")
+    moved = sum(_nbytes(t) for t in tree_leaves((args, kwargs, out)))
+    packet = target._overloadpacket
+    flops = 0.0
+    if packet in flop_registry:
+        try:
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        except Exception:  # a formula that cannot read these values: count the bytes only
+            flops = 0.0
+    return flops, moved
 
 
 def _op(node: fx.Node) -> str:

@@ -13,6 +13,7 @@ Example:
 """
 
 from remat.planner._budget import parse_budget
+from remat.planner._compiled import compile, plan_compiled
 from remat.planner._plan import Decision, Plan, plan, sweep
 from remat.planner._solve import (
     BLOCK_OPTIONS,
@@ -25,7 +26,9 @@ from remat.planner._solve import (
     solve,
     solve_chain,
     solve_milp,
+    solve_savings,
 )
 
 __all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Decision", "Plan", "Problem", "Solution",
-           "evaluate", "floor", "parse_budget", "plan", "solve", "solve_chain", "solve_milp", "sweep"]
+           "compile", "evaluate", "floor", "parse_budget", "plan", "plan_compiled", "solve",
+           "solve_chain", "solve_milp", "solve_savings", "sweep"]

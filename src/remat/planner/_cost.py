@@ -585,6 +585,7 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
         forward = [seconds(name) for name in names]
         step = runs.steps["keep"] if runs.steps else (report.step_ms or 0.0) / 1e3
         timed = "measured, each option scaled by its own timed run"
+
     def inner_seconds(k: int, option: str) -> float:
         if option not in runs.inner[names[k]]:
             return 0.0
@@ -598,6 +599,21 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
 
     child_s = [[inner_seconds(k, o) for o in runs.columns] for k in range(len(names))]
     share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in traced.index]
+    # Identical blocks (one class, one set of parameter shapes, the same bytes kept under every
+    # option) cost the same: their measured times are averaged, so the timer cannot make one of
+    # them look cheaper to recompute than its twin (a plan that is stable run after run)
+    groups: dict[tuple, list[int]] = {}
+    for k, (_, module) in enumerate(blocks):
+        groups.setdefault((_signature(module), tuple(kept[k])), []).append(k)
+    for members in groups.values():
+        for values in (forward, share):
+            mean = sum(values[k] for k in members) / len(members)
+            for k in members:
+                values[k] = mean
+        for c in range(len(runs.columns)):
+            mean = sum(child_s[k][c] for k in members) / len(members)
+            for k in members:
+                child_s[k][c] = mean
     grads = [sum(local_nbytes(p) for p in m.parameters() if p.requires_grad) for _, m in blocks]
     all_grads = sum(local_nbytes(p) for p in runs.measured.parameters() if p.requires_grad)
     return BlockCosts(
@@ -700,11 +716,13 @@ def identical_container(model: torch.nn.Module, blocks: list) -> torch.nn.Module
     if [id(m) for m in container.children()] != [id(m) for _, m in blocks]:
         return None
 
-    def signature(module: torch.nn.Module) -> tuple:
-        return (type(module), tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
+    first = _signature(blocks[0][1])
+    return container if all(_signature(m) == first for _, m in blocks[1:]) else None
 
-    first = signature(blocks[0][1])
-    return container if all(signature(m) == first for _, m in blocks[1:]) else None
+
+def _signature(module: torch.nn.Module) -> tuple:
+    """What makes two blocks identical to the cost model: class, parameter names, shapes, dtypes."""
+    return (type(module), tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
 
 
 @contextlib.contextmanager

@@ -509,3 +509,58 @@ def _solution(problem: Problem, choice: Sequence[int], solver: str, start: float
     peak, total = evaluate(problem, choice)
     return Solution(tuple(problem.options[c] for c in choice), peak, total, solver,
                     _time.perf_counter() - start)
+
+
+def solve_savings(saving: Sequence[Sequence[float | None]], time: Sequence[Sequence[float]],
+                  need: float, *, resolution: float | None = None,
+                  exclude: Sequence[Sequence[int]] = ()) -> tuple[int, ...] | None:
+    """The choice of least total time whose savings add up to at least ``need`` bytes: the
+    separable cost model of a compiled step (NOTE [Planning a compiled step] in ``_compiled.py``).
+
+    Block ``i`` under option ``o`` saves ``saving[i][o]`` bytes of the step's peak (None: not
+    allowed) for ``time[i][o]`` seconds. A multiple-choice knapsack, solved exactly by a dynamic
+    program over the savings rounded down to ``resolution`` (so a choice it returns saves at
+    least ``need`` exactly); ties go to the choice with the lower option numbers (``keep``
+    first), so equal costs give one plan. ``exclude``: choices not to return (those measured
+    over their budget).
+
+    Returns:
+        One option number per block, or None when no choice saves ``need``.
+
+    Example:
+        >>> solve_savings([[0, 4, 6], [0, 4, 6]], [[0, 1, 3], [0, 1, 3]], need=8)
+        (1, 1)
+        >>> solve_savings([[0, 4, 6], [0, 4, 6]], [[0, 1, 3], [0, 1, 3]], need=10)
+        (1, 2)
+        >>> solve_savings([[0, 4]], [[0, 1]], need=5) is None
+        True
+    """
+    n = len(saving)
+    if need <= 0:
+        choice = tuple(0 for _ in range(n))
+        if choice not in set(map(tuple, exclude)):
+            return choice
+    banned = {tuple(c) for c in exclude}
+    unit = resolution or max(1.0, need / 4096)
+    cap = max(0, math.ceil(need / unit))
+    # states[c]: the best few (time, choice) reaching at least c units (c clamped at cap);
+    # several per state, so a banned choice leaves the next best
+    keep_best = len(banned) + 1
+    states: dict[int, list[tuple[float, tuple[int, ...]]]] = {0: [(0.0, ())]}
+    for i in range(n):
+        nxt: dict[int, list[tuple[float, tuple[int, ...]]]] = {}
+        for c, entries in states.items():
+            for o, s in enumerate(saving[i]):
+                if s is None:
+                    continue
+                units = math.floor(s / unit) if s >= 0 else -math.ceil(-s / unit)
+                k = min(cap, c + units)
+                bucket = nxt.setdefault(k, [])
+                for t, choice in entries:
+                    bucket.append((t + time[i][o], (*choice, o)))
+        states = {k: sorted(v)[:keep_best] for k, v in nxt.items()}
+    reached = sorted(e for k, v in states.items() if k >= cap for e in v)
+    for _, choice in reached:
+        if choice not in banned:
+            return choice
+    return None

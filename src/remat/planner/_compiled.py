@@ -1,0 +1,377 @@
+"""Plan for a compiled step: ``remat.compile(model, budget=...)`` (layer 4).
+
+NOTE [Planning a compiled step]
+Under ``remat.compile`` the graph pass rebuilds only what backward reads and the
+compiled step allocates otherwise than the eager one (an ``output`` chain, for one,
+keeps more there), so the eager cost model cannot tell what a plan costs compiled.
+The compiled plan measures the compiled step instead:
+
+1. the options are the eager planner's, per block (whole-block marks, children,
+   per-operator ``ops:`` options: NOTE [Options per operator] in ``_cost.py``), from one
+   untimed eager cost-model run;
+2. each option is compiled with every block that has it marked alike, and so is the
+   unmarked model; each compiled step's peak comes from the allocator's own events
+   (:func:`remat._graph.internal.allocation_peak`: the tracker cannot see into compiled
+   code), its time from interleaved rounds (the median);
+3. the model is separable: block ``i`` under option ``o`` saves ``(P_keep - P_o) / n_o`` of
+   the peak (``n_o`` the blocks that run marked in option ``o``'s run) for ``W_o / n_o``
+   seconds, ``W_o`` what the option's copies in backward compute: their FLOPs, and their
+   bytes and nodes (the graph pass's report), on the device's roofline (a matrix product, an
+   addition and a one-element operator timed once), the two parts weighted by two factors
+   fitted to the timed steps of all options together (``T_o - T_keep``, least squares: how
+   far this model's products and pointwise operators are from the roofline). A timer's
+   noise on one option moves the factors a little and every option with them, so it rarely
+   reorders them. The least-time choice saving enough is the multiple-choice knapsack
+   :func:`remat.planner.solve_savings`;
+4. the choice is compiled and measured; while its peak exceeds the budget, the next best
+   choice is taken with the excess added to what must be saved.
+
+Each option compiles the model's forward code anew; Dynamo keeps one cache entry per
+compiled copy and, past its recompile limit (8), silently runs the code eagerly. The
+limit is raised while planning, a run that did not compile is refused, and the caches
+are reset after (``torch.compiler.reset()``), so the model compiled last starts clean.
+
+The budget is the compiled step's peak: the bytes alive when the step starts (parameters,
+buffers, the inputs) plus the most the step allocates above them (forward, loss,
+backward and the gradients; the optimizer's step is the user's, outside the compiled
+model). A fraction scales the unmarked compiled step's peak.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remat._front.marks import marked_modules
+from remat._graph import compile as graph_compile
+from remat._graph.internal import allocation_peak
+from remat.memory import format_bytes
+from remat.memory.internal import Step, StepFn, local_nbytes
+from remat.planner._budget import parse_budget
+from remat.planner._cost import find_blocks, measure_costs
+from remat.planner._plan import Decision, Plan, _check_step, _step
+from remat.planner._settings import Settings, mark_choices
+from remat.planner._solve import OPTIONS, BudgetError, solve_savings
+
+API = "remat.compile"
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One compiled configuration: its model, the compiled callable, its measured peak, and
+    what its copies compute (FLOPs, bytes moved, nodes: the graph pass's reports)."""
+
+    model: torch.nn.Module
+    compiled: Any
+    peak: int
+    flops: float = 0.0
+    moved: float = 0.0
+    nodes: int = 0
+
+    def parts(self, machine: tuple[float, float, float]) -> tuple[float, float]:
+        """Seconds the copies take on ``machine`` ``(FLOP/s, bytes/s, seconds per node)``: their
+        arithmetic, and their memory traffic with each node's own cost."""
+        throughput, bandwidth, per_node = machine
+        return self.flops / throughput, self.moved / bandwidth + self.nodes * per_node
+
+
+def plan_compiled(model: torch.nn.Module, *example_inputs: Any, budget: float | str, batch: Any = None,
+                  loss_fn: Callable | None = None, step: StepFn | None = None,
+                  options: Sequence[str] = OPTIONS, backend: str = "aot_eager", rounds: int = 5,
+                  blocks: Any = None, progress: Callable[[str], None] | None = None) -> Plan:
+    """A :class:`remat.Plan` whose peak is held by the step compiled with ``remat.compile``
+    (NOTE [Planning a compiled step]); the arguments as :func:`remat.compile`'s."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{API}: budget= plans a torch.nn.Module, got {type(model).__name__}; "
+                        f"compile a function without budget=, or pass the model")
+    if marked_modules(model):
+        raise ValueError(f"{API}: {type(model).__name__} already has recompute marks on "
+                         f"{sorted(marked_modules(model))[:3]}; call remat.unmark(model) first, "
+                         f"or compile without budget= to keep your marks")
+    if not example_inputs and batch is None:
+        raise TypeError(f"{API}: budget= needs the step's inputs to measure it: "
+                        f"example_inputs=(x,) or batch={{...}}")
+    value, fractional = parse_budget(budget, api=API)
+    bad = [o for o in options if o not in OPTIONS]
+    if bad:
+        raise ValueError(f"{API}: unknown option(s) {bad}; choose from {OPTIONS}")
+    _check_step(example_inputs, batch, loss_fn, step)
+    made = _step(example_inputs, batch, loss_fn, step)
+    settings = Settings(step=made, optimizer=None, blocks=blocks,
+                        options=tuple(dict.fromkeys(("keep", *options))), verify=False, repeat=0,
+                        progress=progress)
+    import torch._dynamo.config as dynamo_config
+
+    # Every option compiles the model's forward code anew (one Dynamo cache entry each): past
+    # the recompile limit Dynamo would run the rest eagerly, unmeasured. The limit is raised
+    # while planning and the caches are reset after (NOTE [Planning a compiled step]).
+    try:
+        with dynamo_config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
+            return _plan(model, example_inputs, batch, made, settings, value, fractional, backend, rounds)
+    finally:
+        torch.compiler.reset()
+
+
+def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step, settings: Settings,
+          value: float, fractional: bool, backend: str, rounds: int) -> Plan:
+    say = settings.say
+    start = time.perf_counter()
+    chosen = find_blocks(model, settings.blocks)
+    costs = measure_costs(model, chosen, settings)
+    names = costs.names
+    base = sum(local_nbytes(t) for t in (*model.parameters(), *model.buffers())) + sum(
+        local_nbytes(t) for t in _tensors((example_inputs, batch)))
+
+    def build(choices: dict[str, str]) -> _Run:
+        net = copy.deepcopy(model)
+        mark_choices(dict(net.named_modules()), choices)
+        compiled = graph_compile(net, backend=backend)
+        made.run(compiled)  # compiles
+        net.zero_grad(set_to_none=True)
+        if not compiled.remat_reports:
+            raise RuntimeError(f"{API}: torch.compile ran the model without compiling it (a graph "
+                               f"break or Dynamo's recompile limit); budget= plans compiled steps "
+                               f"only: compile without budget= and mark with remat.plan's plan")
+        peak = allocation_peak(lambda: _step_once(made, compiled, net))
+        reports = compiled.remat_reports
+        return _Run(net, compiled, base + peak, flops=sum(r.copy_flops for r in reports),
+                    moved=sum(r.copy_bytes for r in reports),
+                    nodes=sum(len(r.duplicated) for r in reports))
+
+    runs: dict[str, _Run] = {}
+    marked: dict[str, int] = {}
+    for o, option in enumerate(costs.options):
+        having = {name: option for i, name in enumerate(names) if costs.kept[i][o] is not None}
+        if option != "keep" and not having:
+            continue
+        say(f"compiling '{option}' on {len(having) if option != 'keep' else 0} blocks")
+        runs[option] = build({} if option == "keep" else having)
+        marked[option] = len(having)
+    say(f"timing the {len(runs)} compiled options, interleaved")
+    times = _interleaved(made, runs, rounds)
+    keep = runs["keep"]
+    target = value * keep.peak if fractional else value
+    columns = list(runs)
+    saving = [[(keep.peak - runs[o].peak) / marked[o] if o == "keep" or costs.kept[i][costs.options.index(o)]
+               is not None else None for o in columns] for i in range(len(names))]
+    for row in saving:
+        row[0] = 0.0
+    # Time: what each option's copies compute, on the device's roofline, weighted by two factors
+    # fitted to all the options' timed steps at once (a timer's noise on one option cannot
+    # reorder the options: NOTE [Planning a compiled step])
+    machine = _machine(next((p.device for p in model.parameters()), torch.device("cpu")))
+    parts = {o: runs[o].parts(machine) for o in columns}
+    gained = {o: times[o] - times["keep"] for o in columns if o != "keep"}
+    compute, memory = _fit(parts, gained)
+    work = {o: compute * parts[o][0] + memory * parts[o][1] for o in columns}
+    extra = [[work[o] / max(marked[o], 1) for o in columns] for _ in names]
+    over: list[tuple[int, ...]] = []
+    excess = 0.0
+    measured = None
+    for _attempt in range(6):
+        choice = solve_savings(saving, extra, keep.peak - target + excess, exclude=over)
+        if choice is None:
+            floor = min(r.peak for r in runs.values())
+            raise BudgetError(
+                f"{API}: no plan measured within a budget of {format_bytes(target)} ({target:,.0f} "
+                f"bytes) for the compiled step; the lowest compiled peak measured is "
+                f"{format_bytes(floor)} ({floor:,} bytes; no recompute: {format_bytes(keep.peak)}); "
+                f"raise the budget or shrink the batch", budget_bytes=target, floor_bytes=floor)
+        choices = {name: columns[c] for name, c in zip(names, choice, strict=True) if c}
+        say(f"measuring the compiled plan for {format_bytes(target)}")
+        measured = keep.peak if not choices else build(choices).peak
+        if measured <= target:
+            break
+        over.append(choice)  # the separable model erred: save the excess more, never this one
+        excess += measured - target
+    else:
+        raise BudgetError(f"{API}: no compiled plan measured within {format_bytes(target)} after "
+                          f"6 tries; the last measured {format_bytes(measured)}; raise the budget",
+                          budget_bytes=target, floor_bytes=measured)
+    # a block's kept bytes: the eager tracker's unmarked figure less the compiled saving
+    decisions = tuple(Decision(name, costs.types[i], columns[c],
+                               max(0.0, float(costs.kept[i][0]) - saving[i][c]), extra[i][c])
+                      for i, (name, c) in enumerate(zip(names, choice, strict=True)))
+    return Plan(decisions=decisions, budget_bytes=int(target),
+                predicted_peak_bytes=int(keep.peak - sum(saving[i][c] for i, c in enumerate(choice))),
+                predicted_extra_s=sum(extra[i][c] for i, c in enumerate(choice)),
+                step_s=times["keep"], no_recompute_peak_bytes=keep.peak,
+                floor_bytes=min(r.peak for r in runs.values()), measured_peak_bytes=measured,
+                solver="compiled knapsack", solve_s=time.perf_counter() - start,
+                timing=f"compiled ({backend}): copies' FLOPs x{compute:.2f} and bytes x{memory:.2f} "
+                       f"on the roofline, fitted to every option's timed step")
+
+
+def _fit(parts: dict[str, tuple[float, float]], gained: dict[str, float]) -> tuple[float, float]:
+    """``(a, b)`` of ``gained[o] ~ a * parts[o][0] + b * parts[o][1]``, least squares over every
+    option at once, each factor kept in [1/4, 8] (the roofline is off by that much at most)."""
+    def clamp(x: float) -> float:
+        return min(8.0, max(0.25, x))
+
+    keys = list(gained)
+    sxx = sum(parts[o][0] ** 2 for o in keys)
+    syy = sum(parts[o][1] ** 2 for o in keys)
+    sxy = sum(parts[o][0] * parts[o][1] for o in keys)
+    sxg = sum(parts[o][0] * gained[o] for o in keys)
+    syg = sum(parts[o][1] * gained[o] for o in keys)
+    det = sxx * syy - sxy * sxy
+    if det > 1e-12 * max(sxx * syy, 1e-300):
+        a, b = (sxg * syy - syg * sxy) / det, (syg * sxx - sxg * sxy) / det
+        if a > 0 and b > 0:
+            return clamp(a), clamp(b)
+    total = sxx + syy + 2 * sxy  # one factor for both parts
+    one = (sxg + syg) / total if total else 1.0
+    return clamp(one), clamp(one)
+
+
+def _machine(device: torch.device) -> tuple[float, float, float]:
+    """``(FLOP/s, bytes/s, seconds per operator)`` of ``device``, timed once on a matrix product,
+    an addition and a one-element operator (the best of a few runs)."""
+    def best(fn: Callable[[], Any], repeat: int = 5) -> float:
+        fn()
+        seconds = []
+        for _ in range(repeat):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            begin = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - begin)
+        return min(seconds)
+
+    n = 512 if device.type == "cpu" else 4096
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    one = torch.ones(1, device=device)
+    per_node = best(lambda: one + 1)
+    throughput = 2 * n ** 3 / max(best(lambda: a @ b) - per_node, 1e-9)
+    bandwidth = 3 * a.numel() * a.element_size() / max(best(lambda: a + b) - per_node, 1e-9)
+    return throughput, bandwidth, per_node
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _step_once(step: Step, compiled: Any, net: torch.nn.Module) -> None:
+    held = step.run(compiled)
+    del held
+    net.zero_grad(set_to_none=True)
+
+
+def _interleaved(step: Step, runs: dict[str, _Run], rounds: int) -> dict[str, float]:
+    """Median seconds of each compiled step over ``rounds`` rounds in alternating order."""
+    order = list(runs)
+    times: dict[str, list[float]] = {o: [] for o in order}
+    for r in range(rounds):
+        for option in order if r % 2 == 0 else reversed(order):
+            run = runs[option]
+            begin = time.perf_counter()
+            _step_once(step, run.compiled, run.model)
+            times[option].append(time.perf_counter() - begin)
+    return {o: statistics.median(t) for o, t in times.items()}
+
+
+def compile(model_or_fn: Any, *, backend: str = "aot_eager", save_graphs: str | None = None,
+            fullgraph: bool = False, dynamic: bool | None = None, budget: float | str | None = None,
+            example_inputs: Sequence[Any] = (), batch: Any = None, loss_fn: Callable | None = None,
+            step: StepFn | None = None, options: Sequence[str] = OPTIONS, rounds: int = 5,
+            progress: Callable[[str], None] | None = None) -> Any:
+    """Compile a model or a training-step function with MindSpore's graph-mode recomputation;
+    with ``budget=``, plan what to recompute for that peak and compile, in one call.
+
+    ``torch.compile`` with a backend whose partitioner applies every remat mark
+    (``Cell.recompute``, ``remat.recompute_module``, ``remat.apply``, primitives
+    of ``remat.ops``, ``remat.checkpoint`` and ``remat.recompute`` called inside,
+    ``output_recompute``, selective and per-call policies) on the joint forward/backward
+    graph: marked forward operators are not saved for backward; their copies run in the
+    backward graph right before the gradient operators that need them. Unmarked
+    operators are never recomputed.
+
+    With ``budget``, the model must be unmarked: each option of :func:`remat.plan` (whole
+    blocks, children, per-operator ``ops:`` options) is compiled and its step measured
+    (peak from the allocator's events, time in interleaved rounds), the fastest choice
+    whose compiled peak fits is chosen, measured again, and its marks set on the model
+    before it is compiled (NOTE [Planning a compiled step] in ``planner/_compiled.py``).
+    Planning compiles the model once per option, then resets ``torch.compile``'s caches
+    (``torch.compiler.reset()``): other compiled code recompiles at its next call.
+
+    Args:
+        model_or_fn: a ``torch.nn.Module``, or a function calling modules (found through
+            its closure, the globals it names, ``self`` of a bound method, or its arguments).
+        backend: ``"aot_eager"`` (graphs run as traced; works everywhere) or
+            ``"inductor"`` (needs a C++ compiler on CPU).
+        save_graphs: a directory; when given, every compiled graph is dumped there at
+            each stage (``graph<k>_00_captured``, ``_01_recompute``, ``_02_cse``,
+            ``_03_forward``, ``_04_backward``; ``.ir`` text and ``.dot`` Graphviz).
+        fullgraph: passed to ``torch.compile`` (True: fail on graph breaks).
+        dynamic: passed to ``torch.compile``.
+        budget: the compiled step's peak: bytes (int, ``"6GiB"``) counting the parameters,
+            buffers and inputs alive when it starts, or a fraction of the unmarked compiled
+            step's (``0.6``, ``"60%"``), read as :func:`remat.planner.parse_budget` reads it.
+        example_inputs: the model's positional inputs for the measured steps (with ``budget``).
+        batch: its keyword inputs, or ``step``'s batch, as for :func:`remat.plan`.
+        loss_fn: ``loss_fn(output) -> scalar``, as for :func:`remat.plan`.
+        step: ``step(model, batch) -> loss``, the loop's body, as for :func:`remat.plan`.
+        options: the option families, as for :func:`remat.plan`.
+        rounds: interleaved timing rounds of the compiled options.
+        progress: called with a short message at each planning stage.
+
+    Returns:
+        The compiled module or function. Its ``remat_reports`` attribute lists one
+        report per compiled graph (copied nodes, saved activation bytes, dump files);
+        with ``budget``, ``remat_plan`` is the :class:`remat.Plan` applied.
+
+    Raises:
+        ValueError: an unknown ``backend``; with ``budget``, a model already marked, a
+            malformed budget or option.
+        TypeError: ``model_or_fn`` is not callable; planning options without ``budget``;
+            ``budget`` for a function, or without inputs.
+        remat.BudgetError: no compiled plan measured within ``budget``.
+
+    Example:
+        >>> import torch, remat
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> _ = remat.recompute_module(net[1], output_recompute=True)
+        >>> compiled = remat.compile(net)
+        >>> compiled(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        >>> compiled.remat_reports[0].duplicated
+        [('relu_recompute', 'aten::relu', '1 (ReLU)')]
+
+        Planned for 70% of the unmarked compiled step's peak, then compiled:
+
+        >>> blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256),
+        ...     torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(4)])
+        >>> x = torch.randn(256, 64)
+        >>> fast = remat.compile(blocks, budget=0.7, example_inputs=(x,), rounds=1)
+        >>> fast.remat_plan.measured_peak_bytes <= fast.remat_plan.budget_bytes
+        True
+    """
+    if budget is None:
+        given = {"example_inputs": example_inputs != (), "batch": batch is not None,
+                 "loss_fn": loss_fn is not None, "step": step is not None,
+                 "options": tuple(options) != OPTIONS, "rounds": rounds != 5, "progress": progress is not None}
+        named = [k for k, v in given.items() if v]
+        if named:
+            raise TypeError(f"{API}: {named[0]}= plans the recompute for a budget; give budget= "
+                            f"too (e.g. budget=0.6), or leave it out to compile the marks as set")
+        return graph_compile(model_or_fn, backend=backend, save_graphs=save_graphs,
+                             fullgraph=fullgraph, dynamic=dynamic)
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"{API}: rounds must be a positive int, got {rounds!r}")
+    plan = plan_compiled(model_or_fn, *tuple(example_inputs), budget=budget, batch=batch,
+                         loss_fn=loss_fn, step=step, options=options, backend=backend, rounds=rounds,
+                         progress=progress)
+    plan.apply(model_or_fn)
+    compiled = graph_compile(model_or_fn, backend=backend, save_graphs=save_graphs,
+                             fullgraph=fullgraph, dynamic=dynamic)
+    object.__setattr__(compiled, "remat_plan", plan)
+    return compiled
