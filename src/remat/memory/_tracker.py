@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +152,10 @@ class MemoryTracker(TorchDispatchMode):
         self._pending_by_output: dict[int, _Waits] = {}
         self._listening: Any = None
         self._quiet = 0  # inside DTensor's sharding propagation (NOTE [Memory per rank])
+        #: called after every allocation and free with ``(live bytes above the start, phase,
+        #: module running)``: where in the step each footprint was reached (the planner's
+        #: composed verification, NOTE [Verifying by composition] in ``planner/_verify.py``)
+        self.on_change: Callable[[int, str, str], None] | None = None
         for obj in (model, *baseline):
             self.add_baseline(obj)
 
@@ -395,6 +399,8 @@ class MemoryTracker(TorchDispatchMode):
             self._live_by[slot] = self._live_by.get(slot, 0) + delta
         phase = self._current_phase()
         self.timeline.append((self.live_bytes, phase))
+        if self.on_change is not None:
+            self.on_change(self.live_bytes, phase, self._current_module(phase))
         if self.live_bytes > self.peak_increase:
             self.peak_increase = self.live_bytes
             self.peak_phase = phase
