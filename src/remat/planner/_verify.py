@@ -28,15 +28,21 @@ slope of run ``k`` being the difference the longer model made. The tracker repor
 every footprint with the phase and the module running (``on_change``), and each
 short model's groups must hold its whole peak, else the whole model is traced.
 
+A rank's plan (NOTE [Planning a rank]) reaches two blocks out: FSDP2 gathers a unit's
+neighbour ahead of it, in forward and in backward. There the roles are the first two
+and the last two blocks of a run and its interior, a run is cut to 5 blocks when longer
+than 6, and each short model is built, marked and sharded as the plan's runs are.
+
 The composition is used when it runs fewer blocks than the whole model (a plan of
-many short runs is traced whole), never for a rank's plan (FSDP2 gathers
-neighbours ahead, NOTE [Planning a rank]) nor on real tensors; ``verify="full"``
+many short runs is traced whole) and never on real tensors; ``verify="full"``
 always traces the whole model. ``tests/test_plan_compose.py`` holds the composed
-peak equal to the whole model's to the byte on uniform and mixed plans.
+peak equal to the whole model's to the byte on uniform and mixed plans, of one
+process and of a rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,9 +54,9 @@ from remat.planner._cost import _truncated
 from remat.planner._settings import Settings, mark_choices
 
 API = "remat.plan"
-#: a run longer than this is cut to :data:`CUT` blocks in the short models
-LONGEST_KEPT = 4
-CUT = 3
+#: blocks on each side whose choices a block's footprints depend on: one process, a rank
+WINDOW = 1
+RANK_WINDOW = 2
 
 
 def runs_of(choices: Sequence[str]) -> list[tuple[str, int]]:
@@ -72,52 +78,63 @@ def composed_peak(model: torch.nn.Module, names: Sequence[str], choices: Sequenc
     composition]); None when it cannot be composed or (with ``cheaper``) would run as many
     blocks as the whole model."""
     where = next((n for n, m in model.named_modules() if m is container), None)
-    if where is None or settings.build is not None or not settings.fake:
+    if where is None or not settings.fake:
         return None
+    window = WINDOW if settings.build is None else RANK_WINDOW
+    cut_to = 2 * window + 1  # a run longer than cut_to + 1 is cut to cut_to blocks
     keys = list(container._modules)
     if list(names) != [f"{where}.{k}" if where else k for k in keys]:
         return None  # the blocks do not run in the container's order
     runs = runs_of(choices)
-    base = [(c, n if n <= LONGEST_KEPT else CUT) for c, n in runs]
-    cut = [k for k, (_, n) in enumerate(runs) if n > LONGEST_KEPT]
+    base = [(c, n if n <= cut_to + 1 else cut_to) for c, n in runs]
+    cut = [k for k, (_, n) in enumerate(runs) if n > cut_to + 1]
     shapes = [base] + [[(c, n + (k == j)) for k, (c, n) in enumerate(base)] for j in cut]
     if cheaper and sum(n for shape in shapes for _, n in shape) >= len(names):
         return None  # the whole model is no longer than the short ones together
     groups = []
     for shape in shapes:
-        measured = _groups(model, container, where, shape, settings, optimizer_peak)
+        measured = _groups(model, container, where, shape, settings, optimizer_peak, window)
         if measured is None:
             return None
         groups.append(measured)
     first = groups[0]
     if any(g.keys() != first.keys() for g in groups[1:]):
         return None
-    peak = max(value + sum((runs[k][1] - CUT) * (g[key] - value) for k, g in zip(cut, groups[1:], strict=True))
+    peak = max(value + sum((runs[k][1] - cut_to) * (g[key] - value) for k, g in zip(cut, groups[1:], strict=True))
                for key, value in first.items())
     return max(peak, optimizer_peak or 0)
 
 
 def _groups(model: torch.nn.Module, container: torch.nn.Module, where: str,
-            shape: list[tuple[str, int]], settings: Settings, optimizer_peak: int | None) -> dict | None:
+            shape: list[tuple[str, int]], settings: Settings, optimizer_peak: int | None,
+            window: int) -> dict | None:
     """One step of the model cut to ``shape`` (runs of ``(choice, length)``), marked so: the
     largest footprint (baseline included) per phase and role of the block whose segment it is in."""
-    roles: list[tuple[int, str]] = []
+    roles: list[tuple[int, Any]] = []
     chosen: list[str] = []
     for r, (choice, length) in enumerate(shape):
-        roles += [(r, "first" if j == 0 else "last" if j == length - 1 else "interior") for j in range(length)]
+        roles += [(r, ("start", j) if j < window else ("end", length - 1 - j) if j >= length - window
+                   else "interior") for j in range(length)]
         chosen += [choice] * length
     count = len(chosen)
     prefix = f"{where}." if where else ""
-    with _truncated(container, count):
-        blocks = [f"{prefix}{k}" for k in container._modules]
+    blocks = [f"{prefix}{k}" for k in list(container._modules)[:count]]
+    peaks: dict[Any, int] = {}
+    cursor: list[Any] = [None]
+    with contextlib.ExitStack() as stack:
+        if settings.build is None:
+            stack.enter_context(_truncated(container, count))
+            net = model
+            marked = mark_choices(dict(model.named_modules()), dict(zip(blocks, chosen, strict=True)))
+            stack.callback(lambda: [unmark_module(m) for m in marked])
+        else:  # NOTE [Planning a rank]: a fresh model, cut, marked, then sharded
+            net = settings.build.cut(where, count)(dict(zip(blocks, chosen, strict=True)))
         owner: dict[str, int] = {}
-        for name, _ in model.named_modules():
+        for name, _ in net.named_modules():
             for i, block in enumerate(blocks):
                 if name == block or name.startswith(block + "."):
                     owner[name] = i
                     break
-        peaks: dict[Any, int] = {}
-        cursor: list[Any] = [None]
 
         def watch(live: int, phase: str, module: str) -> None:
             i = owner.get(module)
@@ -127,13 +144,8 @@ def _groups(model: torch.nn.Module, container: torch.nn.Module, where: str,
             if key not in peaks or live > peaks[key]:
                 peaks[key] = live
 
-        marked = mark_choices(dict(model.named_modules()), dict(zip(blocks, chosen, strict=True)))
-        try:
-            report = measure(model, settings.step.inputs, step=settings.step, optimizer=settings.optimizer,
-                             estimated=True, api=API, optimizer_step=optimizer_peak is None, watch=watch)
-        finally:
-            for module in marked:
-                unmark_module(module)
+        report = measure(net, settings.step.inputs, step=settings.step, optimizer=settings.optimizer,
+                         estimated=True, api=API, optimizer_step=optimizer_peak is None, watch=watch)
     if max(peaks.values(), default=0) != report.peak_increase:
         return None  # a footprint outside every group: trace the whole model
     return {key: report.baseline_bytes + live for key, live in peaks.items()}
