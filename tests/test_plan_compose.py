@@ -160,3 +160,24 @@ def test_a_rank_plans_composed_verification_equals_the_whole_trace():
             assert composed == whole, (runs_of(choices), None if composed is None else composed - whole)
             beyond_optimizer += whole > costs.optimizer_peak
         assert beyond_optimizer >= 2
+
+
+def test_a_step_of_micro_batches_is_verified_on_the_whole_model(monkeypatch):
+    import remat.planner._plan as planning
+
+    calls = []
+    monkeypatch.setattr(planning, "composed_peak", lambda *a, **k: calls.append(1) or composed_peak(*a, **k))
+    config = LlamaConfig(layers=12, width=32, heads=4, kv_heads=2, hidden=64, vocab=1024)
+
+    def step(model, batch):
+        for half in batch.chunk(2):
+            next_token_loss(model(half)).backward()
+
+    def inputs():
+        return (torch.zeros(8, 16, dtype=torch.long),)
+
+    plan = remat.plan(config, inputs, budget=0.85, step=step, options=("keep", "recompute"))
+    assert not calls and plan.measured_peak_bytes <= plan.budget_bytes
+    # the same plan measured alike with verify="full"
+    full = remat.plan(config, inputs, budget=0.85, step=step, options=("keep", "recompute"), verify="full")
+    assert full.measured_peak_bytes == plan.measured_peak_bytes and full.choices == plan.choices

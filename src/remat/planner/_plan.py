@@ -542,7 +542,8 @@ def _measure_choices(model: torch.nn.Module, costs: BlockCosts, choices: Sequenc
                      settings: Settings) -> int:
     """The measured peak of the step with the blocks marked as ``choices`` say."""
     chosen = dict(zip(costs.names, choices))
-    if settings.verify != "full" and settings.compose and settings.fake:
+    # (with micro-batches a block's moments recur after the gradients exist: traced whole)
+    if settings.verify != "full" and settings.compose and settings.fake and costs.calls == 1:
         named = dict(model.named_modules())
         container = identical_container(model, [(name, named[name]) for name in costs.names])
         if container is not None:  # NOTE [Verifying by composition]

@@ -34,7 +34,9 @@ and the last two blocks of a run and its interior, a run is cut to 5 blocks when
 than 6, and each short model is built, marked and sharded as the plan's runs are.
 
 The composition is used when it runs fewer blocks than the whole model (a plan of
-many short runs is traced whole) and never on real tensors; ``verify="full"``
+many short runs is traced whole), never on real tensors, and not for a step that runs
+each block more than once (micro-batches: a block's moments recur once the gradients
+exist, in the same groups); ``verify="full"``
 always traces the whole model. ``tests/test_plan_compose.py`` holds the composed
 peak equal to the whole model's to the byte on uniform and mixed plans, of one
 process and of a rank.
