@@ -14,8 +14,9 @@ Sections (each prints its figures and lands in plan_sweep.json):
    options inside blocks and the plan restricted to whole blocks (both from one cost-model run),
    timed interleaved with per-block checkpointing and the unmarked model; median and spread.
 4. --max-batch on the GPT-style model (fake tensors): planner against per-block checkpointing.
-5. speed: solve time for a 32-layer transformer; remat.plan end to end on fake tensors for a
-   70B Llama-style configuration.
+5. speed: solve time for a 32-layer transformer; remat.estimate of a 7B Llama step; remat.plan
+   end to end on fake tensors for 7B and 70B Llama-style configurations, its plan verified by
+   composition (the default) and on the whole traced model (verify="full"), with the load average.
 """
 
 from __future__ import annotations
@@ -420,6 +421,7 @@ def speed(full_70b: bool) -> dict:
         find_blocks,
         identical_container,
         measure_costs,
+        measure_peak,
     )
 
     out = {}
@@ -456,27 +458,40 @@ def speed(full_70b: bool) -> dict:
         with FakeTensorMode():
             model = build_in(factory, torch.bfloat16)
             blocks = find_blocks(model)
+            step = Step(inputs=inputs(), loss_fn=next_token_loss)  # the planner's: logits held
             composed = composed_costs(model, blocks, identical_container(model, blocks), Settings(
-                step=Step(inputs=inputs(), loss_fn=next_token_loss), optimizer="adam", fake=True,
-                device="cpu", options=("keep",)))
-        composed_s = time.perf_counter() - start
+                step=step, optimizer="adam", fake=True, device="cpu", options=("keep",)))
+            composed_s = time.perf_counter() - start
+            traced = measure_peak(model, step, optimizer="adam", fake=True)  # the same step, every block
         start = time.perf_counter()
+        # remat.estimate's step frees the logits before backward (loss_fn(model(x)).backward())
         full = remat.estimate(factory, inputs, loss_fn=next_token_loss, dtype=torch.bfloat16)
         full_s = time.perf_counter() - start
         start = time.perf_counter()
         p = remat.plan(factory, inputs, budget=fraction, loss_fn=next_token_loss, dtype=torch.bfloat16)
         plan_s = time.perf_counter() - start
+        # the same plan verified on the whole traced model (verify="full"), for its time and peak
+        start = time.perf_counter()
+        whole = remat.plan(factory, inputs, budget=fraction, loss_fn=next_token_loss, dtype=torch.bfloat16,
+                           verify="full")
+        whole_s = time.perf_counter() - start
+        load = os.getloadavg()[0]
         out[label] = {"composed_estimate_s": composed_s, "full_estimate_s": full_s,
-                      "composed_peak": composed.peaks["keep"], "full_peak": full.peak_bytes,
-                      "relative_error": abs(composed.peaks["keep"] - full.peak_bytes) / full.peak_bytes,
+                      "plan_full_verify_s": whole_s, "full_verify_measured": whole.measured_peak_bytes,
+                      "same_plan": whole.choices == p.choices, "load_1min": load,
+                      "composed_peak": composed.peaks["keep"], "traced_peak": traced,
+                      "estimate_peak": full.peak_bytes,
                       "plan_s": plan_s, "budget": p.budget_bytes, "predicted": p.predicted_peak_bytes,
                       "measured": p.measured_peak_bytes, "no_recompute": p.no_recompute_peak_bytes,
                       "choices": {c: list(p.choices.values()).count(c) for c in set(p.choices.values())}}
-        print(f"[speed] Llama {label} (seq 4096, batch {batch}, bf16) on fake tensors: composed step "
-              f"estimate {composed_s:.1f} s vs every block traced {full_s:.1f} s, peaks "
-              f"{composed.peaks['keep']:,} vs {full.peak_bytes:,} (error {out[label]['relative_error']:.2e}); "
-              f"remat.plan end to end at {fraction}x: {plan_s:.1f} s, predicted {p.predicted_peak_bytes:,}, "
-              f"measured {p.measured_peak_bytes:,}")
+        print(f"[speed] Llama {label} (seq 4096, batch {batch}, bf16) on fake tensors: remat.estimate "
+              f"{full_s:.2f} s (peak {full.peak_bytes:,}); the planner's step (logits held through "
+              f"backward) composed from short models {composed_s:.2f} s, peak {composed.peaks['keep']:,} vs "
+              f"{traced:,} every block traced (equal: {composed.peaks['keep'] == traced}); remat.plan end "
+              f"to end at {fraction}x: {plan_s:.1f} s, predicted {p.predicted_peak_bytes:,}, measured "
+              f"{p.measured_peak_bytes:,} (verified by composition); with verify='full' {whole_s:.1f} s, "
+              f"measured {whole.measured_peak_bytes:,}, same plan: {whole.choices == p.choices}; "
+              f"load average {load:.2f}")
     return out
 
 

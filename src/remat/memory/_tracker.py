@@ -76,11 +76,12 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
@@ -152,6 +153,10 @@ class MemoryTracker(TorchDispatchMode):
         self._pending_by_output: dict[int, _Waits] = {}
         self._listening: Any = None
         self._quiet = 0  # inside DTensor's sharding propagation (NOTE [Memory per rank])
+        #: called after every allocation and free with ``(live bytes above the start, phase,
+        #: module running)``: where in the step each footprint was reached (the planner's
+        #: composed verification, NOTE [Verifying by composition] in ``planner/_verify.py``)
+        self.on_change: Callable[[int, str, str], None] | None = None
         for obj in (model, *baseline):
             self.add_baseline(obj)
 
@@ -264,7 +269,7 @@ class MemoryTracker(TorchDispatchMode):
             return NotImplemented  # NOTE [Memory per rank]: see the subclass's local operators
         if self._quiet:  # DTensor's sharding propagation: fake tensors of global shape
             return func(*args, **(kwargs or {}))
-        for storage in _storages(tree_leaves((args, kwargs)), self._fake_ok):
+        for storage in _storages(_operands(args, kwargs), self._fake_ok):
             self._see_input(storage)
         temporary = _temporary(func, args, kwargs) if func.namespace in _COLLECTIVE_NAMESPACES else None
         held: list[_Record] = []
@@ -280,7 +285,7 @@ class MemoryTracker(TorchDispatchMode):
             elif lifetime == "work":
                 self._pending.extend(held)
         out = func(*args, **(kwargs or {}))
-        for storage in _storages(tree_leaves(out), self._fake_ok):
+        for storage in _storages(_operands(out), self._fake_ok):
             self._see_output(storage)  # allocated inside the operator, with its buffer
         if held:
             if temporary[1] == "operator":
@@ -395,6 +400,8 @@ class MemoryTracker(TorchDispatchMode):
             self._live_by[slot] = self._live_by.get(slot, 0) + delta
         phase = self._current_phase()
         self.timeline.append((self.live_bytes, phase))
+        if self.on_change is not None:
+            self.on_change(self.live_bytes, phase, self._current_module(phase))
         if self.live_bytes > self.peak_increase:
             self.peak_increase = self.live_bytes
             self.peak_phase = phase
@@ -518,9 +525,28 @@ def _key(storage: torch.UntypedStorage) -> int:
     return storage._cdata
 
 
+def _operands(*objs: Any) -> list:
+    """The leaves of an operator's arguments or results, as ``tree_leaves`` gives them (in order),
+    without its cost: ATen arguments nest only in tuples, lists and the keyword dict."""
+    leaves: list = []
+    todo = list(reversed(objs))
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, (tuple, list)):
+            todo.extend(reversed(obj))
+        elif isinstance(obj, dict):
+            todo.extend(reversed(list(obj.values())))
+        else:
+            leaves.append(obj)
+    return leaves
+
+
+_PLAIN = (torch.Tensor, FakeTensor)
+
+
 def _storages(leaves: Iterable[Any], fake_ok: bool = True) -> Iterator[torch.UntypedStorage]:
     for leaf in leaves:
-        if is_traceable_wrapper_subclass(leaf):  # a DTensor counts by its local shard
+        if type(leaf) not in _PLAIN and is_traceable_wrapper_subclass(leaf):  # a DTensor counts by its local shard
             inner, _ = leaf.__tensor_flatten__()
             yield from _storages([getattr(leaf, name) for name in inner], fake_ok)
             continue

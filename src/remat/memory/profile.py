@@ -120,7 +120,7 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
             optimizer: OptimizerLike = None, output_recompute: bool = False, repeat: int = 0,
             label: str = "", device: str = "", estimated: bool = False,
             api: str = "remat.profile", optimizer_step: bool = True,
-            step: Step | None = None) -> ProfileReport:
+            step: Step | None = None, watch: Callable[[int, str, str], None] | None = None) -> ProfileReport:
     """Run one training step of ``model`` on ``inputs`` under the tracker; return the report.
 
     Shared by :func:`profile` (real tensors, ``repeat`` timed runs) and
@@ -128,7 +128,9 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
     out the optimizer's step (its state still counts): the planner, which knows that
     phase's peak, verifies a plan's forward and backward only. ``step`` runs that
     step instead of ``loss_fn(model(*inputs, **batch)).backward()``: what it returns stays
-    alive until the step ends (NOTE [The step users run]).
+    alive until the step ends (NOTE [The step users run]). ``watch`` is the tracker's
+    ``on_change``: called after every allocation and free with the live bytes, the phase
+    and the module running.
     """
     start = time.perf_counter()
     batch = batch or {}
@@ -141,6 +143,7 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
     params = {s._cdata: s.nbytes() for s in local_storages([*model.parameters(), *model.buffers()])}
     given = None if step is None else (step.inputs, step.batch)
     with track(model, baseline=[inputs, batch, opt, given]) as tracker, _Calls(model, set(params)) as calls:
+        tracker.on_change = watch
         if step is None:
             loss = loss_fn(model(*inputs, **batch))
             kept = tracker.live_by_module(exclude=[loss])

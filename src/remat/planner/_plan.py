@@ -34,6 +34,7 @@ from remat.planner._cost import (
 )
 from remat.planner._settings import Builder, Settings, mark_choices, marks_of
 from remat.planner._solve import OPTIONS, BudgetError, Problem, floor, solve
+from remat.planner._verify import composed_peak
 
 API = "remat.plan"
 
@@ -215,7 +216,7 @@ def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = Non
          loss_fn: Callable | None = None, step: StepFn | None = None, optimizer: OptimizerLike = "adam",
          blocks: Any = None, options: Sequence[str] = OPTIONS, device: str | None = None,
          throughput: float | None = None, dtype: torch.dtype | None = None,
-         verify: bool = True, solver: str = "auto", repeat: int = 2,
+         verify: bool | str = True, solver: str = "auto", repeat: int = 2,
          progress: Callable[[str], None] | None = None, compose: bool = True,
          world_size: int | None = None, parallelize: Callable | None = None,
          rank: int | None = None) -> Plan:
@@ -265,12 +266,17 @@ def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = Non
         device: device whose roofline times fake-tensor plans (``"cuda"``; default: the inputs').
         throughput: FLOP/s of that device for fake-tensor plans.
         dtype: build a factory's model in this dtype (fake-tensor plans).
-        verify: measure the plan's peak and re-solve while it exceeds the budget.
+        verify: measure the plan's peak and re-solve while it exceeds the budget: ``True``
+            (default) measures it on short models and composes the whole model's peak, exactly,
+            where ``compose`` composes the costs and the plan's runs of choices allow it (NOTE
+            [Verifying by composition] in ``remat/planner/_verify.py``), else on the whole model;
+            ``"full"`` always runs the whole model; ``False`` does not measure the plan.
         solver: ``"auto"`` (dynamic program on chains, MILP otherwise), ``"dp"``, ``"milp"``.
         repeat: timed runs per block for real-tensor plans.
         progress: called with a short message at each stage (the CLI's progress bar).
         compose: on fake tensors, measure a model of identical blocks with 2 and 3 of them
-            and compose the costs of all (the plan is still verified on the whole model).
+            and compose the costs of all (and with ``verify=True`` the plan's peak; ``False``:
+            measure every block, verify on the whole model).
         world_size: plan one rank of a job of this many ranks (a factory only): the budget is
             that rank's, and every run is :func:`remat.estimate`'s for the rank (NOTE
             [Planning a rank]): the model is built, its blocks marked, then handed to ``parallelize``.
@@ -284,8 +290,10 @@ def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = Non
     Raises:
         remat.BudgetError: the budget is below the smallest reachable peak (``floor_bytes``).
         TypeError: no blocks found, a block runs more than once per forward, a bad budget
-            type, a ``batch`` that is not a dict without ``step``.
-        ValueError: a malformed budget, an unknown option, a model already marked,
+            type, a ``batch`` that is not a dict without ``step``, a ``verify`` that is not a bool
+            or a string.
+        ValueError: a malformed budget, an unknown option, a ``verify`` string other than
+            ``"full"``, a model already marked,
             ``world_size`` for a built model or without ``parallelize``, ``step`` with ``loss_fn``.
         RuntimeError: ``world_size`` where a process group is already initialized.
 
@@ -328,7 +336,7 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
           loss_fn: Callable | None = None, step: StepFn | None = None,
           optimizer: OptimizerLike = "adam", blocks: Any = None, options: Sequence[str] = OPTIONS,
           device: str | None = None, throughput: float | None = None,
-          dtype: torch.dtype | None = None, verify: bool = True, solver: str = "auto",
+          dtype: torch.dtype | None = None, verify: bool | str = True, solver: str = "auto",
           repeat: int = 2, progress: Callable[[str], None] | None = None, floors: bool = False,
           compose: bool = True, world_size: int | None = None,
           parallelize: Callable | None = None, rank: int | None = None) -> list[Plan | BudgetError]:
@@ -359,6 +367,7 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
     if bad:
         raise ValueError(f"{API}: unknown option(s) {bad}; choose from {OPTIONS}")
     _check_step(example_inputs, batch, loss_fn, step)
+    _check_verify(verify)
     settings = Settings(step=Step(), optimizer=optimizer, blocks=blocks,
                         options=tuple(dict.fromkeys(("keep", *options))), throughput=throughput,
                         verify=verify, solver=solver, repeat=repeat, progress=progress,
@@ -399,6 +408,18 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
         return plans
     return [dataclasses.replace(p, rank=ranks.rank, world_size=ranks.world_size)
             if isinstance(p, Plan) else p for p in plans]
+
+
+#: the values of ``verify=``: measure the plan (composed where exact), on the whole model, not at all
+VERIFY = (True, "full", False)
+
+
+def _check_verify(verify: Any) -> None:
+    if not isinstance(verify, (bool, str)):
+        raise TypeError(f"{API}: verify must be True, False or 'full', got {type(verify).__name__}")
+    if isinstance(verify, str) and verify != "full":
+        raise ValueError(f"{API}: verify must be True, False or 'full' (measure the plan on the whole "
+                         f"model, every block traced), got {verify!r}")
 
 
 def _check_step(inputs: tuple, batch: Any, loss_fn: Callable | None, step: StepFn | None) -> None:
@@ -521,6 +542,14 @@ def _measure_choices(model: torch.nn.Module, costs: BlockCosts, choices: Sequenc
                      settings: Settings) -> int:
     """The measured peak of the step with the blocks marked as ``choices`` say."""
     chosen = dict(zip(costs.names, choices))
+    # (with micro-batches a block's moments recur after the gradients exist: traced whole)
+    if settings.verify != "full" and settings.compose and settings.fake and costs.calls == 1:
+        named = dict(model.named_modules())
+        container = identical_container(model, [(name, named[name]) for name in costs.names])
+        if container is not None:  # NOTE [Verifying by composition]
+            peak = composed_peak(model, costs.names, choices, container, settings, costs.optimizer_peak)
+            if peak is not None:
+                return peak
     measure = {"optimizer": settings.optimizer, "fake": settings.fake, "optimizer_peak": costs.optimizer_peak}
     if settings.build is not None:  # NOTE [Planning a rank]: a fresh model, marked, then sharded
         return measure_peak(settings.build(chosen), settings.step, **measure)

@@ -129,7 +129,8 @@ class Settings:
         device: the device whose roofline times a fake-tensor plan.
         throughput: FLOP/s of that device (None: :data:`THROUGHPUT` of ``_cost``).
         bandwidth: bytes/s of that device (None: :data:`BANDWIDTH` of ``_cost``).
-        verify: measure each plan and re-solve while it exceeds its budget.
+        verify: measure each plan and re-solve while it exceeds its budget (``"full"``: on the
+            whole model, never composed from short ones).
         solver: ``"auto"``, ``"dp"`` or ``"milp"``.
         repeat: timed runs per option on real tensors.
         progress: called with a short message at each stage.
@@ -146,7 +147,7 @@ class Settings:
     device: str = "cpu"
     throughput: float | None = None
     bandwidth: float | None = None
-    verify: bool = True
+    verify: bool | str = True
     solver: str = "auto"
     repeat: int = 2
     progress: Callable[[str], None] | None = None
