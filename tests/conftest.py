@@ -16,3 +16,15 @@ def fresh_ms_context(monkeypatch):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_caches():
+    """Each test compiles from clean caches: past Dynamo's recompile limit (8 per code object,
+    e.g. ``Sequential.forward`` across many tests) ``torch.compile`` would run the model
+    eagerly, and a test of remat's graph pass would pass without the pass having run."""
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        torch.compiler.reset()
+    yield

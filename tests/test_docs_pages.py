@@ -23,17 +23,12 @@ import build_readme
 import generate
 
 BLOCK = re.compile(r"(<!-- fragment -->\n)?```python\n(.*?)```", re.DOTALL)
-#: blocks that need the reader's model, in sources not yet marked ``<!-- fragment -->``
-#: (docs/sections/plan.md changes on the planner's branch; mark it there): their first line
-UNMARKED_FRAGMENTS = {"docs/planner.md": ("import remat",)}
 PAGES = ["README.md", *(f"docs/{page}" for page in build_readme.PAGES if page != "index.md")]
 
 
 def blocks(page: str) -> list[str]:
     text = (ROOT / page).read_text()
-    skip = UNMARKED_FRAGMENTS.get(page, ())
-    return [m.group(2) for m in BLOCK.finditer(text)
-            if not m.group(1) and m.group(2).splitlines()[0] not in skip]
+    return [m.group(2) for m in BLOCK.finditer(text) if not m.group(1)]
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)])

@@ -222,3 +222,25 @@ def test_torch_checkpoint_on_the_same_blocks_compiled_by_torch(resnet_runs):
     torch_peak = allocation_peak(lambda: compiled(x).sum().backward())
     remat_peak = allocation_peak(lambda: resnet_runs["marked"][1](x).sum().backward())
     assert remat_peak <= torch_peak
+
+
+def test_a_model_dynamo_runs_without_compiling_warns_that_the_pass_did_not_run():
+    """Past Dynamo's recompile limit ``torch.compile`` runs a model eagerly, silently: remat's
+    graph pass never runs (no report). remat.compile says so after the first call."""
+    import copy
+    import warnings
+
+    import torch._dynamo.config as dynamo_config
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    x = torch.randn(2, 4)
+    with dynamo_config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = remat.compile(copy.deepcopy(net))
+        first(x).sum().backward()
+        second = remat.compile(copy.deepcopy(net))
+        second(x).sum().backward()
+        second(x)
+    said = [str(w.message) for w in caught if w.category is RuntimeWarning and "remat.compile" in str(w.message)]
+    assert first.remat_reports and not second.remat_reports
+    assert len(said) == 1 and "without compiling a graph" in said[0] and "Sequential" in said[0]

@@ -72,17 +72,42 @@ def compile(
 
     graph_mode = RematBackend(backend, save_graphs=save_graphs, roots=[model_or_fn])
     compiled = torch.compile(model_or_fn, backend=graph_mode, fullgraph=fullgraph, dynamic=dynamic)
+    name = type(model_or_fn).__name__ if isinstance(model_or_fn, torch.nn.Module) else getattr(
+        model_or_fn, "__qualname__", "the function")
     if isinstance(model_or_fn, torch.nn.Module):
         object.__setattr__(compiled, "remat_reports", graph_mode.reports)
+        handle = compiled.register_forward_hook(lambda *_: _check_compiled(graph_mode, name, handle))
         return compiled
+
+    checked = []
 
     @functools.wraps(model_or_fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         graph_mode.note_inputs(args, kwargs)
-        return compiled(*args, **kwargs)
+        out = compiled(*args, **kwargs)
+        if not checked:
+            checked.append(True)
+            _check_compiled(graph_mode, name, None)
+        return out
 
     run.remat_reports = graph_mode.reports  # type: ignore[attr-defined]
     return run
+
+
+def _check_compiled(graph_mode: Any, name: str, handle: Any) -> None:
+    """After the first call: warn when Dynamo ran it without compiling a graph (remat's pass
+    never ran; the marks still applied, eagerly, so results are exact but not compiled)."""
+    if handle is not None:
+        handle.remove()
+    if not graph_mode.reports:
+        import warnings
+
+        warnings.warn(
+            f"remat.compile: torch.compile ran {name} without compiling a graph (Dynamo's "
+            f"recompile limit for its code may be reached, or every frame was skipped), so "
+            f"remat's graph pass did not run; its marks applied eagerly (gradients are exact). "
+            f"Call torch.compiler.reset() before compiling again, or raise "
+            f"torch._dynamo.config.recompile_limit", RuntimeWarning, stacklevel=3)
 
 
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -6,9 +6,12 @@ compiled step allocates otherwise than the eager one (an ``output`` chain, for o
 keeps more there), so the eager cost model cannot tell what a plan costs compiled.
 The compiled plan measures the compiled step instead:
 
-1. the options are the eager planner's, per block (whole-block marks, children,
+1. the options are the eager planner's families, per block (whole-block marks, children,
    per-operator ``ops:`` options: NOTE [Options per operator] in ``_cost.py``), from one
-   untimed eager cost-model run;
+   traced and one tracked unmarked eager step. More children are offered than the eager
+   planner measures (each dropping :data:`WIDE_SHARE` of the block's kept bytes, up to
+   :data:`WIDE_LIMIT`; and the single-operator children, norms and activations, together):
+   an option costs a compile here, and in graph mode such a child is rebuilt alone, cheaply;
 2. each option is compiled with every block that has it marked alike, and so is the
    unmarked model; each compiled step's peak comes from the allocator's own events
    (:func:`remat._graph.internal.allocation_peak`: the tracker cannot see into compiled
@@ -53,13 +56,19 @@ from remat._graph import compile as graph_compile
 from remat._graph.internal import allocation_peak
 from remat.memory import format_bytes
 from remat.memory.internal import Step, StepFn, local_nbytes
+from remat.memory.profile import measure
 from remat.planner._budget import parse_budget
-from remat.planner._cost import find_blocks, measure_costs
+from remat.planner._cost import find_blocks, inner_options, trace
 from remat.planner._plan import Decision, Plan, _check_step, _step
 from remat.planner._settings import Settings, mark_choices
-from remat.planner._solve import OPTIONS, BudgetError, solve_savings
+from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, BudgetError, solve_savings
 
 API = "remat.compile"
+#: children offered inside a block when planning a compiled step: those dropping this share of
+#: the block's kept bytes, at most this many (wider than the eager planner's: NOTE [Planning a
+#: compiled step])
+WIDE_SHARE = 0.03
+WIDE_LIMIT = 4
 
 
 @dataclass(frozen=True)
@@ -123,8 +132,27 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
     say = settings.say
     start = time.perf_counter()
     chosen = find_blocks(model, settings.blocks)
-    costs = measure_costs(model, chosen, settings)
-    names = costs.names
+    # the options, from the unmarked eager step (traced once, tracked once): whole blocks, and
+    # inside them more children than the eager planner measures (each compiled option costs a
+    # compile, not a tracked run per option) and the cheap single operators together
+    say("tracing blocks")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    try:
+        traced = trace(model, chosen, settings)
+        report = measure(model, made.inputs, step=made, optimizer=None, api=API)
+    finally:
+        model.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
+    rows = {r.name: r for r in report.rows}
+    names = traced.names
+    inner = inner_options(traced, rows, settings.options, share=WIDE_SHARE, limit=WIDE_LIMIT,
+                          operators=True)
+    allowed = {name: [o for o in settings.options if o in BLOCK_OPTIONS
+                      and (o != "output" or traced.chain[k])] + inner[name]
+               for k, name in enumerate(names)}
+    options = list(dict.fromkeys(o for name in names for o in allowed[name]))
+    kept_unmarked = [float(rows[name].kept) for name in names]
+    types = [type(m).__name__ for _, m in traced.blocks]
     base = sum(local_nbytes(t) for t in (*model.parameters(), *model.buffers())) + sum(
         local_nbytes(t) for t in _tensors((example_inputs, batch)))
 
@@ -146,8 +174,8 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
 
     runs: dict[str, _Run] = {}
     marked: dict[str, int] = {}
-    for o, option in enumerate(costs.options):
-        having = {name: option for i, name in enumerate(names) if costs.kept[i][o] is not None}
+    for option in options:
+        having = {name: option for name in names if option in allowed[name]}
         if option != "keep" and not having:
             continue
         say(f"compiling '{option}' on {len(having) if option != 'keep' else 0} blocks")
@@ -158,8 +186,8 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
     keep = runs["keep"]
     target = value * keep.peak if fractional else value
     columns = list(runs)
-    saving = [[(keep.peak - runs[o].peak) / marked[o] if o == "keep" or costs.kept[i][costs.options.index(o)]
-               is not None else None for o in columns] for i in range(len(names))]
+    saving = [[(keep.peak - runs[o].peak) / marked[o] if o == "keep" or o in allowed[name] else None
+               for o in columns] for name in names]
     for row in saving:
         row[0] = 0.0
     # Time: what each option's copies compute, on the device's roofline, weighted by two factors
@@ -195,8 +223,8 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
                           f"6 tries; the last measured {format_bytes(measured)}; raise the budget",
                           budget_bytes=target, floor_bytes=measured)
     # a block's kept bytes: the eager tracker's unmarked figure less the compiled saving
-    decisions = tuple(Decision(name, costs.types[i], columns[c],
-                               max(0.0, float(costs.kept[i][0]) - saving[i][c]), extra[i][c])
+    decisions = tuple(Decision(name, types[i], columns[c],
+                               max(0.0, kept_unmarked[i] - saving[i][c]), extra[i][c])
                       for i, (name, c) in enumerate(zip(names, choice, strict=True)))
     return Plan(decisions=decisions, budget_bytes=int(target),
                 predicted_peak_bytes=int(keep.peak - sum(saving[i][c] for i, c in enumerate(choice))),

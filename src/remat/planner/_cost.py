@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,10 +111,14 @@ def ops_options(calls: Mapping[str, tuple[float, float]]) -> list[str]:
 
 
 def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
-                  leaving: set[str] = frozenset(), calls: int = 1) -> list[str]:
+                  leaving: set[str] = frozenset(), calls: int = 1, *, share: float = CHILD_SHARE,
+                  limit: int = MAX_CHILDREN, operators: bool = False) -> list[str]:
     """The ``children:`` options of block ``name`` from the rows of an unmarked run
     (NOTE [Options inside blocks]); ``leaving``: children whose output is the block's;
-    ``calls``: how many times the step runs each block (micro-batches)."""
+    ``calls``: how many times the step runs each block (micro-batches); ``share``, ``limit``:
+    the least share of the block's kept bytes a child must drop, the most children;
+    ``operators``: also all the single-operator children together (norms, activations:
+    cheap to rebuild), when that is not already an option."""
     total = rows[name].kept
     scored = []
     for order, (child, kid) in enumerate(block.named_children()):
@@ -125,10 +129,30 @@ def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
         if not cell and child in leaving:
             continue  # rebuilt in a later block's backward (with an FSDP unit resharded)
         saving = row.kept - row.output_bytes if cell else row.kept
-        if total > 0 and saving >= CHILD_SHARE * total:
+        if total > 0 and saving >= share * total:
             scored.append((-saving, order, child))
-    chosen = [child for _, _, child in sorted(sorted(scored)[:MAX_CHILDREN], key=lambda s: s[1])]
-    return [f"{CHILDREN}:{c}" for c in chosen] + ([f"{CHILDREN}:{'+'.join(chosen)}"] if len(chosen) > 1 else [])
+    chosen = [child for _, _, child in sorted(sorted(scored)[:limit], key=lambda s: s[1])]
+    found = [f"{CHILDREN}:{c}" for c in chosen] + ([f"{CHILDREN}:{'+'.join(chosen)}"] if len(chosen) > 1 else [])
+    kids = dict(block.named_children())
+    alone = [c for c in chosen if next(kids[c].children(), None) is None]
+    if operators and 1 < len(alone) < len(chosen):
+        found.append(f"{CHILDREN}:{'+'.join(alone)}")
+    return found
+
+
+def inner_options(traced: Trace, unmarked: Mapping[str, Any], options: Sequence[str], *,
+                  share: float = CHILD_SHARE, limit: int = MAX_CHILDREN,
+                  operators: bool = False) -> dict[str, list[str]]:
+    """Block name -> its options inside the block (``children:``, ``ops:``) from the trace
+    and the unmarked run's rows (NOTE [Options inside blocks], [Options per operator])."""
+    inner: dict[str, list[str]] = {name: [] for name in traced.names}
+    for k, (name, block) in enumerate(traced.blocks):
+        if CHILDREN in options:
+            inner[name] += child_options(name, block, unmarked, traced.leaving[name], traced.calls,
+                                         share=share, limit=limit, operators=operators)
+        if OPS in options:
+            inner[name] += ops_options(traced.ops.candidates(traced.index[k]))
+    return inner
 
 
 #: Default roofline of the fake-tensor time model: FLOP/s and bytes/s (ratios matter, not units).
@@ -537,14 +561,8 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
         reports[option], net = _measure_one(model, blocks, chosen, settings, timing, state)
         if option == "keep" and settings.build is not None:
             measured, blocks = net, _named(net, blocks)
-        if option == "keep" and CHILDREN in settings.options:  # NOTE [Options inside blocks]
-            unmarked = {r.name: r for r in reports["keep"].rows}
-            inner = {name: child_options(name, m, unmarked, traced.leaving[name], traced.calls)
-                     for name, m in blocks}
-        if option == "keep" and OPS in settings.options:  # NOTE [Options per operator]
-            for k, name in enumerate(names):
-                inner[name] += ops_options(traced.ops.candidates(traced.index[k]))
-        if option == "keep":
+        if option == "keep":  # NOTE [Options inside blocks], [Options per operator]
+            inner = inner_options(traced, {r.name: r for r in reports["keep"].rows}, settings.options)
             columns = list(dict.fromkeys(c for name in names for c in inner[name]))
             pending += columns
     steps: dict[str, float] = {}
