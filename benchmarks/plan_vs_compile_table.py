@@ -15,17 +15,19 @@ DEFAULT = pathlib.Path(__file__).resolve().parent / "results" / "plan_sweep_comp
 
 
 def table(results: dict) -> str:
-    lines = [f"{'model':<6} {'budget':>6}  {'torch.compile':>22}  {'remat.compile(budget=)':>30}  "
-             f"{'remat.plan, eager':>28}",
-             f"{'':<6} {'':>6}  {'peak MiB':>10} {'step ms':>11}  {'peak':>8} {'step ms':>11} {'x compile':>9}  "
-             f"{'peak':>8} {'step ms':>10} {'x compile':>8}"]
+    head = (f"{'model':<6} {'budget':>6}  {'torch.compile':>22}  {'remat.compile(budget=)':>30}  "
+            f"{'remat.plan, eager':>28}")
+    units = (f"{'':<6} {'':>6}  {'peak MiB':>10} {'step ms':>11}  {'peak':>8} {'step ms':>11} "
+             f"{'x compile':>9}  {'peak':>8} {'step ms':>10} {'x compile':>8}")
+    lines = [head, units]
     for run in results["versus_compile"]:
         rows = run["rows"]
         for verdict in run["verdicts"]:
             fraction = verdict["budget"]
             torch_row = rows[f"torch.compile, activation_memory_budget={fraction}"]
-            cells = [f"{run['model']:<6} {fraction:>6}  {torch_row['peak_bytes'] / 2**20:>10.2f} "
-                     f"{_ms(torch_row):>11}"]
+            first = (f"{run['model']:<6} {fraction:>6}  {torch_row['peak_bytes'] / 2**20:>10.2f} "
+                     f"{_ms(torch_row):>11}")
+            cells = [first]
             for kind, label, width in (("compiled", "remat.compile(budget=)", 11),
                                        ("eager", "remat.plan (eager)", 10)):
                 row = rows.get(f"{label} at the peak of budget={fraction}")

@@ -225,7 +225,7 @@ def _work(node: fx.Node) -> tuple[float, int]:
     if packet in flop_registry:
         try:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-        except Exception:  # a formula that cannot read these values: count the bytes only
+        except (TypeError, ValueError, RuntimeError, NotImplementedError):  # bytes only, then
             flops = 0.0
     return flops, moved
 
