@@ -53,6 +53,7 @@ OUTPUTS = (
     Output("quickstart", "python examples/quickstart.py"),
     Output("quickstart_plan", "python examples/quickstart_plan.py", deterministic=False),
     Output("three_ways", "python examples/three_ways.py"),
+    Output("plan_vs_compile", "python benchmarks/plan_vs_compile_table.py"),
     Output("ms_functional_recompute", "python examples/ms/functional_recompute.py"),
     Output("ms_cell_recompute", "python examples/ms/cell_recompute.py", head=10),
     Output("train_my_model", "python examples/train_my_model.py", deterministic=False),
@@ -85,7 +86,7 @@ def run(output: Output, workdir: pathlib.Path | None = None) -> str:
     elif argv[0] == "remat":
         argv[:1] = [sys.executable, "-m", "remat"]
     workdir = workdir or ROOT
-    argv = [str(ROOT / a) if a.startswith(("examples/", "docs/")) else a for a in argv]
+    argv = [str(ROOT / a) if a.startswith(("examples/", "docs/", "benchmarks/")) else a for a in argv]
     done = subprocess.run(argv, cwd=workdir, env=environment(), capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:

@@ -1,0 +1,87 @@
+"""Is ``remat.plan`` stable and is its predicted time right? (issue 18)
+
+Plans the README's GPT example (``examples/quickstart_plan.py``: 8 blocks, width 128,
+8 x 128 tokens) at 60% five times, each from a fresh model, and prints each plan's choices;
+then times the plan against the unmarked model in interleaved rounds (median and quartiles
+of the per-round overhead) and sets it beside the predicted overhead.
+
+Usage:
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_stability.py [--runs 5] [--rounds 21]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import remat
+from remat.models.gpt import GPT, GPTConfig
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(layers=8, width=128, heads=4, seq_len=128, vocab=512))
+
+
+def tokens() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randint(0, 512, (8, 128))
+
+
+def measured_overhead(plan: remat.Plan, rounds: int) -> list[float]:
+    """Per-round extra time of the planned step over the unmarked one (the step the planner
+    measures: output alive through backward, Adam's step included), in alternating order."""
+    x = tokens()
+    plain, marked = model(), model()
+    plan.apply(marked)
+    optimizers = {id(m): torch.optim.Adam(m.parameters()) for m in (plain, marked)}
+
+    def step(m: torch.nn.Module) -> float:
+        begin = time.perf_counter()
+        out = m(x)
+        out.float().sum().backward()
+        optimizers[id(m)].step()
+        m.zero_grad(set_to_none=True)
+        del out
+        return time.perf_counter() - begin
+
+    for m in (plain, marked):
+        step(m)
+    ratios = []
+    for r in range(rounds):
+        pair = (plain, marked) if r % 2 == 0 else (marked, plain)
+        seconds = {id(m): step(m) for m in pair}
+        ratios.append(seconds[id(marked)] / seconds[id(plain)] - 1)
+    return ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=21)
+    args = parser.parse_args()
+    print(f"load average {os.getloadavg()[0]:.2f}, {torch.get_num_threads()} torch thread(s)")
+    plans = []
+    for run in range(args.runs):
+        begin = time.perf_counter()
+        plan = remat.plan(model(), tokens(), budget="60%")
+        plans.append(plan)
+        print(f"run {run}: {time.perf_counter() - begin:.1f} s, predicted +{100 * plan.predicted_overhead:.1f}%, "
+              f"peak {plan.measured_peak_bytes:,} of {plan.budget_bytes:,}: {list(plan.choices.values())}")
+    distinct = {tuple(p.choices.values()) for p in plans}
+    print(f"{len(distinct)} distinct plan(s) in {args.runs} runs")
+    for plan in {tuple(p.choices.values()): p for p in plans}.values():
+        ratios = measured_overhead(plan, args.rounds)
+        q1, q2, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+        error = (plan.predicted_overhead - q2) / q2 if q2 else float("nan")
+        print(f"plan {list(plan.choices.values())}: predicted +{100 * plan.predicted_overhead:.1f}%, "
+              f"measured +{100 * q2:.1f}% (IQR +{100 * q1:.1f}..+{100 * q3:.1f}%, {args.rounds} rounds): "
+              f"prediction off by {100 * error:+.0f}% of the measured overhead")
+
+
+if __name__ == "__main__":
+    main()
