@@ -108,3 +108,38 @@ def test_per_operator_options_can_be_left_out():
                       options=remat.planner.BLOCK_OPTIONS)
     assert not _ops_of(plan)
     assert dataclasses.asdict(plan)["decisions"]
+
+
+def test_small_reductions_are_kept_and_cut_what_recomputation_runs():
+    """An RMSNorm's mean (a 128th of its input) is kept by every per-operator option of a Llama
+    block, and alone by one: compiled, its copies in backward rebuild the norms' products but
+    neither their squares nor their means; eager and compiled train bitwise equal to unmarked."""
+    from remat.models.llama import llama
+    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._settings import Settings
+    from remat.memory.internal import Step
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return llama(layers=2, width=128, heads=4, hidden=64, vocab=64)
+
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = make()
+    settings = Settings(step=Step(inputs=(x,), api="test"), optimizer=None, options=("keep", "ops"), repeat=0)
+    ops = [o for o in measure_costs(model, find_blocks(model), settings).options if o.startswith("ops:")]
+    assert ops[0] == "ops:aten::mean#0+aten::mean#1"
+    assert all({"aten::mean#0", "aten::mean#1"} <= set(o[4:].split("+")) for o in ops)
+    expected = grads(make(), x)
+    plan = with_choices(remat.plan(make(), x, budget=1.0, options=("keep",), repeat=0), [ops[0]] * 2)
+    eager = make()
+    plan.apply(eager)
+    got = grads(eager, x)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    compiled_model = make()
+    plan.apply(compiled_model)
+    compiled = remat.compile(compiled_model)
+    torch.manual_seed(123)
+    compiled(x).float().pow(2).mean().backward()
+    assert all(torch.equal(p.grad, expected[n]) for n, p in compiled_model.named_parameters())
+    copied = [op for r in compiled.remat_reports for _, op, _ in r.duplicated]
+    assert "aten::mul" in copied and "aten::mean" not in copied and "aten::pow" not in copied

@@ -54,6 +54,10 @@ cut at :data:`OPS_SHARES` of their number and all of them, as torch's knapsack w
 the dearest per byte first. Each option is then measured like every other: one tracked run with every
 block that has it marked alike (bytes kept, peak) and its timed step (calibration); its
 forward time is the block's less that of the calls kept (a re-run runs all the others).
+Each level also keeps the block's reductions with a small result (:data:`REDUCTIONS`, such
+as an RMSNorm's mean, an eighth of its input or less) and one option keeps only those:
+next to no memory, and what depends on them (a norm's square, its reduction) is not rebuilt.
+Reductions have no in-place forms, so the eager engine and the graph pass number them alike.
 The same policy is applied by ``remat.compile``'s graph pass, which numbers the calls alike.
 """
 
@@ -88,26 +92,35 @@ CHILD_SHARE = 0.1
 #: at most this many children of a block get options (each alone, then all together)
 MAX_CHILDREN = 3
 #: the per-operator options of a block keep these shares of its candidate calls (NOTE
-#: [Options per operator]); all of them is ``selective``
+#: [Options per operator]), and all of them
 OPS_SHARES = (0.25, 0.5, 0.75)
+#: reductions whose result, when small, per-operator options keep (NOTE [Options per operator])
+REDUCTIONS = frozenset({"aten::mean", "aten::sum", "aten::amax", "aten::amin", "aten::var",
+                        "aten::var_mean", "aten::std", "aten::linalg_vector_norm", "aten::norm"})
+#: a reduction's result is small when its input has this many times as many elements at least
+SMALL = 8
 
 
-def ops_options(calls: Mapping[str, tuple[float, float]]) -> list[str]:
+def ops_options(calls: Mapping[str, tuple[float, float]], small: Sequence[str] = ()) -> list[str]:
     """The ``ops:`` options of one block from its candidate calls ``{key: (rank cost, bytes)}``
     in call order (NOTE [Options per operator]): the calls whose outputs are dearest to
     rebuild per byte kept, the most expensive first, cut at :data:`OPS_SHARES` of their number,
-    and all of them (unlike ``selective``, none whose output backward does not read).
+    and all of them (unlike ``selective``, none whose output backward does not read); each with
+    the ``small`` results (reductions such as a norm's mean) kept too, and those alone.
 
     Example:
         >>> ops_options({"aten::mm#0": (1.0, 4), "aten::mm#1": (8.0, 4), "aten::bmm#0": (2.0, 8),
         ...              "aten::mm#2": (0.5, 4)})
         ['ops:aten::mm#1', 'ops:aten::mm#0+aten::mm#1', 'ops:aten::bmm#0+aten::mm#0+aten::mm#1', 'ops:aten::bmm#0+aten::mm#0+aten::mm#1+aten::mm#2']
+        >>> ops_options({"aten::mm#0": (1.0, 4)}, small=["aten::mean#0"])
+        ['ops:aten::mean#0', 'ops:aten::mean#0+aten::mm#0']
     """
     order = list(calls)
     ranked = sorted(order, key=lambda k: (-calls[k][0] / max(calls[k][1], 1.0), order.index(k)))
     sizes = sorted({round(len(ranked) * share) for share in OPS_SHARES} & set(range(1, len(ranked)))
                    | ({len(ranked)} if ranked else set()))
-    return [f"{OPS}:{'+'.join(sorted(ranked[:size]))}" for size in sizes]
+    levels = [sorted({*small, *ranked[:size]}) for size in ([0] if small else []) + sizes]
+    return [f"{OPS}:{'+'.join(keys)}" for keys in levels]
 
 
 def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
@@ -151,7 +164,8 @@ def inner_options(traced: Trace, unmarked: Mapping[str, Any], options: Sequence[
             inner[name] += child_options(name, block, unmarked, traced.leaving[name], traced.calls,
                                          share=share, limit=limit, operators=operators)
         if OPS in options:
-            inner[name] += ops_options(traced.ops.candidates(traced.index[k]))
+            found = traced.ops
+            inner[name] += ops_options(found.candidates(traced.index[k]), found.small_results(traced.index[k]))
     return inner
 
 
@@ -206,11 +220,16 @@ class BlockCosts:
                    for f, s, c in zip(self.forward_s, self.selective_s, inner)]
         chain_time = list(self.forward_s)
         # Calibration: each option's uniform run was timed too; its measured extra time over
-        # the unmarked step, against the sum of forward times, scales that option's times
-        # (a re-run costs more than its forward: the engine's hooks, the policy's dispatch
-        # mode, the gradients' temporaries).
+        # the unmarked step, against the sum of forward times, scales the times of its family
+        # (a re-run costs more than its forward: the engine's hooks, the policy's dispatch mode,
+        # the gradients' temporaries). One factor per family, fitted to all its options at once
+        # (least squares): re-runs by the hooks (whole blocks, children) and re-runs under a
+        # policy's dispatch mode (``selective``, ``ops:``). A timer's noise on one option moves
+        # its family's factor a little, and every option of the family with it, so it cannot
+        # make one option look cheaper than another of its kind: the plan is the same run after run.
         scale = [1.0] * columns
         keep_s = self.option_step_s.get("keep")
+        fitted: dict[str, list[tuple[float, float]]] = {}
         for o in range(1, columns):
             step_s = self.option_step_s.get(self.options[o])
             if keep_s is None or step_s is None:
@@ -219,10 +238,13 @@ class BlockCosts:
             raw = sum(time_of[i][c] for i, c in enumerate(choice)) + (
                 sum(chain_time[i] for i in range(n - 1) if choice[i] == choice[i + 1] == OUTPUT))
             if raw > 0:
-                scale[o] = min(4.0, max(0.5, (step_s - keep_s) / raw))
+                fitted.setdefault(_family(self.options[o]), []).append((raw, step_s - keep_s))
+        factor = {family: min(4.0, max(0.5, sum(r * d for r, d in pairs) / sum(r * r for r, _ in pairs)))
+                  for family, pairs in fitted.items()}
+        for o in range(1, columns):
+            scale[o] = factor.get(_family(self.options[o]), 1.0)
         # A child's re-run pays the engine's hooks as a block's does, per second of forward
-        # at least: an option inside blocks is not scaled below ``recompute``, so a timing
-        # that came out low by chance does not make it look cheaper than re-running blocks.
+        # at least: an option inside blocks is not scaled below ``recompute``.
         for o in range(len(BLOCK_OPTIONS), columns):
             scale[o] = max(scale[o], scale[RECOMPUTE])
         self.time_scale = scale
@@ -247,6 +269,12 @@ class BlockCosts:
                        rebuilt=[[k + g for g in gaps] for k in keep_kept],
                        fixed=fixed, output=self.output_bytes, end=end, chain_time=chain_time,
                        base=base, last_held=keep_kept, tail=tail, options=self.options)
+
+
+def _family(option: str) -> str:
+    """Which engine re-runs ``option``: ``"policy"`` (a selective policy's dispatch modes) or
+    ``"hooks"`` (the saved-tensor hooks of a cell or operator mark)."""
+    return "policy" if option == "selective" or option.startswith(f"{OPS}:") else "hooks"
 
 
 def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, torch.nn.Module]]:
@@ -306,6 +334,7 @@ class _Ops(TorchDispatchMode):
         self.calls: dict[int, dict[str, list[float]]] = {}
         self.producer: dict[int, tuple[int, str]] = {}  # storage -> the candidate call that made it
         self.held: list = []
+        self.small: dict[int, list[str]] = {}  # per block: reductions with a small result
         self.saved: set[tuple[int, str]] = set()  # candidate calls whose output backward reads
         self._propagating = 0
         self._patches: list = []
@@ -363,6 +392,13 @@ class _Ops(TorchDispatchMode):
         numbered = self.numbered.setdefault(self.block, {})
         index = numbered.get(name, 0)
         numbered[name] = index + 1
+        if name in REDUCTIONS:  # NOTE [Options per operator]: a small result that cuts a chain
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            largest = max((t.numel() for t in ins), default=0)
+            if outs and SMALL * sum(t.numel() for t in outs) <= largest:
+                self.small.setdefault(self.block, []).append(call_key(name, index))
+            return
         if name not in COMPUTE_INTENSIVE_OPS:
             return
         packet = func._overloadpacket
@@ -392,6 +428,11 @@ class _Ops(TorchDispatchMode):
         and buys only its own re-run in eager)."""
         found = self.calls.get(block, {})
         return {key: (e[1], e[2]) for key, e in found.items() if (block, key) in self.saved}
+
+    def small_results(self, block: int) -> list[str]:
+        """Block ``block``'s reductions whose result is small (a norm's mean): keeping them costs
+        next to no memory and cuts what recomputation runs (NOTE [Options per operator])."""
+        return list(dict.fromkeys(self.small.get(block, [])))
 
 
 @dataclass
@@ -611,7 +652,8 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
             return sum(child_seconds(k, c) for c in children_in(option))
         # NOTE [Options per operator]: the re-run runs all but the kept calls
         block = traced.index[k]
-        kept = sum(ops.calls[block][key][0] for key in option.partition(":")[2].split("+"))
+        found = ops.calls.get(block, {})  # (a small reduction kept: its time is next to nothing)
+        kept = sum(found[key][0] for key in option.partition(":")[2].split("+") if key in found)
         total = ops.total.get(block, 0.0)
         return forward[k] * max(0.0, 1.0 - kept / total) if total else forward[k]
 
