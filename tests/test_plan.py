@@ -497,7 +497,7 @@ def test_an_option_timed_low_by_chance_is_pooled_with_its_family():
     pooled = (2 * 3 + 3 * 3 + 1 * 0.2) / (2 * 2 + 3 * 3 + 1 * 1)
     scales = costs.time_scale
     assert scales[1] == scales[3] == scales[4] == pytest.approx(pooled)
-    assert scales[2] == pytest.approx(1.0 / 1.0)  # selective: its own family (1 s for 1 s)
+    assert scales[2] == pytest.approx(1.0 / 1.0)  # selective: a family of its own (1 s for 1 s)
     assert evaluate(problem, [4, 4])[1] == pytest.approx(2 * 0.5 * pooled)  # not its own 0.2
 
 
@@ -509,12 +509,12 @@ def test_an_option_inside_blocks_is_never_scaled_below_a_block_re_run():
                        forward_s=[1.0, 1.0], selective_s=[0.5, 0.5], output_bytes=[2, 2],
                        grad_bytes=[1, 1], chain=[True, True], baseline_bytes=10, other_grad_bytes=0,
                        peaks=dict.fromkeys(options, 40), options=options, child_s=[[0.5], [0.5]],
-                       # the policy family timed cheap: the ops option still pays a re-run's 1.5x
+                       # the policies timed cheap: the ops option still pays a block re-run's 1.5x
                        option_step_s={"keep": 10.0, "recompute": 13.0, "selective": 10.2,
                                       "output": 14.5, "ops:aten::mm#0": 10.1})
     costs.problem()
     assert costs.time_scale[1] == pytest.approx(1.5)
-    assert costs.time_scale[2] == pytest.approx(0.5)
+    assert costs.time_scale[2] == pytest.approx(0.5)  # selective's own: 0.2 s for 1 s, floored
     assert costs.time_scale[4] == pytest.approx(1.5)
 
 

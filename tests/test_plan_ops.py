@@ -114,10 +114,10 @@ def test_small_reductions_are_kept_and_cut_what_recomputation_runs():
     """An RMSNorm's mean (a 128th of its input) is kept by every per-operator option of a Llama
     block, and alone by one: compiled, its copies in backward rebuild the norms' products but
     neither their squares nor their means; eager and compiled train bitwise equal to unmarked."""
+    from remat.memory.internal import Step
     from remat.models.llama import llama
     from remat.planner._cost import find_blocks, measure_costs
     from remat.planner._settings import Settings
-    from remat.memory.internal import Step
 
     def make() -> torch.nn.Module:
         torch.manual_seed(0)

@@ -223,8 +223,8 @@ class BlockCosts:
         # the unmarked step, against the sum of forward times, scales the times of its family
         # (a re-run costs more than its forward: the engine's hooks, the policy's dispatch mode,
         # the gradients' temporaries). One factor per family, fitted to all its options at once
-        # (least squares): re-runs by the hooks (whole blocks, children) and re-runs under a
-        # policy's dispatch mode (``selective``, ``ops:``). A timer's noise on one option moves
+        # (least squares): re-runs by the hooks (whole blocks, children), per-call policies
+        # (``ops:``) and ``selective`` (:func:`_family`). A timer's noise on one option moves
         # its family's factor a little, and every option of the family with it, so it cannot
         # make one option look cheaper than another of its kind: the plan is the same run after run.
         scale = [1.0] * columns
@@ -265,16 +265,28 @@ class BlockCosts:
                 choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
                 gaps[o] = max(0.0, self.peaks[self.options[o]] - evaluate(rough, choice)[0])
         self.transient_bytes = gaps
+        # Times on a binary grid (2**-30 s): sums of them are exact in any order, so plans of
+        # equal cost are exact ties, broken the same way run after run (identical blocks)
+        time_of = [[_grid(t) for t in row] for row in time_of]
+        chain_time = [_grid(t) for t in chain_time]
         return Problem(kept=self.kept, time=time_of,
                        rebuilt=[[k + g for g in gaps] for k in keep_kept],
                        fixed=fixed, output=self.output_bytes, end=end, chain_time=chain_time,
                        base=base, last_held=keep_kept, tail=tail, options=self.options)
 
 
+def _grid(seconds: float) -> float:
+    """``seconds`` rounded to a multiple of 2**-30 s (about a nanosecond), a binary fraction."""
+    return round(seconds * 2**30) / 2**30
+
+
 def _family(option: str) -> str:
-    """Which engine re-runs ``option``: ``"policy"`` (a selective policy's dispatch modes) or
-    ``"hooks"`` (the saved-tensor hooks of a cell or operator mark)."""
-    return "policy" if option == "selective" or option.startswith(f"{OPS}:") else "hooks"
+    """The options whose re-runs cost alike per second of forward: ``"hooks"`` (cell and
+    operator marks: whole blocks, children), ``"ops"`` (per-call policies under the dispatch
+    modes) and ``"selective"`` (its own: it re-runs every cheap operator of a block under them)."""
+    if option == "selective":
+        return "selective"
+    return "ops" if option.startswith(f"{OPS}:") else "hooks"
 
 
 def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, torch.nn.Module]]:
