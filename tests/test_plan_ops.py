@@ -141,5 +141,5 @@ def test_small_reductions_are_kept_and_cut_what_recomputation_runs():
     torch.manual_seed(123)
     compiled(x).float().pow(2).mean().backward()
     assert all(torch.equal(p.grad, expected[n]) for n, p in compiled_model.named_parameters())
-    copied = [op for r in compiled.remat_reports for _, op, _ in r.duplicated]
+    copied = {op.partition(".")[0] for r in compiled.remat_reports for _, op, _ in r.duplicated}
     assert "aten::mul" in copied and "aten::mean" not in copied and "aten::pow" not in copied
