@@ -25,26 +25,15 @@ def compile(
     fullgraph: bool = False,
     dynamic: bool | None = None,
 ) -> Compiled:
-    """Compile a model or a training-step function with MindSpore's graph-mode recomputation.
+    """``torch.compile`` with remat's recompute pass on the joint graph: the marks as set.
 
-    ``torch.compile`` with a backend whose partitioner applies every remat mark
-    (``Cell.recompute``, ``remat.recompute_module``, ``remat.apply``, primitives
-    of ``remat.ops``, ``remat.checkpoint`` and ``remat.recompute`` called inside,
-    ``output_recompute``, selective policies) on the joint forward/backward graph:
-    marked forward operators are not saved for backward; their copies run in the
-    backward graph right before the gradient operators that need them. Unmarked
+    The graph pass behind :func:`remat.compile` (which adds planning for a budget, one
+    layer up, and documents the arguments): marked forward operators are not saved for
+    backward, their copies run in backward before the gradients that need them, unmarked
     operators are never recomputed.
 
     Args:
-        model_or_fn: a ``torch.nn.Module``, or a function calling modules (found through
-            its closure, the globals it names, ``self`` of a bound method, or its arguments).
-        backend: ``"aot_eager"`` (graphs run as traced; works everywhere) or
-            ``"inductor"`` (needs a C++ compiler on CPU).
-        save_graphs: a directory; when given, every compiled graph is dumped there at
-            each stage (``graph<k>_00_captured``, ``_01_recompute``, ``_02_cse``,
-            ``_03_forward``, ``_04_backward``; ``.ir`` text and ``.dot`` Graphviz).
-        fullgraph: passed to ``torch.compile`` (True: fail on graph breaks).
-        dynamic: passed to ``torch.compile``.
+        model_or_fn, backend, save_graphs, fullgraph, dynamic: as for :func:`remat.compile`.
 
     Returns:
         The compiled module or function. Its ``remat_reports`` attribute lists one
@@ -56,12 +45,10 @@ def compile(
 
     Example:
         >>> import torch, remat
-        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-        >>> _ = remat.recompute_module(net[1], output_recompute=True)
-        >>> compiled = remat.compile(net)
-        >>> compiled(torch.randn(3, 4, requires_grad=True)).sum().backward()
-        >>> compiled.remat_reports[0].duplicated
-        [('relu_recompute', 'aten::relu', '1 (ReLU)')]
+        >>> from remat._graph._compile import compile as graph_compile
+        >>> relu = torch.nn.ReLU()
+        >>> _ = remat.recompute_module(relu, output_recompute=True)
+        >>> graph_compile(relu)(torch.randn(3, requires_grad=True)).sum().backward()
     """
     if not callable(model_or_fn):
         raise TypeError(
