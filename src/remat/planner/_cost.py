@@ -655,7 +655,7 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
     else:
         forward = [seconds(name) for name in names]
         step = runs.steps["keep"] if runs.steps else (report.step_ms or 0.0) / 1e3
-        timed = "measured, each option scaled by its own timed run"
+        timed = "measured, each family of options scaled by its timed runs"
 
     def inner_seconds(k: int, option: str) -> float:
         if option not in runs.inner[names[k]]:
