@@ -144,6 +144,25 @@ def test_a_budget_sweep_holds_in_the_loop_users_write(name):
     example = EXAMPLES[name]
     first, plans = _standard_sweep(example)
     check_sweep(example, first, plans, None)
+    if name in ("gpt", "llama"):  # and every distinct plan of the sweep, compiled
+        check_compiled(example, plans)
+
+
+def check_compiled(example: Example, plans: list) -> None:
+    """Each distinct plan, under ``remat.compile``, trains bit for bit as the unmarked model."""
+    expected = gradients(example.make(), example)
+    distinct = {tuple(p.choices.values()): p for p in plans if isinstance(p, remat.Plan)}
+    assert len(distinct) >= 3
+    for plan in distinct.values():
+        marked = example.make()
+        plan.apply(marked)
+        compiled = remat.compile(marked)
+        torch.manual_seed(123)
+        example.loss(compiled(example.x), example.y).backward()
+        assert compiled.remat_reports, plan.choices  # compiled, not run eagerly
+        got = {n: p.grad for n, p in marked.named_parameters()}
+        assert all(torch.equal(got[n], expected[n]) for n in expected), plan.choices
+        torch.compiler.reset()  # one compile per plan, each from clean caches
 
 
 def _standard_sweep(example: Example) -> tuple:
