@@ -493,10 +493,11 @@ def test_an_option_timed_low_by_chance_is_pooled_with_its_family():
                        option_step_s={"keep": 10.0, "recompute": 13.0, "selective": 11.0,
                                       "output": 13.0, "children:attn": 10.2})
     problem = costs.problem()
-    # hooks: recompute (2 s of forward, 3 s extra), output (3 s with its chain, 3 s), attn (1 s, 0.2 s)
-    pooled = (2 * 3 + 3 * 3 + 1 * 0.2) / (2 * 2 + 3 * 3 + 1 * 1)
+    # hooks: recompute (2 s of forward, 3 s extra), attn (1 s, 0.2 s); output is a family of its own
+    pooled = (2 * 3 + 1 * 0.2) / (2 * 2 + 1 * 1)
     scales = costs.time_scale
-    assert scales[1] == scales[3] == scales[4] == pytest.approx(pooled)
+    assert scales[1] == scales[4] == pytest.approx(pooled)
+    assert scales[3] == pytest.approx(3 / 4)  # output: two re-runs of 2 s of forward, 3 s extra
     assert scales[2] == pytest.approx(1.0 / 1.0)  # selective: a family of its own (1 s for 1 s)
     assert evaluate(problem, [4, 4])[1] == pytest.approx(2 * 0.5 * pooled)  # not its own 0.2
 

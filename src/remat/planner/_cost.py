@@ -216,15 +216,18 @@ class BlockCosts:
         base = max((p for o, p in self.peaks.items() if self.phases.get(o) == "optimizer"), default=0)
         columns = len(self.options)
         inner = self.child_s or [[]] * n
-        time_of = [[0.0, f, s, f, *c] + [0.0] * (columns - 4 - len(c))
+        # An ``output`` block runs twice in backward, chained or not: once to hand its output
+        # to whoever saved it, once to rebuild what it saved itself (NOTE [Output pass]); timed
+        # on the README's GPT, a lone output block costs what one in a chain does (2x a re-run)
+        time_of = [[0.0, f, s, 2 * f, *c] + [0.0] * (columns - 4 - len(c))
                    for f, s, c in zip(self.forward_s, self.selective_s, inner)]
-        chain_time = list(self.forward_s)
+        chain_time = [0.0] * n
         # Calibration: each option's uniform run was timed too; its measured extra time over
         # the unmarked step, against the sum of forward times, scales the times of its family
         # (a re-run costs more than its forward: the engine's hooks, the policy's dispatch mode,
         # the gradients' temporaries). One factor per family, fitted to all its options at once
         # (least squares): re-runs by the hooks (whole blocks, children), per-call policies
-        # (``ops:``) and ``selective`` (:func:`_family`). A timer's noise on one option moves
+        # (``ops:``), ``selective`` and ``output`` (:func:`_family`). A timer's noise on one option moves
         # its family's factor a little, and every option of the family with it, so it cannot
         # make one option look cheaper than another of its kind: the plan is the same run after run.
         scale = [1.0] * columns
@@ -283,9 +286,10 @@ def _grid(seconds: float) -> float:
 def _family(option: str) -> str:
     """The options whose re-runs cost alike per second of forward: ``"hooks"`` (cell and
     operator marks: whole blocks, children), ``"ops"`` (per-call policies under the dispatch
-    modes) and ``"selective"`` (its own: it re-runs every cheap operator of a block under them)."""
-    if option == "selective":
-        return "selective"
+    modes), and two of their own: ``"selective"`` (every cheap operator of a block re-run under
+    them) and ``"output"`` (a chain of blocks re-run twice, measured at 2x a block re-run)."""
+    if option in ("selective", "output"):
+        return option  # output: each block re-run twice in backward (NOTE [Output pass])
     return "ops" if option.startswith(f"{OPS}:") else "hooks"
 
 
