@@ -236,20 +236,27 @@ def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
     assert short == full.peak_bytes
 
 
-def test_option_times_are_calibrated_by_each_option_timed_run():
+def two_blocks(steps: dict, inner: str | None = None):
+    """Cost model of two identical blocks (1 s of forward, half of it selective's; an option
+    inside them, if given, re-runs 0.5 s), each option timed as ``steps`` says."""
     from remat.planner._cost import BlockCosts
+    from remat.planner._solve import BLOCK_OPTIONS
+
+    options = [*BLOCK_OPTIONS, *([inner] if inner else [])]
+    return BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0, 5.0][:len(options)]] * 2,
+                      forward_s=[1.0, 1.0], selective_s=[0.5, 0.5], output_bytes=[2, 2],
+                      grad_bytes=[1, 1], chain=[True, True], baseline_bytes=10, other_grad_bytes=0,
+                      peaks=dict.fromkeys(options, 40), options=options,
+                      child_s=[[0.5], [0.5]] if inner else [], option_step_s=steps)
+
+
+def test_option_times_are_calibrated_by_each_option_timed_run():
     from remat.planner._solve import BLOCK_OPTIONS as OPTIONS
     from remat.planner._solve import evaluate
 
-    def costs(steps: dict) -> BlockCosts:
-        return BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0]] * 2,
-                          forward_s=[1.0, 1.0], selective_s=[0.5, 0.5], output_bytes=[2, 2],
-                          grad_bytes=[1, 1], chain=[True, True], baseline_bytes=10, other_grad_bytes=0,
-                          peaks=dict.fromkeys(OPTIONS, 40), option_step_s=steps)
-
-    plain = costs({}).problem()
+    plain = two_blocks({}).problem()
     steps = {"keep": 10.0, "recompute": 13.0, "selective": 10.5, "output": 14.5}
-    tuned = costs(steps).problem()
+    tuned = two_blocks(steps).problem()
     for o, option in enumerate(OPTIONS[1:], 1):
         uniform = [o, o]
         assert evaluate(plain, uniform)[1] != steps[option] - steps["keep"]
@@ -482,16 +489,10 @@ def test_an_option_timed_low_by_chance_is_pooled_with_its_family():
     """The attention's run timed low (0.2 s extra for 1 s of forward): it shares the factor
     fitted to every re-run by the hooks (least squares), so it cannot look 5x cheaper than a
     block re-run, and the plan does not follow one noisy timing."""
-    from remat.planner._cost import BlockCosts
     from remat.planner._solve import evaluate
 
-    options = ["keep", "recompute", "selective", "output", "children:attn"]
-    costs = BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0, 5.0]] * 2,
-                       forward_s=[1.0, 1.0], selective_s=[0.5, 0.5], output_bytes=[2, 2],
-                       grad_bytes=[1, 1], chain=[True, True], baseline_bytes=10, other_grad_bytes=0,
-                       peaks=dict.fromkeys(options, 40), options=options, child_s=[[0.5], [0.5]],
-                       option_step_s={"keep": 10.0, "recompute": 13.0, "selective": 11.0,
-                                      "output": 13.0, "children:attn": 10.2})
+    costs = two_blocks({"keep": 10.0, "recompute": 13.0, "selective": 11.0, "output": 13.0,
+                        "children:attn": 10.2}, inner="children:attn")
     problem = costs.problem()
     # hooks: recompute (2 s of forward, 3 s extra), attn (1 s, 0.2 s); output is a family of its own
     pooled = (2 * 3 + 1 * 0.2) / (2 * 2 + 1 * 1)
@@ -503,16 +504,9 @@ def test_an_option_timed_low_by_chance_is_pooled_with_its_family():
 
 
 def test_an_option_inside_blocks_is_never_scaled_below_a_block_re_run():
-    from remat.planner._cost import BlockCosts
-
-    options = ["keep", "recompute", "selective", "output", "ops:aten::mm#0"]
-    costs = BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0, 5.0]] * 2,
-                       forward_s=[1.0, 1.0], selective_s=[0.5, 0.5], output_bytes=[2, 2],
-                       grad_bytes=[1, 1], chain=[True, True], baseline_bytes=10, other_grad_bytes=0,
-                       peaks=dict.fromkeys(options, 40), options=options, child_s=[[0.5], [0.5]],
-                       # the policies timed cheap: the ops option still pays a block re-run's 1.5x
-                       option_step_s={"keep": 10.0, "recompute": 13.0, "selective": 10.2,
-                                      "output": 14.5, "ops:aten::mm#0": 10.1})
+    # the policies timed cheap: the ops option still pays a block re-run's 1.5x
+    costs = two_blocks({"keep": 10.0, "recompute": 13.0, "selective": 10.2, "output": 14.5,
+                        "ops:aten::mm#0": 10.1}, inner="ops:aten::mm#0")
     costs.problem()
     assert costs.time_scale[1] == pytest.approx(1.5)
     assert costs.time_scale[2] == pytest.approx(0.5)  # selective's own: 0.2 s for 1 s, floored

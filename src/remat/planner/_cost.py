@@ -219,6 +219,7 @@ class BlockCosts:
         # An ``output`` block runs twice in backward, chained or not: once to hand its output
         # to whoever saved it, once to rebuild what it saved itself (NOTE [Output pass]); timed
         # on the README's GPT, a lone output block costs what one in a chain does (2x a re-run)
+        # (so a chain adds nothing: ``chain_time`` is zero)
         time_of = [[0.0, f, s, 2 * f, *c] + [0.0] * (columns - 4 - len(c))
                    for f, s, c in zip(self.forward_s, self.selective_s, inner)]
         chain_time = [0.0] * n
@@ -238,8 +239,7 @@ class BlockCosts:
             if keep_s is None or step_s is None:
                 continue
             choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
-            raw = sum(time_of[i][c] for i, c in enumerate(choice)) + (
-                sum(chain_time[i] for i in range(n - 1) if choice[i] == choice[i + 1] == OUTPUT))
+            raw = sum(time_of[i][c] for i, c in enumerate(choice))
             if raw > 0:
                 fitted.setdefault(_family(self.options[o]), []).append((raw, step_s - keep_s))
         factor = {family: min(4.0, max(0.5, sum(r * d for r, d in pairs) / sum(r * r for r, _ in pairs)))
@@ -252,7 +252,6 @@ class BlockCosts:
             scale[o] = max(scale[o], scale[RECOMPUTE])
         self.time_scale = scale
         time_of = [[t * scale[o] for o, t in enumerate(row)] for row in time_of]
-        chain_time = [t * scale[OUTPUT] for t in chain_time]
         # What follows the last block (a head, a loss) runs backward with the gradients of
         # the parameters outside blocks and the blocks' kept bytes; a final chain is rebuilt there.
         tail = fixed[-1] + self.output_bytes[-1] if n else end
@@ -271,7 +270,6 @@ class BlockCosts:
         # Times on a binary grid (2**-30 s): sums of them are exact in any order, so plans of
         # equal cost are exact ties, broken the same way run after run (identical blocks)
         time_of = [[_grid(t) for t in row] for row in time_of]
-        chain_time = [_grid(t) for t in chain_time]
         return Problem(kept=self.kept, time=time_of,
                        rebuilt=[[k + g for g in gaps] for k in keep_kept],
                        fixed=fixed, output=self.output_bytes, end=end, chain_time=chain_time,
