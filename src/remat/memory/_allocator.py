@@ -13,8 +13,8 @@ added into the residual stream and gone a few operators later; the clone of its
 input a reduce-scatter scatters from), the worker's drop frees the block and the
 profiler never sees that free, so the block would count as alive to the end of
 the step. While measuring, :func:`allocator_peak` therefore lets the worker go
-first: after a ``wait_tensor`` it yields the processor (at most a few
-milliseconds) until the work's references to the result are gone. And it keeps a
+first: after a ``wait_tensor`` it yields the processor (at most 50
+milliseconds, on a busy machine) until the work's references to the result are gone. And it keeps a
 reference to each tensor a work may still hold last (a functional collective's
 result once waited; the clone a c10d reduce-scatter copies its result out of),
 dropped on the step's thread, before the next operator, once nothing else holds
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SETTLE_S = 0.005  # the longest wait for gloo's worker to drop a finished work
+SETTLE_S = 0.05  # the longest wait for gloo's worker to drop a finished work (a busy machine)
 _REDUCE_SCATTERS = frozenset({"_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"})
 
 
