@@ -6,7 +6,7 @@ then times the plan against the unmarked model in interleaved rounds (median and
 of the per-round overhead) and sets it beside the predicted overhead.
 
 Usage:
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_stability.py [--runs 5] [--rounds 21]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_stability.py [--runs 5] [--rounds 61]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def measured_overhead(plan: remat.Plan, rounds: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--rounds", type=int, default=61)
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}, {torch.get_num_threads()} torch thread(s)")
     plans = []

@@ -236,18 +236,20 @@ def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
     assert short == full.peak_bytes
 
 
-def two_blocks(steps: dict, inner: str | None = None):
-    """Cost model of two identical blocks (1 s of forward, half of it selective's; an option
+def two_blocks(steps: dict, inner: str | tuple[str, ...] | None = None):
+    """Cost model of two identical blocks (1 s of forward, half of it selective's; each option
     inside them, if given, re-runs 0.5 s), each option timed as ``steps`` says."""
     from remat.planner._cost import BlockCosts
     from remat.planner._solve import BLOCK_OPTIONS
 
-    options = [*BLOCK_OPTIONS, *([inner] if inner else [])]
-    return BlockCosts(names=["a", "b"], types=["T", "T"], kept=[[8.0, 2.0, 4.0, 0.0, 5.0][:len(options)]] * 2,
+    inner = (inner,) if isinstance(inner, str) else tuple(inner or ())
+    options = [*BLOCK_OPTIONS, *inner]
+    return BlockCosts(names=["a", "b"], types=["T", "T"],
+                      kept=[[8.0, 2.0, 4.0, 0.0, 5.0, 6.0][:len(options)]] * 2,
                       forward_s=[1.0, 1.0], selective_s=[0.5, 0.5], output_bytes=[2, 2],
                       grad_bytes=[1, 1], chain=[True, True], baseline_bytes=10, other_grad_bytes=0,
                       peaks=dict.fromkeys(options, 40), options=options,
-                      child_s=[[0.5], [0.5]] if inner else [], option_step_s=steps)
+                      child_s=[[0.5] * len(inner)] * 2 if inner else [], option_step_s=steps)
 
 
 def test_option_times_are_calibrated_by_each_option_timed_run():
@@ -485,22 +487,56 @@ def test_each_options_step_is_timed_in_interleaved_rounds_and_leaves_the_model_u
     assert remat.marked_modules(model) == {} and all(p.grad is None for p in model.parameters())
 
 
+def test_the_optimizers_step_is_timed_and_is_part_of_the_step_an_overhead_divides(monkeypatch):
+    from remat.planner import _cost
+
+    model, x = tiny_gpt(), tokens()
+    blocks = dict(model.blocks.named_children())
+    stepped = []
+    original = torch.optim.Adam.step
+
+    def counted(self, *args, **kwargs):
+        stepped.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", counted)
+    uniform = {"keep": {}, "recompute": dict.fromkeys(blocks, "recompute")}
+    steps = _cost._interleaved_steps(model, Step(inputs=(x,)), blocks, uniform, rounds=2, optimizer="adam")
+    # primed once, then after the unmarked step of each of 3 rounds (the first a warm-up)
+    assert len(stepped) == 1 + 3 and steps["optimizer"] > 0
+    # the plan's step is the unmarked forward and backward and the optimizer's step
+    monkeypatch.setattr(_cost, "_interleaved_steps", lambda *a, **k: {**steps, "optimizer": 1.0})
+    plan = remat.plan(tiny_gpt(), tokens(), budget=0.8, repeat=1)
+    assert plan.step_s == pytest.approx(steps["keep"] + 1.0)
+
+
 def test_an_option_timed_low_by_chance_is_pooled_with_its_family():
-    """The attention's run timed low (0.2 s extra for 1 s of forward): it shares the factor
-    fitted to every re-run by the hooks (least squares), so it cannot look 5x cheaper than a
-    block re-run, and the plan does not follow one noisy timing."""
+    """Two children's runs, one timed low (0.2 s extra for 1 s of forward): they share the
+    factor fitted to every re-run of children (least squares), so the low one cannot look 5x
+    cheaper than its sibling, and the plan does not follow one noisy timing."""
     from remat.planner._solve import evaluate
 
-    costs = two_blocks({"keep": 10.0, "recompute": 13.0, "selective": 11.0, "output": 13.0,
-                        "children:attn": 10.2}, inner="children:attn")
+    costs = two_blocks({"keep": 10.0, "recompute": 12.0, "selective": 11.0, "output": 13.0,
+                        "children:attn": 10.2, "children:fc": 13.0},
+                       inner=("children:attn", "children:fc"))
     problem = costs.problem()
-    # hooks: recompute (2 s of forward, 3 s extra), attn (1 s, 0.2 s); output is a family of its own
-    pooled = (2 * 3 + 1 * 0.2) / (2 * 2 + 1 * 1)
+    # children: attn (1 s of forward, 0.2 s extra), fc (1 s, 3 s); blocks: recompute alone (2 s, 2 s)
+    pooled = (1 * 0.2 + 1 * 3) / (1 * 1 + 1 * 1)
     scales = costs.time_scale
-    assert scales[1] == scales[4] == pytest.approx(pooled)
+    assert scales[4] == scales[5] == pytest.approx(pooled)
+    assert scales[1] == pytest.approx(1.0)  # whole blocks: a family of their own
     assert scales[3] == pytest.approx(3 / 4)  # output: two re-runs of 2 s of forward, 3 s extra
     assert scales[2] == pytest.approx(1.0 / 1.0)  # selective: a family of its own (1 s for 1 s)
     assert evaluate(problem, [4, 4])[1] == pytest.approx(2 * 0.5 * pooled)  # not its own 0.2
+
+
+def test_a_block_re_run_is_calibrated_by_its_own_run_not_by_the_childrens():
+    # children cost more per second of forward: pooled, they made a block re-run look dearer
+    costs = two_blocks({"keep": 10.0, "recompute": 11.4, "selective": 11.0, "output": 13.0,
+                        "children:attn": 11.0}, inner="children:attn")
+    costs.problem()
+    assert costs.time_scale[1] == pytest.approx(0.7)  # 1.4 s for 2 s of forward
+    assert costs.time_scale[4] == pytest.approx(1.0)  # 1 s for 1 s
 
 
 def test_an_option_inside_blocks_is_never_scaled_below_a_block_re_run():

@@ -64,6 +64,7 @@ The same policy is applied by ``remat.compile``'s graph pass, which numbers the 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -227,10 +228,14 @@ class BlockCosts:
         # the unmarked step, against the sum of forward times, scales the times of its family
         # (a re-run costs more than its forward: the engine's hooks, the policy's dispatch mode,
         # the gradients' temporaries). One factor per family, fitted to all its options at once
-        # (least squares): re-runs by the hooks (whole blocks, children), per-call policies
-        # (``ops:``), ``selective`` and ``output`` (:func:`_family`). A timer's noise on one option moves
-        # its family's factor a little, and every option of the family with it, so it cannot
-        # make one option look cheaper than another of its kind: the plan is the same run after run.
+        # (least squares): whole blocks (``recompute``, the largest and steadiest of the timed
+        # differences), re-runs of children, per-call policies (``ops:``), ``selective`` and
+        # ``output`` (:func:`_family`). A timer's noise on one option moves its family's
+        # factor a little, and every option of the family with it, so it cannot make one
+        # option look cheaper than another of its kind: the plan is the same run after run.
+        # Children are a family apart from whole blocks: their marks cost more per second of
+        # forward (more hooks, operator marks), and pooled with them they made every block
+        # re-run look dearer than it is (the prediction of a plan of block re-runs, high).
         scale = [1.0] * columns
         keep_s = self.option_step_s.get("keep")
         fitted: dict[str, list[tuple[float, float]]] = {}
@@ -282,13 +287,16 @@ def _grid(seconds: float) -> float:
 
 
 def _family(option: str) -> str:
-    """The options whose re-runs cost alike per second of forward: ``"hooks"`` (cell and
-    operator marks: whole blocks, children), ``"ops"`` (per-call policies under the dispatch
-    modes), and two of their own: ``"selective"`` (every cheap operator of a block re-run under
-    them) and ``"output"`` (a chain of blocks re-run twice, measured at 2x a block re-run)."""
+    """The options whose re-runs cost alike per second of forward: ``"blocks"`` (whole blocks
+    re-run by the hooks), ``"children"`` (children re-run by cell and operator marks), ``"ops"``
+    (per-call policies under the dispatch modes), and two of their own: ``"selective"`` (every
+    cheap operator of a block re-run under them) and ``"output"`` (a chain of blocks re-run
+    twice, measured at 2x a block re-run)."""
     if option in ("selective", "output"):
         return option  # output: each block re-run twice in backward (NOTE [Output pass])
-    return "ops" if option.startswith(f"{OPS}:") else "hooks"
+    if option == "recompute":
+        return "blocks"
+    return "ops" if option.startswith(f"{OPS}:") else "children"
 
 
 def find_blocks(model: torch.nn.Module, blocks: Any = None) -> list[tuple[str, torch.nn.Module]]:
@@ -623,7 +631,8 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
     steps: dict[str, float] = {}
     if not settings.fake and settings.build is None and settings.repeat:
         settings.say(f"timing the {len(uniform)} options, interleaved")
-        steps = _interleaved_steps(model, settings.step, dict(blocks), uniform, settings.repeat)
+        steps = _interleaved_steps(model, settings.step, dict(blocks), uniform, settings.repeat,
+                                   settings.optimizer)
     return Runs(reports=reports, inner=inner, columns=columns, steps=steps, measured=measured)
 
 
@@ -656,7 +665,9 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
         timed = f"roofline ({settings.device})"
     else:
         forward = [seconds(name) for name in names]
-        step = runs.steps["keep"] if runs.steps else (report.step_ms or 0.0) / 1e3
+        # the step users run: forward, backward and the optimizer's step
+        step = (runs.steps["keep"] + runs.steps.get("optimizer", 0.0) if runs.steps
+                else (report.step_ms or 0.0) / 1e3)
         timed = "measured, each family of options scaled by its timed runs"
 
     def inner_seconds(k: int, option: str) -> float:
@@ -731,13 +742,24 @@ def measure_costs(model: torch.nn.Module, blocks: list, settings: Settings) -> B
 
 
 def _interleaved_steps(model: torch.nn.Module, step: Step, blocks: Mapping[str, torch.nn.Module],
-                       uniform: Mapping[str, Mapping[str, str]], rounds: int) -> dict[str, float]:
+                       uniform: Mapping[str, Mapping[str, str]], rounds: int,
+                       optimizer: OptimizerLike = None) -> dict[str, float]:
     """Seconds of ``step`` (forward and backward) with each option's blocks marked (``uniform``:
-    option -> ``{block: option}``), the least of ``rounds`` rounds after one to warm up. Each
-    round steps every option once, in a rotating order, so a busy spell of the machine slows
-    them alike."""
+    option -> ``{block: option}``), over ``rounds`` rounds after one to warm up; and under
+    ``"optimizer"`` the seconds of the optimizer's step, timed after the unmarked one.
+
+    Each round steps every option once, in a rotating order, so a busy spell of the machine
+    slows them alike. An option's figure is the unmarked step's median times the median over
+    rounds of its ratio to the unmarked step of the same round: the statistic a user's loop
+    shows (a typical step, not the luckiest), with the machine's slow spells divided out."""
+    from remat.memory.profile import make_optimizer, prime_optimizer
+
+    opt = make_optimizer(optimizer, model, API)
+    if opt is not None:
+        prime_optimizer(opt)
     order = list(uniform)
-    best: dict[str, float] = {}
+    times: dict[str, list[float]] = {option: [] for option in order}
+    optimizer_s: list[float] = []
     for r in range(rounds + 1):
         for option in order[r % len(order):] + order[:r % len(order)]:
             marked = mark_choices(blocks, uniform[option])
@@ -746,13 +768,22 @@ def _interleaved_steps(model: torch.nn.Module, step: Step, blocks: Mapping[str, 
                 held = step.run(model)
                 elapsed = time.perf_counter() - start
                 del held
+                if opt is not None and option == "keep":
+                    start = time.perf_counter()
+                    opt.step()
+                    optimizer_s.append(time.perf_counter() - start)
             finally:
                 for m in marked:
                     unmark_module(m)
                 model.zero_grad(set_to_none=True)
             if r:
-                best[option] = min(best.get(option, elapsed), elapsed)
-    return best
+                times[option].append(elapsed)
+    keep = statistics.median(times["keep"])
+    out = {option: keep * statistics.median(t / k for t, k in zip(seconds, times["keep"]))
+           for option, seconds in times.items()}
+    if optimizer_s[1:]:
+        out["optimizer"] = statistics.median(optimizer_s[1:])
+    return out
 
 
 def _named(model: torch.nn.Module, blocks: list) -> list[tuple[str, torch.nn.Module]]:

@@ -216,7 +216,7 @@ def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = Non
          loss_fn: Callable | None = None, step: StepFn | None = None, optimizer: OptimizerLike = "adam",
          blocks: Any = None, options: Sequence[str] = OPTIONS, device: str | None = None,
          throughput: float | None = None, dtype: torch.dtype | None = None,
-         verify: bool | str = True, solver: str = "auto", repeat: int = 2,
+         verify: bool | str = True, solver: str = "auto", repeat: int = 3,
          progress: Callable[[str], None] | None = None, compose: bool = True,
          world_size: int | None = None, parallelize: Callable | None = None,
          rank: int | None = None) -> Plan:
@@ -272,7 +272,7 @@ def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = Non
             [Verifying by composition] in ``remat/planner/_verify.py``), else on the whole model;
             ``"full"`` always runs the whole model; ``False`` does not measure the plan.
         solver: ``"auto"`` (dynamic program on chains, MILP otherwise), ``"dp"``, ``"milp"``.
-        repeat: timed runs per block for real-tensor plans.
+        repeat: timed rounds of every option's step for real-tensor plans (medians kept).
         progress: called with a short message at each stage (the CLI's progress bar).
         compose: on fake tensors, measure a model of identical blocks with 2 and 3 of them
             and compose the costs of all (and with ``verify=True`` the plan's peak; ``False``:
@@ -337,7 +337,7 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
           optimizer: OptimizerLike = "adam", blocks: Any = None, options: Sequence[str] = OPTIONS,
           device: str | None = None, throughput: float | None = None,
           dtype: torch.dtype | None = None, verify: bool | str = True, solver: str = "auto",
-          repeat: int = 2, progress: Callable[[str], None] | None = None, floors: bool = False,
+          repeat: int = 3, progress: Callable[[str], None] | None = None, floors: bool = False,
           compose: bool = True, world_size: int | None = None,
           parallelize: Callable | None = None, rank: int | None = None) -> list[Plan | BudgetError]:
     """:func:`remat.plan` for several budgets, measuring the blocks once.

@@ -132,7 +132,7 @@ class Settings:
         verify: measure each plan and re-solve while it exceeds its budget (``"full"``: on the
             whole model, never composed from short ones).
         solver: ``"auto"``, ``"dp"`` or ``"milp"``.
-        repeat: timed runs per option on real tensors.
+        repeat: timed rounds of every option's step on real tensors (medians kept).
         progress: called with a short message at each stage.
         compose: on fake tensors, compose the costs of identical blocks from short models.
         floors: a budget below the floor gives its ``BudgetError`` in the list, not raised.
@@ -149,7 +149,7 @@ class Settings:
     bandwidth: float | None = None
     verify: bool | str = True
     solver: str = "auto"
-    repeat: int = 2
+    repeat: int = 3
     progress: Callable[[str], None] | None = None
     compose: bool = True
     floors: bool = False
