@@ -549,3 +549,20 @@ def test_an_option_inside_blocks_is_never_scaled_below_a_block_re_run():
     assert costs.time_scale[4] == pytest.approx(1.5)
 
 
+
+
+def test_a_users_own_optimizer_leaves_planning_as_it_came():
+    # planning measures and times the optimizer's step; the user's Adam keeps its moments and count
+    model, x = tiny_gpt(), tokens()
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(x).sum().backward()
+    adam.step()
+    model.zero_grad(set_to_none=True)
+    before = copy.deepcopy(adam.state_dict())
+    remat.plan(model, x, budget=0.8, repeat=1, optimizer=adam)
+    after = adam.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert after["state"].keys() == before["state"].keys()
+    for k, state in before["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(after["state"][k][n]))
+                   for n, v in state.items())

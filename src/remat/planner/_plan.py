@@ -10,9 +10,11 @@ budget, the solver runs again on a budget lowered by the excess. A
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -384,7 +386,8 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
             param = next(model.parameters(), None)
             device = param.device.type if param is not None else "cpu"
         made = _step(example_inputs, batch, loss_fn, step)
-        return _plans(model, parsed, settings.replace(step=made, device=device))
+        with _optimizer_kept(optimizer):
+            return _plans(model, parsed, settings.replace(step=made, device=device))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.memory.estimate import device_of
@@ -454,6 +457,20 @@ def _fake_batch(mode: Any, batch: Any, dtype: torch.dtype | None) -> Any:
     if isinstance(batch, dict):
         return dict(zip(batch, fake_inputs(mode, tuple(batch.values()), dtype)))
     return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
+
+
+@contextlib.contextmanager
+def _optimizer_kept(optimizer: OptimizerLike) -> Iterator[None]:
+    """A user's own optimizer leaves planning as it came: its state (Adam's moments and step
+    count) is loaded back; planning runs its step to measure and time it."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        yield
+        return
+    saved = copy.deepcopy(optimizer.state_dict())
+    try:
+        yield
+    finally:
+        optimizer.load_state_dict(saved)
 
 
 def _plans(model: torch.nn.Module, budgets: list, settings: Settings) -> list:
