@@ -213,13 +213,19 @@ def test_remat_compile_honours_every_option_of_a_plan():
     plan = dataclasses.replace(plan, decisions=tuple(
         dataclasses.replace(d, choice=c) for d, c in zip(plan.decisions, forced, strict=True)))
     x = tokens()
-    expected = grads(tiny_gpt(), x)
-    marked = tiny_gpt()
+    assert_compiled_plan_trains_bitwise(plan, tiny_gpt, x, grads(tiny_gpt(), x))
+
+
+def assert_compiled_plan_trains_bitwise(plan, make, x, expected):
+    """``plan`` on a fresh ``make()`` under ``remat.compile`` gives ``expected`` (``grads``), bit
+    for bit; the compiled model, for its reports."""
+    marked = make()
     plan.apply(marked)
     compiled = remat.compile(marked)
     torch.manual_seed(123)
     compiled(x).float().pow(2).mean().backward()
     assert all(torch.equal(p.grad, expected[n]) for n, p in marked.named_parameters())
+    return compiled
 
 
 def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
