@@ -490,6 +490,11 @@ POLICIES: dict[str, remat.Policy] = {
     "save_only_mm": remat.save_only("aten::mm", "aten::addmm"),
     # per call (what remat.plan's per-operator options set): some matrix products kept
     "save_calls": remat.save_calls("aten::mm#0", "aten::addmm#1", "aten::bmm#0"),
+    # per call, cheap operators among them (what a min-cut option keeps: a residual sum, a
+    # norm's scale, an activation; operators that have in-place forms, which the eager engine
+    # and the graph pass count apart when a region uses them)
+    "save_calls_pointwise": remat.save_calls("aten::add#0", "aten::add#2", "aten::mul#1", "aten::relu#0",
+                                             "aten::gelu#0", "aten::rsqrt#0", "aten::mm#1"),
 }
 
 

@@ -134,7 +134,11 @@ def test_small_reductions_are_kept_and_cut_what_recomputation_runs():
     settings = Settings(step=Step(inputs=(x,), api="test"), optimizer=None, options=("keep", "ops"), repeat=0)
     ops = [o for o in measure_costs(model, find_blocks(model), settings).options if o.startswith("ops:")]
     assert ops[0] == "ops:aten::mean#0+aten::mean#1"
-    assert all({"aten::mean#0", "aten::mean#1"} <= set(o[4:].split("+")) for o in ops)
+    # every option keeps each norm's mean, or (a min-cut option: NOTE [Options cut by min-cut])
+    # the one-element-per-row scale computed from it, so no option re-runs a norm's reduction
+    for o in ops:
+        keys = set(o[4:].split("+"))
+        assert all({f"aten::mean#{i}", f"aten::rsqrt#{i}"} & keys for i in (0, 1)), o
     expected = grads(make(), x)
     plan = with_choices(remat.plan(make(), x, budget=1.0, options=("keep",), repeat=0), [ops[0]] * 2)
     eager = make()
@@ -144,3 +148,86 @@ def test_small_reductions_are_kept_and_cut_what_recomputation_runs():
     compiled = assert_compiled_plan_trains_bitwise(plan, make, x, expected)
     copied = {op.partition(".")[0] for r in compiled.remat_reports for _, op, _ in r.duplicated}
     assert "aten::mul" in copied and "aten::mean" not in copied and "aten::pow" not in copied
+
+
+def _llama_options(make, x, options=("keep", "selective", "ops")):
+    from remat.memory.internal import Step
+    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._settings import Settings
+
+    model = make()
+    settings = Settings(step=Step(inputs=(x,), api="test"), optimizer=None, options=options, repeat=0)
+    return measure_costs(model, find_blocks(model), settings)
+
+
+def test_min_cut_options_keep_less_than_selective_and_rebuild_no_product():
+    """NOTE [Options cut by min-cut]: in a Llama block the deepest min-cut option keeps the
+    rotary embeddings' outputs and the residual sum instead of the products before them, so
+    backward re-runs no product, no attention and no reduction. Eager it keeps fewer bytes than
+    ``selective`` (which keeps every product); compiled (where selective's copies rebuild only
+    what backward reads) about as many, and its copies move less. Bitwise equal to unmarked."""
+    from remat.models.llama import llama
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return llama(layers=2, width=128, heads=4, hidden=344, vocab=64)
+
+    x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    costs = _llama_options(make, x)
+    cut = [o for o in costs.options if "aten::add#1" in o.split("+")]
+    assert cut, costs.options
+    deepest = max(cut, key=lambda o: o.count("+"))
+    keys = set(deepest[4:].split("+"))
+    assert {"aten::add#1", "aten::add#2", "aten::add#3"} <= keys  # roped q, k; the residual sum
+    assert not {"aten::mm#0", "aten::mm#1", "aten::mm#3"} & keys  # q, k, o: not kept
+    column = costs.options.index(deepest)
+    selective = costs.options.index("selective")
+    assert all(row[column] < row[selective] for row in costs.kept), costs.kept
+
+    expected = grads(make(), x)
+    plan = with_choices(remat.plan(make(), x, budget=1.0, options=("keep",), repeat=0), [deepest] * 2)
+    eager = make()
+    plan.apply(eager)
+    got = grads(eager, x)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    compiled = assert_compiled_plan_trains_bitwise(plan, make, x, expected)
+    copied = {op.partition(".")[0] for r in compiled.remat_reports for _, op, _ in r.duplicated}
+    assert copied and not copied & {"aten::mm", "aten::mean", "aten::pow",
+                                     "aten::_scaled_dot_product_flash_attention_for_cpu"}, copied
+    selective_plan = with_choices(plan, ["selective"] * 2)
+    other = assert_compiled_plan_trains_bitwise(selective_plan, make, x, expected)
+    mine, theirs = compiled.remat_reports[0], other.remat_reports[0]
+    assert mine.copy_bytes < theirs.copy_bytes and mine.saved_bytes <= 1.01 * theirs.saved_bytes
+
+
+class _Inplace(torch.nn.Module):
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.fc, self.out = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = h.relu_() if self.inplace else h.relu()
+        return x + self.out(h * 2)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_block_writing_into_its_own_values_gets_no_min_cut_option(inplace):
+    """NOTE [Options cut by min-cut]: the eager engine does not count in-place calls and the
+    graph pass counts them once functionalized, so a block that runs one gets no option keyed by
+    pointwise calls; the same block run out of place does."""
+    from remat.memory.internal import Step
+    from remat.planner._cost import find_blocks, trace
+    from remat.planner._settings import Settings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Inplace(inplace) for _ in range(3)])
+    x = torch.randn(8, 32)
+    traced = trace(model, find_blocks(model), Settings(step=Step(inputs=(x,), api="test"), optimizer=None))
+    found = [traced.ops.cut_options(i) for i in traced.index]
+    if inplace:
+        assert found == [[], [], []]
+    else:
+        # keep the ReLU's output (the product before it is banned; the doubling re-runs)
+        assert found == [["ops:aten::relu#0"]] * 3

@@ -15,6 +15,7 @@ from remat.planner._solve import (
     Problem,
     evaluate,
     floor,
+    min_cut_keep,
     solve,
     solve_brute_force,
     solve_chain,
@@ -204,3 +205,40 @@ def test_dominated_options_are_not_tried_and_the_optimum_stands():
     assert _undominated(problem, 0) == [0, 1, 3, 5]  # selective (12, 20, 4) loses to gelu too
     for budget in (60, 48, 36, 30):
         assert solve_chain(problem, budget).time == solve_brute_force(problem, budget).time
+
+
+def _rebuildable(weights, inputs, required, banned, kept) -> bool:
+    """Whether backward can have every required output: kept, or re-run from what it can have."""
+    have: list[bool] = []
+    for i in range(len(weights)):
+        have.append(i in kept or (i not in banned and all(have[j] for j in inputs[i])))
+    return all(have[i] for i in required)
+
+
+def test_min_cut_keeps_the_fewest_bytes_brute_force_finds():
+    rng = random.Random(3)
+    for _ in range(400):
+        n = rng.randint(1, 8)
+        weights = [rng.choice([0, 1, 2, 4, 8, 16]) for _ in range(n)]
+        inputs = [sorted(rng.sample(range(i), rng.randint(0, min(i, 3)))) for i in range(n)]
+        required = [i for i in range(n) if rng.random() < 0.4]
+        banned = [i for i in range(n) if rng.random() < 0.3]
+        kept = min_cut_keep(weights, inputs, required, banned)
+        assert _rebuildable(weights, inputs, required, banned, set(kept))
+        best = min(sum(weights[i] for i in subset)
+                   for size in range(n + 1) for subset in itertools.combinations(range(n), size)
+                   if _rebuildable(weights, inputs, required, banned, set(subset)))
+        assert sum(weights[i] for i in kept) == best
+
+
+def test_min_cut_keeps_the_later_of_two_equal_outputs_so_less_is_re_run():
+    # a rotary embedding: a product (0, banned) then four cheap operators (1..4) whose last
+    # output (the same bytes) attention saves: keep that one, not the product and a re-run
+    assert min_cut_keep([8, 8, 8, 8, 8], [[], [0], [0], [1, 2], [3]], required=[4], banned=[0]) == [4]
+    # what nothing needs is not kept, banned or not
+    assert min_cut_keep([8, 8], [[], [0]], required=[], banned=[0]) == []
+
+
+def test_min_cut_refuses_a_node_reading_a_later_one():
+    with pytest.raises(ValueError, match="reads earlier ones only"):
+        min_cut_keep([1, 1], [[1], []], required=[0], banned=[])

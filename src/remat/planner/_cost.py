@@ -59,6 +59,25 @@ as an RMSNorm's mean, an eighth of its input or less) and one option keeps only 
 next to no memory, and what depends on them (a norm's square, its reduction) is not rebuilt.
 Reductions have no in-place forms, so the eager engine and the graph pass number them alike.
 The same policy is applied by ``remat.compile``'s graph pass, which numbers the calls alike.
+
+NOTE [Options cut by min-cut]
+The ranked options keep products and reductions only, so a value backward reads that a
+cheap operator makes from a product (a rotary embedding of a query, a residual sum) is
+rebuilt by re-running the product. The min-cut options keep, of every call of the block,
+the fewest bytes from which backward rebuilds all it reads while re-running only what
+it may: the traced unmarked run records each call (``_Ops.nodes``: its output bytes, the
+calls of the same block it reads, storage by storage), and which outputs the block's own
+backward reads (the saved-tensor hook, while the block runs); :func:`remat.planner._solve.
+min_cut_keep` then solves the cut with the block's small reductions and a share
+(:data:`CUT_SHARES`) of its products, convolutions and attentions, dearest per byte first,
+banned from re-running. Its cut nearest the backward keeps a rotary embedding's output
+rather than the product before it, and a residual sum rather than the product it adds:
+the same bytes, less to re-run. This is what torch's min-cut partitioner does for a whole
+graph, here per block, as options the cost model measures like any other (their bytes and
+peaks from tracked runs, their times timed or fitted): the cut only proposes them.
+Keys of operators with in-place forms are counted alike by the eager engine and the graph
+pass only when the block runs none in place (NOTE [Counting calls]): a block that writes
+into a value it made gets no min-cut options.
 """
 
 from __future__ import annotations
@@ -85,7 +104,16 @@ from remat.memory.internal import (
 )
 from remat.memory.profile import OptimizerLike, measure
 from remat.planner._settings import Settings, child_mark, children_in, mark_choices
-from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OPS, OUTPUT, RECOMPUTE, Problem, evaluate
+from remat.planner._solve import (
+    BLOCK_OPTIONS,
+    CHILDREN,
+    OPS,
+    OUTPUT,
+    RECOMPUTE,
+    Problem,
+    evaluate,
+    min_cut_keep,
+)
 
 API = "remat.plan"
 #: a child gets options when its mark would drop this share of its block's kept bytes
@@ -122,6 +150,44 @@ def ops_options(calls: Mapping[str, tuple[float, float]], small: Sequence[str] =
                    | ({len(ranked)} if ranked else set()))
     levels = [sorted({*small, *ranked[:size]}) for size in ([0] if small else []) + sizes]
     return [f"{OPS}:{'+'.join(keys)}" for keys in levels]
+
+
+#: the shares of a block's matrix products, convolutions and attentions (the dearest to
+#: rebuild per byte first) that its min-cut options never re-run (NOTE [Options cut by min-cut])
+CUT_SHARES = (0.5, 1.0)
+
+
+def cut_options(nodes: Mapping[str, tuple[int, Sequence[str]]], needed: Iterable[str],
+                intensive: Mapping[str, tuple[float, float]], small: Sequence[str] = ()) -> list[str]:
+    """The ``ops:`` options of one block that keep the fewest bytes from which backward rebuilds
+    what it reads without re-running a banned call (NOTE [Options cut by min-cut]).
+
+    Args:
+        nodes: the block's calls in call order, ``{key: (output bytes, keys of the calls read)}``.
+        needed: the calls whose output the block's backward reads.
+        intensive: its matrix products, convolutions and attentions, ``{key: (roofline cost,
+            output bytes)}``: at each level of :data:`CUT_SHARES` the dearest per byte are banned.
+        small: its reductions with a small result, always banned (kept when needed).
+
+    Example:
+        >>> nodes = {"aten::mm#0": (8, []), "aten::mul#0": (8, ["aten::mm#0"]),
+        ...          "aten::add#0": (8, ["aten::mul#0"]), "aten::mm#1": (8, ["aten::add#0"])}
+        >>> cut_options(nodes, ["aten::add#0", "aten::mm#1"], {"aten::mm#0": (2.0, 8), "aten::mm#1": (1.0, 8)})
+        ['ops:aten::add#0', 'ops:aten::add#0+aten::mm#1']
+    """
+    keys = list(nodes)
+    where = {key: i for i, key in enumerate(keys)}
+    ranked = sorted(intensive, key=lambda k: (-intensive[k][0] / max(intensive[k][1], 1.0), keys.index(k)
+                                              if k in where else len(keys)))
+    found: list[str] = []
+    for share in CUT_SHARES:
+        banned = {*small, *ranked[:max(1, round(share * len(ranked)))]} if ranked else set(small)
+        kept = min_cut_keep([int(nodes[k][0]) for k in keys], [[where[r] for r in nodes[k][1]] for k in keys],
+                            [where[k] for k in needed if k in where], [where[k] for k in banned if k in where])
+        option = f"{OPS}:{'+'.join(sorted(keys[i] for i in kept))}"
+        if kept and option not in found:
+            found.append(option)
+    return found
 
 
 def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
@@ -167,6 +233,7 @@ def inner_options(traced: Trace, unmarked: Mapping[str, Any], options: Sequence[
         if OPS in options:
             found = traced.ops
             inner[name] += ops_options(found.candidates(traced.index[k]), found.small_results(traced.index[k]))
+            inner[name] += [o for o in found.cut_options(traced.index[k]) if o not in inner[name]]
     return inner
 
 
@@ -358,6 +425,14 @@ class _Ops(TorchDispatchMode):
         self.held: list = []
         self.small: dict[int, list[str]] = {}  # per block: reductions with a small result
         self.saved: set[tuple[int, str]] = set()  # candidate calls whose output backward reads
+        # every call of each block, for the min-cut options (NOTE [Options cut by min-cut]):
+        # key -> [cost, output bytes, the keys of the block's calls it reads]; which call
+        # made each storage (overwritten when a storage is made anew), the calls whose output
+        # the block's own backward reads, the blocks that write into their own values
+        self.nodes: dict[int, dict[str, list]] = {}
+        self.made: dict[int, tuple[int, str]] = {}
+        self.needed: set[tuple[int, str]] = set()
+        self.dirty: set[int] = set()
         self._propagating = 0
         self._patches: list = []
 
@@ -398,6 +473,9 @@ class _Ops(TorchDispatchMode):
             if not save_compute_intensive.saves(func.name()):
                 self.recomputed[self.block] = self.recomputed.get(self.block, 0.0) + cost
             self._number(func, args, kwargs, out, cost)
+        elif isinstance(func, torch._ops.OpOverload) and not func.is_view and not func._schema.is_mutable:
+            for storage in _new_storages(args, kwargs, out):  # made outside every block
+                self.made.pop(storage, None)
         return out
 
     def start_block(self, block: int) -> None:
@@ -408,12 +486,25 @@ class _Ops(TorchDispatchMode):
     def _number(self, func: Any, args: tuple, kwargs: dict, out: Any, cost: float) -> None:
         """Number the call as the selective engine does (NOTE [Counting calls] in
         ``remat/_vocab/policy.py``); record a matrix product's, a convolution's or an attention's."""
-        if not isinstance(func, torch._ops.OpOverload) or func.is_view or func._schema.is_mutable:
+        if not isinstance(func, torch._ops.OpOverload) or func.is_view:
+            return
+        if func._schema.is_mutable:  # writes into a value the block made: no min-cut options
+            if any(self.made.get(s._cdata, (None,))[0] == self.block
+                   for s in local_storages(_written(func, args, kwargs))):
+                self.dirty.add(self.block)
             return
         name = func._schema.name
         numbered = self.numbered.setdefault(self.block, {})
         index = numbered.get(name, 0)
         numbered[name] = index + 1
+        key = call_key(name, index)
+        reads = {self.made.get(s._cdata) for s in local_storages(tree_leaves((args, kwargs)))}
+        made = _new_storages(args, kwargs, out)
+        self.nodes.setdefault(self.block, {})[key] = [
+            cost, sum(local_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)),
+            sorted({k for b, k in filter(None, reads) if b == self.block})]
+        for storage in made:
+            self.made[storage] = (self.block, key)
         if name in REDUCTIONS:  # NOTE [Options per operator]: a small result that cuts a chain
             ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -437,11 +528,15 @@ class _Ops(TorchDispatchMode):
             self.producer[storage._cdata] = (self.block, key)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Saved-tensor hook: note the candidate call whose output autograd saves (a view's too)."""
+        """Saved-tensor hook: note the candidate call whose output autograd saves (a view's too),
+        and the call of the running block whose output its backward reads."""
         for storage in local_storages([tensor]):
             made = self.producer.get(storage._cdata)
             if made is not None:
                 self.saved.add(made)
+            made = self.made.get(storage._cdata)
+            if made is not None and made[0] == self.block:
+                self.needed.add(made)
         return tensor
 
     def candidates(self, block: int) -> dict[str, tuple[float, float]]:
@@ -451,10 +546,37 @@ class _Ops(TorchDispatchMode):
         found = self.calls.get(block, {})
         return {key: (e[1], e[2]) for key, e in found.items() if (block, key) in self.saved}
 
+    def cut_options(self, block: int) -> list[str]:
+        """Block ``block``'s ``ops:`` options found by min-cut (NOTE [Options cut by min-cut]);
+        none when the block writes into a value it made (an in-place operator)."""
+        if block in self.dirty:
+            return []
+        nodes = self.nodes.get(block, {})
+        intensive = {key: (e[1], e[2]) for key, e in self.calls.get(block, {}).items()}
+        return cut_options({key: (e[1], e[2]) for key, e in nodes.items()},
+                           [key for b, key in self.needed if b == block], intensive,
+                           self.small_results(block))
+
     def small_results(self, block: int) -> list[str]:
         """Block ``block``'s reductions whose result is small (a norm's mean): keeping them costs
         next to no memory and cuts what recomputation runs (NOTE [Options per operator])."""
         return list(dict.fromkeys(self.small.get(block, [])))
+
+
+def _new_storages(args: Any, kwargs: Any, out: Any) -> list[int]:
+    """Keys of the storages ``out`` holds that none of the operator's inputs does."""
+    given = {s._cdata for s in local_storages(tree_leaves((args, kwargs)))}
+    return [s._cdata for s in local_storages(tree_leaves(out)) if s._cdata not in given]
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list:
+    """The tensors an in-place or ``out=`` operator writes into (its schema's mutable arguments)."""
+    written = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
 
 
 @dataclass
@@ -677,7 +799,7 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
             return sum(child_seconds(k, c) for c in children_in(option))
         # NOTE [Options per operator]: the re-run runs all but the kept calls
         block = traced.index[k]
-        found = ops.calls.get(block, {})  # (a small reduction kept: its time is next to nothing)
+        found = ops.nodes.get(block, {})
         kept = sum(found[key][0] for key in option.partition(":")[2].split("+") if key in found)
         total = ops.total.get(block, 0.0)
         return forward[k] * max(0.0, 1.0 - kept / total) if total else forward[k]

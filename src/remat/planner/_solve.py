@@ -564,3 +564,90 @@ def solve_savings(saving: Sequence[Sequence[float | None]], time: Sequence[Seque
         if choice not in banned:
             return choice
     return None
+
+
+def min_cut_keep(weights: Sequence[int], inputs: Sequence[Sequence[int]], required: Sequence[int],
+                 banned: Sequence[int]) -> list[int]:
+    """The operator outputs a region keeps so that backward can rebuild the rest by
+    re-running only operators it may re-run, with the fewest bytes kept (NOTE [Options cut
+    by min-cut] in ``_cost.py``).
+
+    Node ``i`` is one operator call of the region, in forward order: ``weights[i]`` the bytes
+    of its output, ``inputs[i]`` the earlier nodes whose outputs it reads (values made outside
+    the region are always at hand: the region keeps its inputs). ``required`` are the nodes
+    whose outputs backward reads; ``banned`` those backward may not re-run (a matrix product,
+    a reduction): needed, they are kept. Each node is split in two joined by an edge of its
+    weight; the source feeds the banned, the required feed the sink, and each read is an
+    edge of unbounded capacity. A minimum cut's split edges are the nodes kept; of the
+    minimum cuts, the one nearest the sink (the least re-run when two cost the same bytes).
+
+    Args:
+        weights: bytes of each node's output.
+        inputs: per node, the indices of the nodes it reads (each smaller than its own).
+        required: nodes whose outputs backward reads.
+        banned: nodes backward may not re-run.
+
+    Returns:
+        The indices of the kept nodes, ascending.
+
+    Example:
+        >>> # a matrix product (0) feeds a cheap operator (1) whose output backward reads,
+        >>> # and so does another product's (2): keep 0 (4 bytes), not 1 (8 bytes); keep 2
+        >>> min_cut_keep([4, 8, 2], [[], [0], [1]], required=[1, 2], banned=[0, 2])
+        [0, 2]
+    """
+    n = len(weights)
+    if len(inputs) != n:
+        raise ValueError(f"min_cut_keep: {n} weights but {len(inputs)} input lists")
+    for i, reads in enumerate(inputs):
+        if any(not 0 <= j < i for j in reads):
+            raise ValueError(f"min_cut_keep: node {i} reads {list(reads)}; a node reads earlier ones only")
+    infinite = sum(int(w) for w in weights) + 1
+    source, sink = 2 * n, 2 * n + 1
+    capacity: list[dict[int, int]] = [{} for _ in range(2 * n + 2)]
+
+    def edge(a: int, b: int, c: int) -> None:
+        capacity[a][b] = capacity[a].get(b, 0) + c
+        capacity[b].setdefault(a, 0)
+
+    for i in range(n):
+        edge(2 * i, 2 * i + 1, int(weights[i]))  # in(i) -> out(i): keeping i
+        for j in inputs[i]:
+            edge(2 * j + 1, 2 * i, infinite)
+    for i in set(banned):
+        edge(source, 2 * i, infinite)
+    for i in set(required):
+        edge(2 * i + 1, sink, infinite)
+    while True:  # Edmonds-Karp: shortest augmenting paths
+        parent = {source: source}
+        frontier = [source]
+        while frontier and sink not in parent:
+            following = []
+            for a in frontier:
+                for b, c in capacity[a].items():
+                    if c > 0 and b not in parent:
+                        parent[b] = a
+                        following.append(b)
+            frontier = following
+        if sink not in parent:
+            break
+        path, b = [], sink
+        while b != source:
+            path.append((parent[b], b))
+            b = parent[b]
+        pushed = min(capacity[a][b] for a, b in path)
+        for a, b in path:
+            capacity[a][b] -= pushed
+            capacity[b][a] += pushed
+    # the sink's side: every vertex with a residual path to the sink
+    reaches = {sink}
+    frontier = [sink]
+    while frontier:
+        following = []
+        for b in frontier:
+            for a in capacity[b]:  # a -> b has residual capacity
+                if a not in reaches and capacity[a].get(b, 0) > 0:
+                    reaches.add(a)
+                    following.append(a)
+        frontier = following
+    return [i for i in range(n) if 2 * i not in reaches and 2 * i + 1 in reaches]
