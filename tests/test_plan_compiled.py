@@ -117,3 +117,52 @@ def test_planning_arguments_need_a_budget_and_a_budget_needs_a_module_and_inputs
     with pytest.raises(ValueError, match="already has recompute marks"):
         remat.compile(model, budget=0.5, example_inputs=(x,))
     assert sorted(remat.marked_modules(model)) == ["0"]
+
+
+def test_a_module_outside_the_blocks_is_an_item_of_the_compiled_plan():
+    """NOTE [Modules outside the blocks]: the final norm of a Llama (outside its blocks) is
+    offered with ``output`` (rebuilt in backward, not kept for the head's product) and so is
+    its embedding; compiled, marking the norm lowers the peak, and a plan that marks a module
+    outside the blocks holds its budget, trains bitwise equal to unmarked eager and reads
+    back from JSON."""
+    from remat.models.llama import llama
+    from remat.planner._compiled import _outside
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return llama(layers=2, width=128, heads=4, hidden=344, vocab=256)
+
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    rows = {r.name: r for r in remat.profile(make(), x, repeat=0).rows}
+    found = _outside(make(), ["blocks.0", "blocks.1"], rows)
+    assert found["norm"] == "output" and not any(n.startswith("blocks") for n in found), found
+
+    def peak(mark) -> int:
+        model = make()
+        mark(model)
+        compiled = remat.compile(model)
+
+        def step() -> None:
+            _loss(compiled(x)).backward()
+            model.zero_grad(set_to_none=True)
+
+        step()
+        return allocation_peak(step)
+
+    assert peak(lambda m: remat.recompute_module(m.norm, output_recompute=True)) < peak(lambda m: None)
+
+    said: list[str] = []
+    model = make()
+    compiled = remat.compile(model, budget=0.9, example_inputs=(x,), loss_fn=_loss, rounds=1,
+                             options=("keep", "recompute", "output"), progress=said.append)
+    assert any("'norm=output'" in line for line in said), said
+    plan = compiled.remat_plan
+    assert plan.measured_peak_bytes <= plan.budget_bytes
+    outside = {n: c for n, c in plan.choices.items() if not n.startswith("blocks.")}
+    assert outside and set(outside) <= set(found), plan.choices
+    assert set(outside) <= set(remat.marked_modules(model))
+    expected = grads(make(), x)
+    torch.manual_seed(123)
+    compiled(x).float().pow(2).mean().backward()
+    assert all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters())
+    assert remat.Plan.from_json(plan.to_json()) == plan

@@ -29,6 +29,15 @@ The compiled plan measures the compiled step instead:
 4. the choice is compiled and measured; while its peak exceeds the budget, the next best
    choice is taken with the excess added to what must be saved.
 
+NOTE [Modules outside the blocks]
+What runs outside the blocks (a final norm, an embedding, a head) keeps bytes too, and
+torch's partitioner rebuilds its cheap operators as it does the blocks'. Each largest
+module outside the blocks that runs once and keeps bytes in the unmarked step is one more
+item of the knapsack, with one option: ``output`` for a single operator (a norm: its
+output is rebuilt in backward, not kept for the head's product), ``recompute`` for a module
+with children. It is measured like a block's option (one compile with it marked, its peak
+and its copies), and a plan names it only when it is marked.
+
 Each option compiles the model's forward code anew; Dynamo keeps one cache entry per
 compiled copy and, past its recompile limit (8), silently runs the code eagerly. The
 limit is raised while planning, a run that did not compile is refused, and the caches
@@ -151,14 +160,21 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
                       and (o != "output" or traced.chain[k])] + inner[name]
                for k, name in enumerate(names)}
     options = list(dict.fromkeys(o for name in names for o in allowed[name]))
-    kept_unmarked = [float(rows[name].kept) for name in names]
-    types = [type(m).__name__ for _, m in traced.blocks]
+    # NOTE [Modules outside the blocks]: each is one more item of the knapsack, with one option
+    outside = _outside(model, names, rows) if {"recompute", "output"} & set(settings.options) else {}
+    for name, option in outside.items():
+        allowed[name] = ["keep", f"{name}={option}"]
+        options.append(f"{name}={option}")
+    items = [*names, *outside]
+    kept_unmarked = [float(rows[name].kept) for name in items]
+    named = dict(model.named_modules())
+    types = [type(named[name]).__name__ for name in items]
     base = sum(local_nbytes(t) for t in (*model.parameters(), *model.buffers())) + sum(
         local_nbytes(t) for t in _tensors((example_inputs, batch)))
 
     def build(choices: dict[str, str]) -> _Run:
         net = copy.deepcopy(model)
-        mark_choices(dict(net.named_modules()), choices)
+        mark_choices(dict(net.named_modules()), {name: c.rpartition("=")[2] for name, c in choices.items()})
         compiled = graph_compile(net, backend=backend)
         made.run(compiled)  # compiles
         net.zero_grad(set_to_none=True)
@@ -175,7 +191,7 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
     runs: dict[str, _Run] = {}
     marked: dict[str, int] = {}
     for option in options:
-        having = {name: option for name in names if option in allowed[name]}
+        having = {name: option for name in items if option in allowed[name]}
         if option != "keep" and not having:
             continue
         say(f"compiling '{option}' on {len(having) if option != 'keep' else 0} blocks")
@@ -187,7 +203,7 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
     target = value * keep.peak if fractional else value
     columns = list(runs)
     saving = [[(keep.peak - runs[o].peak) / marked[o] if o == "keep" or o in allowed[name] else None
-               for o in columns] for name in names]
+               for o in columns] for name in items]
     for row in saving:
         row[0] = 0.0
     # Time: what each option's copies compute, on the device's roofline, weighted by two factors
@@ -198,7 +214,7 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
     gained = {o: times[o] - times["keep"] for o in columns if o != "keep"}
     compute, memory = _fit(parts, gained)
     work = {o: compute * parts[o][0] + memory * parts[o][1] for o in columns}
-    extra = [[work[o] / max(marked[o], 1) for o in columns] for _ in names]
+    extra = [[work[o] / max(marked[o], 1) for o in columns] for _ in items]
     over: list[tuple[int, ...]] = []
     excess = 0.0
     measured = None
@@ -211,7 +227,7 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
                 f"bytes) for the compiled step; the lowest compiled peak measured is "
                 f"{format_bytes(floor)} ({floor:,} bytes; no recompute: {format_bytes(keep.peak)}); "
                 f"raise the budget or shrink the batch", budget_bytes=target, floor_bytes=floor)
-        choices = {name: columns[c] for name, c in zip(names, choice, strict=True) if c}
+        choices = {name: columns[c] for name, c in zip(items, choice, strict=True) if c}
         say(f"measuring the compiled plan for {format_bytes(target)}")
         measured = keep.peak if not choices else build(choices).peak
         if measured <= target:
@@ -223,9 +239,10 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
                           f"6 tries; the last measured {format_bytes(measured)}; raise the budget",
                           budget_bytes=target, floor_bytes=measured)
     # a block's kept bytes: the eager tracker's unmarked figure less the compiled saving
-    decisions = tuple(Decision(name, types[i], columns[c],
+    decisions = tuple(Decision(name, types[i], columns[c].rpartition("=")[2],
                                max(0.0, kept_unmarked[i] - saving[i][c]), extra[i][c])
-                      for i, (name, c) in enumerate(zip(names, choice, strict=True)))
+                      for i, (name, c) in enumerate(zip(items, choice, strict=True))
+                      if name in names or c)  # a module outside the blocks: only when marked
     return Plan(decisions=decisions, budget_bytes=int(target),
                 predicted_peak_bytes=int(keep.peak - sum(saving[i][c] for i, c in enumerate(choice))),
                 predicted_extra_s=sum(extra[i][c] for i, c in enumerate(choice)),
@@ -234,6 +251,24 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
                 solver="compiled knapsack", solve_s=time.perf_counter() - start,
                 timing=f"compiled ({backend}): copies' FLOPs x{compute:.2f} and bytes x{memory:.2f} "
                        f"on the roofline, fitted to every option's timed step")
+
+
+def _outside(model: torch.nn.Module, blocks: Sequence[str], rows: dict) -> dict[str, str]:
+    """The modules outside the blocks a compiled plan may mark (NOTE [Modules outside the
+    blocks]): ``{name: option}`` for each largest module that neither holds nor sits in a
+    block, runs once and keeps bytes in the unmarked step; ``"output"`` for a single operator
+    (its output rebuilt too), ``"recompute"`` for a module with children."""
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not name or any(name == b or name.startswith(b + ".") or b.startswith(name + ".") for b in blocks):
+            continue
+        if any(name.startswith(f + ".") for f in found):
+            continue
+        row = rows.get(name)
+        if row is None or row.calls != 1 or row.kept <= 0:
+            continue
+        found[name] = "recompute" if next(module.children(), None) is not None else "output"
+    return found
 
 
 def _fit(parts: dict[str, tuple[float, float]], gained: dict[str, float]) -> tuple[float, float]:
