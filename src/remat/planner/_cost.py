@@ -433,6 +433,7 @@ class _Ops(TorchDispatchMode):
         self.made: dict[int, tuple[int, str]] = {}
         self.needed: set[tuple[int, str]] = set()
         self.dirty: set[int] = set()
+        self._cuts: dict[tuple, list[str]] = {}
         self._propagating = 0
         self._patches: list = []
 
@@ -551,11 +552,15 @@ class _Ops(TorchDispatchMode):
         none when the block writes into a value it made (an in-place operator)."""
         if block in self.dirty:
             return []
-        nodes = self.nodes.get(block, {})
-        intensive = {key: (e[1], e[2]) for key, e in self.calls.get(block, {}).items()}
-        return cut_options({key: (e[1], e[2]) for key, e in nodes.items()},
-                           [key for b, key in self.needed if b == block], intensive,
-                           self.small_results(block))
+        graph = tuple((key, e[1], tuple(e[2])) for key, e in self.nodes.get(block, {}).items())
+        needed = tuple(sorted(key for b, key in self.needed if b == block))
+        intensive = tuple((key, e[1], e[2]) for key, e in self.calls.get(block, {}).items())
+        small = tuple(self.small_results(block))
+        memo = (graph, needed, intensive, small)  # identical blocks: one cut, solved once
+        if memo not in self._cuts:
+            self._cuts[memo] = cut_options({k: (b, r) for k, b, r in graph}, needed,
+                                           {k: (c, b) for k, c, b in intensive}, small)
+        return list(self._cuts[memo])
 
     def small_results(self, block: int) -> list[str]:
         """Block ``block``'s reductions whose result is small (a norm's mean): keeping them costs
