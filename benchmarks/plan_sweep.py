@@ -467,6 +467,9 @@ def speed(full_70b: bool) -> dict:
         # remat.estimate's step frees the logits before backward (loss_fn(model(x)).backward())
         full = remat.estimate(factory, inputs, loss_fn=next_token_loss, dtype=torch.bfloat16)
         full_s = time.perf_counter() - start
+        start = time.perf_counter()  # the same, from 3 and 4 blocks (NOTE [Composing an estimate])
+        quick = remat.estimate(factory, inputs, loss_fn=next_token_loss, dtype=torch.bfloat16, compose=True)
+        quick_s = time.perf_counter() - start
         start = time.perf_counter()
         p = remat.plan(factory, inputs, budget=fraction, loss_fn=next_token_loss, dtype=torch.bfloat16)
         plan_s = time.perf_counter() - start
@@ -477,6 +480,7 @@ def speed(full_70b: bool) -> dict:
         whole_s = time.perf_counter() - start
         load = os.getloadavg()[0]
         out[label] = {"composed_estimate_s": composed_s, "full_estimate_s": full_s,
+                      "estimate_compose_s": quick_s, "estimate_compose_peak": quick.peak_bytes,
                       "plan_full_verify_s": whole_s, "full_verify_measured": whole.measured_peak_bytes,
                       "same_plan": whole.choices == p.choices, "load_1min": load,
                       "composed_peak": composed.peaks["keep"], "traced_peak": traced,
@@ -485,7 +489,8 @@ def speed(full_70b: bool) -> dict:
                       "measured": p.measured_peak_bytes, "no_recompute": p.no_recompute_peak_bytes,
                       "choices": {c: list(p.choices.values()).count(c) for c in set(p.choices.values())}}
         print(f"[speed] Llama {label} (seq 4096, batch {batch}, bf16) on fake tensors: remat.estimate "
-              f"{full_s:.2f} s (peak {full.peak_bytes:,}); the planner's step (logits held through "
+              f"{full_s:.2f} s (peak {full.peak_bytes:,}), with compose=True {quick_s:.2f} s (peak "
+              f"{quick.peak_bytes:,}, equal: {quick.peak_bytes == full.peak_bytes}); the planner's step (logits held through "
               f"backward) composed from short models {composed_s:.2f} s, peak {composed.peaks['keep']:,} vs "
               f"{traced:,} every block traced (equal: {composed.peaks['keep'] == traced}); remat.plan end "
               f"to end at {fraction}x: {plan_s:.1f} s, predicted {p.predicted_peak_bytes:,}, measured "

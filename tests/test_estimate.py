@@ -1,5 +1,6 @@
 """remat.estimate: fake-tensor step peaks equal real CPU runs; large configs allocate nothing."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 import remat
 from remat.memory.estimate import build_model
+from remat.models.gpt import GPTConfig
 from remat.models.llama import Llama, LlamaConfig, llama_7b, next_token_loss
 
 torch.set_num_threads(1)
@@ -71,3 +73,54 @@ def test_errors_name_the_api():
         remat.estimate(functools.partial(torch.nn.Linear, 2, 2), "2,2")
     with pytest.raises(ValueError, match="remat.estimate: marks='blocks' found no repeated block"):
         remat.estimate(functools.partial(torch.nn.Linear, 2, 2), (1, 2), marks="blocks")
+
+
+#: the fields a composed estimate leaves empty (NOTE [Composing an estimate])
+NOT_COMPOSED = ("timeline", "peak_by_phase", "peak_by_module", "seconds", "composed")
+
+
+@pytest.mark.parametrize("config", [
+    LlamaConfig(layers=8, width=64, heads=4, kv_heads=2, hidden=128, vocab=300),
+    GPTConfig(layers=7, width=64, heads=4, seq_len=32, vocab=200),
+], ids=["llama", "gpt"])
+@pytest.mark.parametrize("marks", [None, "blocks", "selective"])
+@pytest.mark.parametrize("optimizer", ["adam", None])
+def test_a_composed_estimate_equals_the_whole_trace_to_the_byte(config, marks, optimizer):
+    """NOTE [Composing an estimate]: from the model cut to 3 and 4 blocks, every figure of the
+    report (peak, its phase, baseline, parameters, gradients, optimizer state, each phase's
+    highest footprint, what is kept, every module's row) equals the whole model's."""
+    def mark(model):
+        for block in model.blocks:
+            remat.recompute_module(block, policy=remat.save_compute_intensive)
+
+    given = mark if marks == "selective" else marks
+    tokens = torch.zeros(2, 32, dtype=torch.long)
+    whole = remat.estimate(config, tokens, loss_fn=next_token_loss, optimizer=optimizer, marks=given)
+    composed = remat.estimate(config, tokens, loss_fn=next_token_loss, optimizer=optimizer, marks=given,
+                              compose=True)
+    assert composed.composed.startswith(f"{len(whole.rows) and config.layers} identical blocks")
+    assert not whole.composed and whole.timeline and not composed.timeline
+    for field in dataclasses.fields(remat.memory.ProfileReport):
+        if field.name not in NOT_COMPOSED:
+            assert getattr(composed, field.name) == getattr(whole, field.name), field.name
+    assert "composed: " in composed.table() and "composed: " not in whole.table()
+
+
+def test_a_model_that_cannot_be_composed_is_traced_whole():
+    # blocks marked unalike, too few blocks, no container of identical blocks: traced whole
+    def every_other(model):
+        for block in list(model.blocks)[::2]:
+            remat.recompute_module(block)
+
+    config = LlamaConfig(layers=8, width=64, heads=4, hidden=128, vocab=300)
+    for args in [dict(model=config, marks=every_other), dict(model=CONFIG),
+                 dict(model=functools.partial(torch.nn.Linear, 64, 64), inputs=(4, 64))]:
+        model, inputs = args["model"], args.get("inputs", TOKENS)
+        loss = next_token_loss if inputs is TOKENS else None
+        kw = dict(loss_fn=loss, marks=args.get("marks"))
+        composed = remat.estimate(model, inputs, compose=True, **kw)
+        whole = remat.estimate(model, inputs, **kw)
+        assert composed.composed == "" and composed.timeline
+        assert composed.peak_bytes == whole.peak_bytes
+    with pytest.raises(TypeError, match="remat.estimate: 'compose' must be a bool"):
+        remat.estimate(CONFIG, TOKENS, compose="yes")

@@ -346,8 +346,9 @@ def _rank_costs(config: object, parallelize: object, world: int, seq: int, whole
 
     from remat.memory._step import Step
     from remat.memory.estimate import Ranks
+    from remat.memory.internal import identical_container
     from remat.models.llama import Llama, next_token_loss
-    from remat.planner._cost import composed_costs, find_blocks, identical_container, measure_costs
+    from remat.planner._cost import composed_costs, find_blocks, measure_costs
     from remat.planner._settings import Builder, Settings
 
     ranks = Ranks(world, parallelize, 0)

@@ -187,7 +187,8 @@ def test_unsupported_models_give_typed_errors():
 def test_identical_blocks_composed_from_two_and_three_equal_the_whole_model():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.planner._cost import composed_costs, find_blocks, identical_container, measure_costs
+    from remat.memory.internal import identical_container
+    from remat.planner._cost import composed_costs, find_blocks, measure_costs
 
     with FakeTensorMode():
         model = gpt(layers=5, width=32, heads=4, seq_len=16, vocab=64)

@@ -12,9 +12,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import remat
 from remat._front.marks import unmark_module
 from remat.memory._step import Step
+from remat.memory.internal import identical_container
 from remat.models import gpt
 from remat.models.llama import Llama, LlamaConfig, next_token_loss
-from remat.planner._cost import composed_costs, find_blocks, identical_container, measure_peak
+from remat.planner._cost import composed_costs, find_blocks, measure_peak
 from remat.planner._settings import Settings, mark_choices
 from remat.planner._verify import composed_peak, runs_of
 

@@ -87,6 +87,10 @@ class ProfileReport:
     #: rank measured and the ranks in the job; every byte figure is this rank's (None: one process)
     rank: int | None = None
     world_size: int | None = None
+    #: non-empty when :func:`remat.estimate` composed the report from short models of identical
+    #: blocks (``compose=True``, NOTE [Composing an estimate] in ``remat/memory/_compose.py``):
+    #: then ``timeline``, ``peak_by_phase`` and ``peak_by_module`` are empty
+    composed: str = ""
 
     def row(self, name: str) -> ModuleRow:
         """Return the row of module ``name``; raise ``KeyError`` naming the known ones."""
@@ -190,6 +194,8 @@ def _footer(report: ProfileReport) -> list[str]:
         f"{format_bytes(report.baseline_bytes - report.param_bytes - report.optimizer_bytes)}, "
         f"allocated in the step {format_bytes(report.peak_increase)}"),
     ]
+    if report.composed:
+        lines.append(f"composed: {report.composed} (no timeline, no bytes by module at the peak)")
     if report.peak_by_phase:
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in report.peak_by_phase.items())
         lines.append(f"alive at the peak by phase: {parts}")

@@ -5,10 +5,11 @@ between packages, so that no module reaches into another package's private modul
 (``tests/test_layers.py`` fails on such an import).
 """
 
+from remat.memory._compose import identical_container, signature, truncated
 from remat.memory._step import Step, StepFn
 from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
 from remat.memory.estimate import _build_in as build_in
 from remat.memory.estimate import _fake_inputs as fake_inputs
 
-__all__ = ["Step", "StepFn", "build_in", "fake_inputs", "local_nbytes", "local_storages",
-           "look_away_from_sharding_propagation"]
+__all__ = ["Step", "StepFn", "build_in", "fake_inputs", "identical_container", "local_nbytes",
+           "local_storages", "look_away_from_sharding_propagation", "signature", "truncated"]

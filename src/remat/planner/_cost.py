@@ -82,10 +82,9 @@ into a value it made gets no min-cut options.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +100,8 @@ from remat.memory.internal import (
     local_nbytes,
     local_storages,
     look_away_from_sharding_propagation,
+    signature,
+    truncated,
 )
 from remat.memory.profile import OptimizerLike, measure
 from remat.planner._settings import Settings, child_mark, children_in, mark_choices
@@ -816,7 +817,7 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
     # them look cheaper to recompute than its twin (a plan that is stable run after run)
     groups: dict[tuple, list[int]] = {}
     for k, (_, module) in enumerate(blocks):
-        groups.setdefault((_signature(module), tuple(kept[k])), []).append(k)
+        groups.setdefault((signature(module), tuple(kept[k])), []).append(k)
     for members in groups.values():
         for values in (forward, share):
             mean = sum(values[k] for k in members) / len(members)
@@ -936,37 +937,6 @@ def measure_peak(model: torch.nn.Module, step: Step, *, optimizer: OptimizerLike
             model.zero_grad(set_to_none=True)
 
 
-def identical_container(model: torch.nn.Module, blocks: list) -> torch.nn.Module | None:
-    """The container holding ``blocks`` when they are all its children, of one class and one set
-    of parameter shapes (so a shorter container runs a shorter model); else None."""
-    parents = {name.rpartition(".")[0] for name, _ in blocks}
-    if len(parents) != 1 or len(blocks) < 4:
-        return None
-    container = dict(model.named_modules()).get(parents.pop())
-    if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
-        return None
-    if [id(m) for m in container.children()] != [id(m) for _, m in blocks]:
-        return None
-
-    first = _signature(blocks[0][1])
-    return container if all(_signature(m) == first for _, m in blocks[1:]) else None
-
-
-def _signature(module: torch.nn.Module) -> tuple:
-    """What makes two blocks identical to the cost model: class, parameter names, shapes, dtypes."""
-    return (type(module), tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
-
-
-@contextlib.contextmanager
-def _truncated(container: torch.nn.Module, count: int) -> Iterator[None]:
-    saved = container._modules
-    container._modules = type(saved)(list(saved.items())[:count])
-    try:
-        yield
-    finally:
-        container._modules = saved
-
-
 def composed_costs(model: torch.nn.Module, blocks: list, container: torch.nn.Module,
                    settings: Settings) -> BlockCosts | None:
     """Measure the model with 2 and with 3 of its ``n`` identical blocks and compose the costs of
@@ -985,7 +955,7 @@ def composed_costs(model: torch.nn.Module, blocks: list, container: torch.nn.Mod
         return None
     where = next(name for name, m in model.named_modules() if m is container)
     for count in (small, large):
-        with _truncated(container, count):
+        with truncated(container, count):
             try:
                 cut = None if build is None else build.cut(where, count)
                 measured[count] = measure_costs(model, blocks[:count], settings.replace(build=cut))

@@ -23,14 +23,13 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from remat._front.marks import mark_of, marked_modules, recompute_module, unmark_module
 from remat.memory import format_bytes
-from remat.memory.internal import Step, StepFn
+from remat.memory.internal import Step, StepFn, identical_container
 from remat.memory.profile import OptimizerLike
 from remat.planner._budget import parse_budget
 from remat.planner._cost import (
     BlockCosts,
     composed_costs,
     find_blocks,
-    identical_container,
     measure_costs,
     measure_peak,
 )

@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 from remat._front.marks import unmark_module
+from remat.memory.internal import truncated
 from remat.memory.profile import measure
-from remat.planner._cost import _truncated
 from remat.planner._settings import Settings, mark_choices
 
 API = "remat.plan"
@@ -125,7 +125,7 @@ def _groups(model: torch.nn.Module, container: torch.nn.Module, where: str,
     cursor: list[Any] = [None]
     with contextlib.ExitStack() as stack:
         if settings.build is None:
-            stack.enter_context(_truncated(container, count))
+            stack.enter_context(truncated(container, count))
             net = model
             marked = mark_choices(dict(model.named_modules()), dict(zip(blocks, chosen, strict=True)))
             stack.callback(lambda: [unmark_module(m) for m in marked])

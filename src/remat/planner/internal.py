@@ -5,10 +5,10 @@ between packages, so that no module reaches into another package's private modul
 (``tests/test_layers.py`` fails on such an import).
 """
 
+from remat.memory.internal import identical_container
 from remat.planner._cost import (
            composed_costs,
            find_blocks,
-           identical_container,
            measure_costs,
            measure_peak,
 )
