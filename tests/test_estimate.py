@@ -113,11 +113,11 @@ def test_a_model_that_cannot_be_composed_is_traced_whole():
             remat.recompute_module(block)
 
     config = LlamaConfig(layers=8, width=64, heads=4, hidden=128, vocab=300)
-    for args in [dict(model=config, marks=every_other), dict(model=CONFIG),
-                 dict(model=functools.partial(torch.nn.Linear, 64, 64), inputs=(4, 64))]:
+    for args in [{"model": config, "marks": every_other}, {"model": CONFIG},
+                 {"model": functools.partial(torch.nn.Linear, 64, 64), "inputs": (4, 64)}]:
         model, inputs = args["model"], args.get("inputs", TOKENS)
         loss = next_token_loss if inputs is TOKENS else None
-        kw = dict(loss_fn=loss, marks=args.get("marks"))
+        kw = {"loss_fn": loss, "marks": args.get("marks")}
         composed = remat.estimate(model, inputs, compose=True, **kw)
         whole = remat.estimate(model, inputs, **kw)
         assert composed.composed == "" and composed.timeline

@@ -75,9 +75,12 @@ rather than the product before it, and a residual sum rather than the product it
 the same bytes, less to re-run. This is what torch's min-cut partitioner does for a whole
 graph, here per block, as options the cost model measures like any other (their bytes and
 peaks from tracked runs, their times timed or fitted): the cut only proposes them.
-Keys of operators with in-place forms are counted alike by the eager engine and the graph
-pass only when the block runs none in place (NOTE [Counting calls]): a block that writes
-into a value it made gets no min-cut options.
+The engine does not number in-place and ``out=`` calls, and the graph pass (functionalized)
+numbers their functional forms (NOTE [Counting calls]): such a call is a node of its own
+that no option keeps, reading what it reads and making what it writes into and returns;
+the call that made a value written into is never kept either (a dropout mask filled in
+place by ``bernoulli_``), nor any call of the operator's functional form (``div`` where the
+block runs ``div_``). A level whose cut would keep one of them gives no option.
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ CUT_SHARES = (0.5, 1.0)
 
 
 def cut_options(nodes: Mapping[str, tuple[int, Sequence[str]]], needed: Iterable[str],
-                intensive: Mapping[str, tuple[float, float]], small: Sequence[str] = ()) -> list[str]:
+                intensive: Mapping[str, tuple[float, float]], small: Sequence[str] = (),
+                fixed: Iterable[str] = ()) -> list[str]:
     """The ``ops:`` options of one block that keep the fewest bytes from which backward rebuilds
     what it reads without re-running a banned call (NOTE [Options cut by min-cut]).
 
@@ -169,6 +173,9 @@ def cut_options(nodes: Mapping[str, tuple[int, Sequence[str]]], needed: Iterable
         intensive: its matrix products, convolutions and attentions, ``{key: (roofline cost,
             output bytes)}``: at each level of :data:`CUT_SHARES` the dearest per byte are banned.
         small: its reductions with a small result, always banned (kept when needed).
+        fixed: calls no option may keep (a value written into in place, the write itself, an
+            operator whose functional form the graph pass counts apart); a level that can only
+            be cut by keeping one gives no option.
 
     Example:
         >>> nodes = {"aten::mm#0": (8, []), "aten::mul#0": (8, ["aten::mm#0"]),
@@ -180,13 +187,16 @@ def cut_options(nodes: Mapping[str, tuple[int, Sequence[str]]], needed: Iterable
     where = {key: i for i, key in enumerate(keys)}
     ranked = sorted(intensive, key=lambda k: (-intensive[k][0] / max(intensive[k][1], 1.0), keys.index(k)
                                               if k in where else len(keys)))
+    fixed = set(fixed)
+    never = 1 + sum(int(nodes[k][0]) for k in keys)  # dearer than keeping every other call
+    weights = [never if k in fixed else int(nodes[k][0]) for k in keys]
     found: list[str] = []
     for share in CUT_SHARES:
         banned = {*small, *ranked[:max(1, round(share * len(ranked)))]} if ranked else set(small)
-        kept = min_cut_keep([int(nodes[k][0]) for k in keys], [[where[r] for r in nodes[k][1]] for k in keys],
+        kept = min_cut_keep(weights, [[where[r] for r in nodes[k][1]] for k in keys],
                             [where[k] for k in needed if k in where], [where[k] for k in banned if k in where])
         option = f"{OPS}:{'+'.join(sorted(keys[i] for i in kept))}"
-        if kept and option not in found:
+        if kept and option not in found and not any(keys[i] in fixed for i in kept):
             found.append(option)
     return found
 
@@ -429,11 +439,11 @@ class _Ops(TorchDispatchMode):
         # every call of each block, for the min-cut options (NOTE [Options cut by min-cut]):
         # key -> [cost, output bytes, the keys of the block's calls it reads]; which call
         # made each storage (overwritten when a storage is made anew), the calls whose output
-        # the block's own backward reads, the blocks that write into their own values
+        # the block's own backward reads, and (NOTE [Options cut by min-cut]) what its writes in place touch
         self.nodes: dict[int, dict[str, list]] = {}
         self.made: dict[int, tuple[int, str]] = {}
         self.needed: set[tuple[int, str]] = set()
-        self.dirty: set[int] = set()
+        self.inplace: dict[int, set[str]] = {}  # per block: functional names of its in-place calls
         self._cuts: dict[tuple, list[str]] = {}
         self._propagating = 0
         self._patches: list = []
@@ -490,12 +500,10 @@ class _Ops(TorchDispatchMode):
         ``remat/_vocab/policy.py``); record a matrix product's, a convolution's or an attention's."""
         if not isinstance(func, torch._ops.OpOverload) or func.is_view:
             return
-        if func._schema.is_mutable:  # writes into a value the block made: no min-cut options
-            if any(self.made.get(s._cdata, (None,))[0] == self.block
-                   for s in local_storages(_written(func, args, kwargs))):
-                self.dirty.add(self.block)
-            return
         name = func._schema.name
+        if func._schema.is_mutable:  # NOTE [Options cut by min-cut]: a write into a value
+            self._written_into(name, func, args, kwargs, out, cost)
+            return
         numbered = self.numbered.setdefault(self.block, {})
         index = numbered.get(name, 0)
         numbered[name] = index + 1
@@ -504,7 +512,7 @@ class _Ops(TorchDispatchMode):
         made = _new_storages(args, kwargs, out)
         self.nodes.setdefault(self.block, {})[key] = [
             cost, sum(local_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)),
-            sorted({k for b, k in filter(None, reads) if b == self.block})]
+            sorted({k for b, k in filter(None, reads) if b == self.block}), True]
         for storage in made:
             self.made[storage] = (self.block, key)
         if name in REDUCTIONS:  # NOTE [Options per operator]: a small result that cuts a chain
@@ -529,6 +537,27 @@ class _Ops(TorchDispatchMode):
         for storage in local_storages(outs):
             self.producer[storage._cdata] = (self.block, key)
 
+    def _written_into(self, name: str, func: Any, args: tuple, kwargs: dict, out: Any, cost: float) -> None:
+        """An in-place or ``out=`` call of the running block, which the engine does not number
+        (NOTE [Options cut by min-cut]): one node no option keeps, reading what the call reads,
+        now makes the values it writes into and any it returns anew; no option keeps the call
+        that made a value written into, nor a call of the operator's functional form (the
+        graph pass, functionalized, numbers those; the engine does not)."""
+        nodes = self.nodes.setdefault(self.block, {})
+        self.inplace.setdefault(self.block, set()).add(name.removesuffix("_"))
+        reads = {self.made.get(s._cdata) for s in local_storages(tree_leaves((args, kwargs)))}
+        key = f"{name}!{len(nodes)}"
+        touched = [s._cdata for s in local_storages(_written(func, args, kwargs))]
+        made = _new_storages(args, kwargs, out)
+        nodes[key] = [cost, sum(local_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)),
+                      sorted({k for b, k in filter(None, reads) if b == self.block}), False]
+        for storage in touched:
+            before = self.made.get(storage)
+            if before is not None and before[0] == self.block:
+                nodes[before[1]][3] = False
+        for storage in [*touched, *made]:
+            self.made[storage] = (self.block, key)
+
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """Saved-tensor hook: note the candidate call whose output autograd saves (a view's too),
         and the call of the running block whose output its backward reads."""
@@ -549,18 +578,18 @@ class _Ops(TorchDispatchMode):
         return {key: (e[1], e[2]) for key, e in found.items() if (block, key) in self.saved}
 
     def cut_options(self, block: int) -> list[str]:
-        """Block ``block``'s ``ops:`` options found by min-cut (NOTE [Options cut by min-cut]);
-        none when the block writes into a value it made (an in-place operator)."""
-        if block in self.dirty:
-            return []
-        graph = tuple((key, e[1], tuple(e[2])) for key, e in self.nodes.get(block, {}).items())
+        """Block ``block``'s ``ops:`` options found by min-cut (NOTE [Options cut by min-cut])."""
+        nodes = self.nodes.get(block, {})
+        inplace = self.inplace.get(block, set())
+        graph = tuple((key, e[1], tuple(e[2])) for key, e in nodes.items())
+        fixed = tuple(key for key, e in nodes.items() if not e[3] or key.partition("#")[0] in inplace)
         needed = tuple(sorted(key for b, key in self.needed if b == block))
         intensive = tuple((key, e[1], e[2]) for key, e in self.calls.get(block, {}).items())
         small = tuple(self.small_results(block))
-        memo = (graph, needed, intensive, small)  # identical blocks: one cut, solved once
+        memo = (graph, needed, intensive, small, fixed)  # identical blocks: one cut, solved once
         if memo not in self._cuts:
             self._cuts[memo] = cut_options({k: (b, r) for k, b, r in graph}, needed,
-                                           {k: (c, b) for k, c, b in intensive}, small)
+                                           {k: (c, b) for k, c, b in intensive}, small, fixed)
         return list(self._cuts[memo])
 
     def small_results(self, block: int) -> list[str]:
