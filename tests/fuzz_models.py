@@ -145,8 +145,12 @@ class Drop(Block):
     def __init__(self, p: dict) -> None:
         super().__init__()
         self.fc, self.drop = nn.Linear(D, D), nn.Dropout(0.3)
+        self.fused = p.get("fused", False)
 
     def forward(self, x):
+        if self.fused:  # two draws of the fused operator CUDA's dropout runs (NOTE [Kept random operators])
+            a = torch.native_dropout(self.fc(x), 0.3, self.training)[0]
+            return torch.native_dropout(a.sin(), 0.3, self.training)[0]
         return self.drop(self.fc(x))
 
 
@@ -336,7 +340,7 @@ BLOCKS: dict[str, BlockKind] = {
     "mlp": BlockKind(MLP, 1.5, lambda r: {"act": r.choice(ACTS)}),
     "conv": BlockKind(Conv, 1.0, lambda r: {"bias": r.random() < 0.7}),
     "norm": BlockKind(Norm, 1.5, lambda r: {"batch": r.random() < 0.5}),
-    "dropout": BlockKind(Drop, 0.7),
+    "dropout": BlockKind(Drop, 0.7, lambda r: {"fused": r.random() < 0.5}),
     "residual": BlockKind(Residual, 1.0, lambda r: {"act": r.choice(ACTS)}),
     "concat": BlockKind(Concat, 0.7),
     "tuple_out": BlockKind(TupleOut, 0.8, lambda r: {"combine": r.choice(("add", "mul", "first", "relu_second")),
@@ -495,6 +499,8 @@ POLICIES: dict[str, remat.Policy] = {
     # and the graph pass count apart when a region uses them)
     "save_calls_pointwise": remat.save_calls("aten::add#0", "aten::add#2", "aten::mul#1", "aten::relu#0",
                                              "aten::gelu#0", "aten::rsqrt#0", "aten::mm#1"),
+    # per call, a random operator kept and the next one rebuilt (NOTE [Kept random operators])
+    "save_calls_random": remat.save_calls("aten::native_dropout#0", "aten::addmm#0"),
 }
 
 
@@ -508,6 +514,7 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "save_compute_intensive": lambda: remat.policy_context(remat.save_compute_intensive),
     "save_all": lambda: remat.policy_context(remat.save_all),
     "save_calls": lambda: remat.policy_context(remat.save_calls("aten::mm#1", "aten::addmm#0")),
+    "save_calls_random": lambda: remat.policy_context(remat.save_calls("aten::native_dropout#0")),
     "torch_selective": lambda: _torch_selective,
 }
 

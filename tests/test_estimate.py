@@ -83,8 +83,7 @@ NOT_COMPOSED = ("timeline", "peak_by_phase", "peak_by_module", "seconds", "compo
     LlamaConfig(layers=8, width=64, heads=4, kv_heads=2, hidden=128, vocab=300),
     GPTConfig(layers=7, width=64, heads=4, seq_len=32, vocab=200),
 ], ids=["llama", "gpt"])
-@pytest.mark.parametrize("marks", [None, "blocks", "selective"])
-@pytest.mark.parametrize("optimizer", ["adam", None])
+@pytest.mark.parametrize("marks, optimizer", [(None, "adam"), ("blocks", "adam"), ("selective", None)])
 def test_a_composed_estimate_equals_the_whole_trace_to_the_byte(config, marks, optimizer):
     """NOTE [Composing an estimate]: from the model cut to 3 and 4 blocks, every figure of the
     report (peak, its phase, baseline, parameters, gradients, optimizer state, each phase's

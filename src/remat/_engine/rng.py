@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 
 from remat._engine.state import note_allocation
 
@@ -156,3 +157,20 @@ def capture(args: Any, preserve_rng_state: bool) -> Replay:
         device_autocast=_autocast_state(device_type) if device_type != "cpu" else None,
         device_initialized=initialized,
     )
+
+
+def generator_states(tensors: Any) -> list[torch.Tensor]:
+    """The states of the generators an operator on ``tensors`` may draw from: the CPU's
+    default one, and that of each CUDA device among them (NOTE [Kept random operators] in
+    ``selective.py``: whether a random operator drew is whether these changed across it).
+    Read outside every dispatch mode: no tracker counts them, no fake-tensor mode fakes them."""
+    devices = sorted({t.device.index or 0 for t in pytree.tree_leaves(tensors)
+                      if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    with _disable_current_modes():
+        return [torch.random.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+
+
+def drew(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
+    """Whether any generator's state changed between two :func:`generator_states`."""
+    with _disable_current_modes():
+        return len(before) != len(after) or any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))

@@ -5,6 +5,17 @@ those the policy saves. In recomputation, :class:`ReplayMode` hands the stored
 outputs back instead of running those operators again, and runs the others.
 The same pair works as the ``context_fn`` of :func:`remat.checkpoint`.
 
+NOTE [Kept random operators]
+Recomputation restores the generators' state of the region's forward and draws again
+in the same order. A kept output of a random operator (a dropout's, ``rand_like``'s) is
+handed back without running the operator, which would leave the generator behind and
+every random operator rebuilt after it drawing other numbers than forward did: a silent
+wrong gradient (a dropout kept, a second one rebuilt). So a kept call that drew in forward
+(an operator tagged ``nondeterministic_seeded`` across which a generator's state changed,
+``rng.drew``: attention with ``dropout_p=0`` draws nothing and is not re-run) still runs in
+recomputation, its result discarded; the planner never keeps such a call (NOTE [Options
+cut by min-cut] in ``remat/planner/_cost.py``). ``tests/test_save_calls.py`` holds the case.
+
 A policy is either a :class:`remat.Policy` (by operator name) or a
 :class:`CallPolicy`, which asks a function about every operator call, as
 torch's ``create_selective_checkpoint_contexts`` does; the function is asked in
@@ -24,6 +35,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat._engine.errors import RecomputeError
+from remat._engine.rng import drew, generator_states
 from remat._vocab.policy import Policy
 
 # Operators that never hold a value worth keeping: aliases and bookkeeping.
@@ -88,6 +100,7 @@ class _Store:
     def __init__(self) -> None:
         self.kept: dict[Any, dict[int, Any]] = defaultdict(dict)
         self.count: dict[Any, int] = {}  # calls seen in forward, per operator
+        self.draws: set[tuple[Any, int]] = set()  # kept calls that drew from a generator
 
 
 class SaveMode(TorchDispatchMode):
@@ -100,8 +113,11 @@ class SaveMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        keeps = _keeps(self.policy, func)
+        random = keeps and torch.Tag.nondeterministic_seeded in func.tags
+        before = generator_states((args, kwargs)) if random else None
         out = func(*args, **kwargs)
-        if _keeps(self.policy, func):
+        if keeps:
             key = _counted(self.policy, func)
             index = self.calls[key]
             self.calls[key] += 1
@@ -110,6 +126,8 @@ class SaveMode(TorchDispatchMode):
                 self.store.kept[key][index] = pytree.tree_map_only(
                     torch.Tensor, lambda t: (_alias(t), t._version), out
                 )
+                if random and drew(before, generator_states((args, kwargs))):
+                    self.store.draws.add((key, index))  # NOTE [Kept random operators]
         return out
 
 
@@ -145,6 +163,10 @@ class ReplayMode(TorchDispatchMode):
         stored = [t for t in pytree.tree_leaves(entry, is_leaf=_is_pair) if _is_pair(t)]
         if any(t._version != version for t, version in stored):
             return func(*args, **(kwargs or {}))  # changed in place after forward: rebuild it
+        if (key, index) in self.store.draws:
+            # NOTE [Kept random operators]: the draw still runs, so the generator stands where
+            # forward left it for the random operators rebuilt after this one
+            func(*args, **(kwargs or {}))
         # a fresh alias: autograd attaches the recomputation's graph to it, not to the store
         return pytree.tree_map(lambda p: _alias(p[0]) if _is_pair(p) else p, entry, is_leaf=_is_pair)
 

@@ -80,7 +80,9 @@ numbers their functional forms (NOTE [Counting calls]): such a call is a node of
 that no option keeps, reading what it reads and making what it writes into and returns;
 the call that made a value written into is never kept either (a dropout mask filled in
 place by ``bernoulli_``), nor any call of the operator's functional form (``div`` where the
-block runs ``div_``). A level whose cut would keep one of them gives no option.
+block runs ``div_``). Nor is a random operator's output (NOTE [Kept random operators] in
+``remat/_engine/selective.py``: a kept one still draws in recomputation, so keeping it
+buys nothing). A level whose cut would keep one of them gives no option.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from remat._engine.rng import drew, generator_states
 from remat._front import blocks as _blocks
 from remat._front.marks import unmark_module
 from remat._vocab.policy import COMPUTE_INTENSIVE_OPS, call_key, save_compute_intensive
@@ -443,6 +446,7 @@ class _Ops(TorchDispatchMode):
         self.nodes: dict[int, dict[str, list]] = {}
         self.made: dict[int, tuple[int, str]] = {}
         self.needed: set[tuple[int, str]] = set()
+        self._drew = False  # whether the call being recorded drew from a generator
         self.inplace: dict[int, set[str]] = {}  # per block: functional names of its in-place calls
         self._cuts: dict[tuple, list[str]] = {}
         self._propagating = 0
@@ -467,9 +471,12 @@ class _Ops(TorchDispatchMode):
         if self._propagating:  # DTensor learning output shapes: not this rank's work
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
+        random = self.block is not None and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        before = generator_states((args, kwargs)) if random else None
         start = time.perf_counter()
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
+        self._drew = random and drew(before, generator_states((args, kwargs)))
         if self.block is not None:
             if self.timed:
                 cost = elapsed
@@ -512,7 +519,8 @@ class _Ops(TorchDispatchMode):
         made = _new_storages(args, kwargs, out)
         self.nodes.setdefault(self.block, {})[key] = [
             cost, sum(local_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)),
-            sorted({k for b, k in filter(None, reads) if b == self.block}), True]
+            sorted({k for b, k in filter(None, reads) if b == self.block}),
+            not self._drew]  # a call that drew: never kept (NOTE [Kept random operators])
         for storage in made:
             self.made[storage] = (self.block, key)
         if name in REDUCTIONS:  # NOTE [Options per operator]: a small result that cuts a chain
