@@ -144,7 +144,6 @@ def _rows(model: torch.nn.Module, short: Any, long: Any, prefix: str, keys: list
     import dataclasses
 
     n = len(keys)
-    mine = {row.name: row for row in long.rows}
     theirs = {row.name: row for row in short.rows}
     rows = []
     for row in long.rows:
@@ -166,7 +165,6 @@ def _rows(model: torch.nn.Module, short: Any, long: Any, prefix: str, keys: list
         elif block in (2, 3):
             inside = name[len(f"{prefix}{keys[block]}"):]
             rows.append(dataclasses.replace(row, name=f"{prefix}{keys[n - LONG + block]}{inside}"))
-    del mine
     return _in_model_order(model, rows)
 
 
