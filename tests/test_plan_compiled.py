@@ -166,3 +166,22 @@ def test_a_module_outside_the_blocks_is_an_item_of_the_compiled_plan():
     compiled(x).float().pow(2).mean().backward()
     assert all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters())
     assert remat.Plan.from_json(plan.to_json()) == plan
+
+
+def test_when_the_knapsack_keeps_missing_the_fastest_uniform_option_that_fits_is_taken(monkeypatch):
+    """NOTE [Planning a compiled step], step 4: a separable model that errs six times in a row
+    (here a knapsack that always answers "keep everything") no longer ends in a BudgetError
+    while an option marking every block alike was measured within the budget."""
+    import remat.planner._compiled as compiled_planner
+
+    monkeypatch.setattr(compiled_planner, "solve_savings", lambda saving, *a, **k: (0,) * len(saving))
+    model, x = tiny_transformer(), sequence()
+    compiled = remat.compile(model, budget=0.8, example_inputs=(x,), loss_fn=_loss, rounds=1,
+                             options=("keep", "recompute", "selective"))
+    plan = compiled.remat_plan
+    assert plan.measured_peak_bytes <= plan.budget_bytes
+    assert len(set(plan.choices.values())) == 1 and set(plan.choices.values()) <= {"recompute", "selective"}
+    expected = grads(tiny_transformer(), x)
+    torch.manual_seed(123)
+    compiled(x).float().pow(2).mean().backward()
+    assert all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters())

@@ -27,7 +27,8 @@ The compiled plan measures the compiled step instead:
    reorders them. The least-time choice saving enough is the multiple-choice knapsack
    :func:`remat.planner.solve_savings`;
 4. the choice is compiled and measured; while its peak exceeds the budget, the next best
-   choice is taken with the excess added to what must be saved.
+   choice is taken with the excess added to what must be saved; after six misses, the
+   fastest option marking every block alike whose own compiled run fits is taken.
 
 NOTE [Modules outside the blocks]
 What runs outside the blocks (a final norm, an embedding, a head) keeps bytes too, and
@@ -218,15 +219,11 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
     over: list[tuple[int, ...]] = []
     excess = 0.0
     measured = None
+    choice = None
     for _attempt in range(6):
         choice = solve_savings(saving, extra, keep.peak - target + excess, exclude=over)
         if choice is None:
-            floor = min(r.peak for r in runs.values())
-            raise BudgetError(
-                f"{API}: no plan measured within a budget of {format_bytes(target)} ({target:,.0f} "
-                f"bytes) for the compiled step; the lowest compiled peak measured is "
-                f"{format_bytes(floor)} ({floor:,} bytes; no recompute: {format_bytes(keep.peak)}); "
-                f"raise the budget or shrink the batch", budget_bytes=target, floor_bytes=floor)
+            break
         choices = {name: columns[c] for name, c in zip(items, choice, strict=True) if c}
         say(f"measuring the compiled plan for {format_bytes(target)}")
         measured = keep.peak if not choices else build(choices).peak
@@ -234,10 +231,20 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
             break
         over.append(choice)  # the separable model erred: save the excess more, never this one
         excess += measured - target
-    else:
-        raise BudgetError(f"{API}: no compiled plan measured within {format_bytes(target)} after "
-                          f"6 tries; the last measured {format_bytes(measured)}; raise the budget",
-                          budget_bytes=target, floor_bytes=measured)
+    if choice is None or measured is None or measured > target:
+        # the separable model kept erring: the fastest option marking every block alike whose
+        # own compiled run (measured above) fits
+        fits = [o for o in columns[1:] if runs[o].peak <= target]
+        if not fits:
+            floor = min(r.peak for r in runs.values())
+            raise BudgetError(
+                f"{API}: no plan measured within a budget of {format_bytes(target)} ({target:,.0f} "
+                f"bytes) for the compiled step; the lowest compiled peak measured is "
+                f"{format_bytes(floor)} ({floor:,} bytes; no recompute: {format_bytes(keep.peak)}); "
+                f"raise the budget or shrink the batch", budget_bytes=target, floor_bytes=floor)
+        best = min(fits, key=lambda o: (times[o], columns.index(o)))
+        choice = tuple(columns.index(best) if best in allowed[name] else 0 for name in items)
+        measured = runs[best].peak
     # a block's kept bytes: the eager tracker's unmarked figure less the compiled saving
     decisions = tuple(Decision(name, types[i], columns[c].rpartition("=")[2],
                                max(0.0, kept_unmarked[i] - saving[i][c]), extra[i][c])

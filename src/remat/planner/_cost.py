@@ -501,6 +501,10 @@ class _Ops(TorchDispatchMode):
         """Block ``block``'s forward begins: its calls are numbered from 0 again."""
         self.block = block
         self.numbered[block] = {}
+        # each forward records its calls anew (micro-batches: the last stands), reading only
+        # what this forward made: a value an earlier forward of the block made is from outside
+        self.nodes[block] = {}
+        self.made = {s: made for s, made in self.made.items() if made[0] != block}
 
     def _number(self, func: Any, args: tuple, kwargs: dict, out: Any, cost: float) -> None:
         """Number the call as the selective engine does (NOTE [Counting calls] in
