@@ -77,7 +77,9 @@ class Linear(Block):
 
     def __init__(self, p: dict) -> None:
         super().__init__()
-        self.fc = nn.Linear(D, D)
+        # without a bias, a 3-D input runs mm then _unsafe_view, an alias with a version counter
+        # of its own (NOTE [Aliases with a version of their own])
+        self.fc = nn.Linear(D, D, bias=p.get("bias", True))
 
     def forward(self, x):
         return self.fc(x)
@@ -335,7 +337,7 @@ class BlockKind:
 
 
 BLOCKS: dict[str, BlockKind] = {
-    "linear": BlockKind(Linear, 1.0),
+    "linear": BlockKind(Linear, 1.0, lambda r: {"bias": r.random() < 0.6}),
     "linear_act": BlockKind(LinearAct, 2.0, lambda r: {"act": r.choice(ACTS)}),
     "mlp": BlockKind(MLP, 1.5, lambda r: {"act": r.choice(ACTS)}),
     "conv": BlockKind(Conv, 1.0, lambda r: {"bias": r.random() < 0.7}),

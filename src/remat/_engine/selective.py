@@ -16,6 +16,16 @@ wrong gradient (a dropout kept, a second one rebuilt). So a kept call that drew 
 recomputation, its result discarded; the planner never keeps such a call (NOTE [Options
 cut by min-cut] in ``remat/planner/_cost.py``). ``tests/test_save_calls.py`` holds the case.
 
+NOTE [Aliases with a version of their own]
+A kept output changed in place after forward is rebuilt, not handed back: its version
+counter tells. But some operators return a tensor sharing a kept output's storage that
+autograd does not count as a view, with a version counter of its own: ``_unsafe_view``,
+which a ``Linear`` without bias runs on a 3-D input after its ``mm``. An in-place change
+through it (``y = fc(x); y.add_(1)``) left the kept ``mm`` output's version as it was,
+and recomputation handed back the changed values: a silent wrong gradient (found by the
+independent fuzzer). So in forward every later output sharing a kept output's storage is
+watched too, and a change to any of them rebuilds the call.
+
 A policy is either a :class:`remat.Policy` (by operator name) or a
 :class:`CallPolicy`, which asks a function about every operator call, as
 torch's ``create_selective_checkpoint_contexts`` does; the function is asked in
@@ -32,7 +42,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from remat._engine.errors import RecomputeError
 from remat._engine.rng import drew, generator_states
@@ -101,6 +111,10 @@ class _Store:
         self.kept: dict[Any, dict[int, Any]] = defaultdict(dict)
         self.count: dict[Any, int] = {}  # calls seen in forward, per operator
         self.draws: set[tuple[Any, int]] = set()  # kept calls that drew from a generator
+        # NOTE [Aliases with a version of their own]: kept storages, and the later outputs
+        # sharing one of them that autograd does not count as views (with their versions)
+        self.watched: dict[Any, tuple[Any, int]] = {}
+        self.aliases: dict[tuple[Any, int], list] = {}
 
 
 class SaveMode(TorchDispatchMode):
@@ -117,6 +131,11 @@ class SaveMode(TorchDispatchMode):
         random = keeps and torch.Tag.nondeterministic_seeded in func.tags
         before = generator_states((args, kwargs)) if random else None
         out = func(*args, **kwargs)
+        if self.store.watched and not func.is_view:  # NOTE [Aliases with a version of their own]
+            for t in pytree.tree_leaves(out):
+                entry = self.store.watched.get(_storage_key(t))
+                if entry is not None:
+                    self.store.aliases.setdefault(entry, []).append((_alias(t), t._version))
         if keeps:
             key = _counted(self.policy, func)
             index = self.calls[key]
@@ -126,6 +145,9 @@ class SaveMode(TorchDispatchMode):
                 self.store.kept[key][index] = pytree.tree_map_only(
                     torch.Tensor, lambda t: (_alias(t), t._version), out
                 )
+                for t in pytree.tree_leaves(out):
+                    if _storage_key(t) is not None:
+                        self.store.watched[_storage_key(t)] = (key, index)
                 if random and drew(before, generator_states((args, kwargs))):
                     self.store.draws.add((key, index))  # NOTE [Kept random operators]
         return out
@@ -161,6 +183,7 @@ class ReplayMode(TorchDispatchMode):
             )
         entry = kept.pop(index)  # handed back once; a later backward rebuilds it
         stored = [t for t in pytree.tree_leaves(entry, is_leaf=_is_pair) if _is_pair(t)]
+        stored += self.store.aliases.get((key, index), [])
         if any(t._version != version for t, version in stored):
             return func(*args, **(kwargs or {}))  # changed in place after forward: rebuild it
         if (key, index) in self.store.draws:
@@ -169,6 +192,13 @@ class ReplayMode(TorchDispatchMode):
             func(*args, **(kwargs or {}))
         # a fresh alias: autograd attaches the recomputation's graph to it, not to the store
         return pytree.tree_map(lambda p: _alias(p[0]) if _is_pair(p) else p, entry, is_leaf=_is_pair)
+
+
+def _storage_key(t: Any) -> Any:
+    """The storage ``t`` holds, as a key (None for a non-tensor or a tensor without one)."""
+    if not isinstance(t, torch.Tensor) or is_traceable_wrapper_subclass(t):
+        return None
+    return t.untyped_storage()._cdata
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
