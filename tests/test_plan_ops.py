@@ -119,6 +119,16 @@ def test_per_operator_options_can_be_left_out():
     assert dataclasses.asdict(plan)["decisions"]
 
 
+def _trains_bitwise_eager_and_compiled(plan, make, x, expected):
+    """``plan`` on fresh ``make()`` models, eager and under ``remat.compile``, gives ``expected``
+    bit for bit; the compiled model, for its reports."""
+    eager = make()
+    plan.apply(eager)
+    got = grads(eager, x)
+    assert all(torch.equal(got[n], expected[n]) for n in expected), plan.choices
+    return assert_compiled_plan_trains_bitwise(plan, make, x, expected)
+
+
 def test_small_reductions_are_kept_and_cut_what_recomputation_runs():
     """An RMSNorm's mean (a 128th of its input) is kept by every per-operator option of a Llama
     block, and alone by one: compiled, its copies in backward rebuild the norms' products but
@@ -144,11 +154,7 @@ def test_small_reductions_are_kept_and_cut_what_recomputation_runs():
         assert all({f"aten::mean#{i}", f"aten::rsqrt#{i}"} & keys for i in (0, 1)), o
     expected = grads(make(), x)
     plan = with_choices(remat.plan(make(), x, budget=1.0, options=("keep",), repeat=0), [ops[0]] * 2)
-    eager = make()
-    plan.apply(eager)
-    got = grads(eager, x)
-    assert all(torch.equal(got[n], expected[n]) for n in expected)
-    compiled = assert_compiled_plan_trains_bitwise(plan, make, x, expected)
+    compiled = _trains_bitwise_eager_and_compiled(plan, make, x, expected)
     copied = {op.partition(".")[0] for r in compiled.remat_reports for _, op, _ in r.duplicated}
     assert "aten::mul" in copied and "aten::mean" not in copied and "aten::pow" not in copied
 
@@ -189,11 +195,7 @@ def test_min_cut_options_keep_less_than_selective_and_rebuild_no_product():
 
     expected = grads(make(), x)
     plan = with_choices(remat.plan(make(), x, budget=1.0, options=("keep",), repeat=0), [deepest] * 2)
-    eager = make()
-    plan.apply(eager)
-    got = grads(eager, x)
-    assert all(torch.equal(got[n], expected[n]) for n in expected)
-    compiled = assert_compiled_plan_trains_bitwise(plan, make, x, expected)
+    compiled = _trains_bitwise_eager_and_compiled(plan, make, x, expected)
     copied = {op.partition(".")[0] for r in compiled.remat_reports for _, op, _ in r.duplicated}
     assert copied and not copied & {"aten::mm", "aten::mean", "aten::pow",
                                      "aten::_scaled_dot_product_flash_attention_for_cpu"}, copied
@@ -251,9 +253,4 @@ def test_min_cut_options_of_blocks_with_dropout_train_bitwise_eager_and_compiled
     expected = grads(tiny_transformer(), x)
     base = remat.plan(tiny_transformer(), x, budget=1.0, options=("keep",), repeat=0)
     for choices in ([cut[0]] * 4, [cut[-1], "keep", cut[0], "recompute"]):
-        plan = with_choices(base, choices)
-        eager = tiny_transformer()
-        plan.apply(eager)
-        got = grads(eager, x)
-        assert all(torch.equal(got[n], expected[n]) for n in expected), choices
-        assert_compiled_plan_trains_bitwise(plan, tiny_transformer, x, expected)
+        _trains_bitwise_eager_and_compiled(with_choices(base, choices), tiny_transformer, x, expected)

@@ -27,6 +27,7 @@ The composed figures are checked against the whole model's, to the byte, in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,8 +81,6 @@ def compose_report(model: torch.nn.Module, container: torch.nn.Module,
     to :data:`SHORT` and :data:`LONG` blocks (NOTE [Composing an estimate]); ``run(watch)``
     runs one step under the tracker with ``watch`` as its ``on_change`` and returns the
     :class:`~remat.memory.ProfileReport`. None when the composition does not hold."""
-    import dataclasses
-
     where = next(name for name, m in model.named_modules() if m is container)
     prefix = f"{where}." if where else ""
     keys = list(container._modules)
@@ -141,8 +140,6 @@ _GROWING = ("kept_self", "kept", "input_bytes", "output_bytes", "if_recomputed",
 def _rows(model: torch.nn.Module, short: Any, long: Any, prefix: str, keys: list) -> list:
     """The whole model's rows: a block's is the 4-block model's first, an interior, or its last
     block's, renamed; one outside the blocks grows with them."""
-    import dataclasses
-
     n = len(keys)
     theirs = {row.name: row for row in short.rows}
     rows = []

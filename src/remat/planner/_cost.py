@@ -440,13 +440,12 @@ class _Ops(TorchDispatchMode):
         self.small: dict[int, list[str]] = {}  # per block: reductions with a small result
         self.saved: set[tuple[int, str]] = set()  # candidate calls whose output backward reads
         # every call of each block, for the min-cut options (NOTE [Options cut by min-cut]):
-        # key -> [cost, output bytes, the keys of the block's calls it reads]; which call
-        # made each storage (overwritten when a storage is made anew), the calls whose output
-        # the block's own backward reads, and (NOTE [Options cut by min-cut]) what its writes in place touch
+        # key -> [cost, output bytes, the keys of the block's calls it reads, keepable]; which
+        # call made each storage (overwritten when a storage is made anew), the calls whose
+        # output the block's own backward reads, the operators each block runs in place
         self.nodes: dict[int, dict[str, list]] = {}
         self.made: dict[int, tuple[int, str]] = {}
         self.needed: set[tuple[int, str]] = set()
-        self._drew = False  # whether the call being recorded drew from a generator
         self.inplace: dict[int, set[str]] = {}  # per block: functional names of its in-place calls
         self._cuts: dict[tuple, list[str]] = {}
         self._propagating = 0
@@ -476,7 +475,7 @@ class _Ops(TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
-        self._drew = random and drew(before, generator_states((args, kwargs)))
+        drawn = random and drew(before, generator_states((args, kwargs)))
         if self.block is not None:
             if self.timed:
                 cost = elapsed
@@ -491,7 +490,7 @@ class _Ops(TorchDispatchMode):
                 self.part_total[part] = self.part_total.get(part, 0.0) + cost
             if not save_compute_intensive.saves(func.name()):
                 self.recomputed[self.block] = self.recomputed.get(self.block, 0.0) + cost
-            self._number(func, args, kwargs, out, cost)
+            self._number(func, args, kwargs, out, cost, drawn)
         elif isinstance(func, torch._ops.OpOverload) and not func.is_view and not func._schema.is_mutable:
             for storage in _new_storages(args, kwargs, out):  # made outside every block
                 self.made.pop(storage, None)
@@ -506,7 +505,7 @@ class _Ops(TorchDispatchMode):
         self.nodes[block] = {}
         self.made = {s: made for s, made in self.made.items() if made[0] != block}
 
-    def _number(self, func: Any, args: tuple, kwargs: dict, out: Any, cost: float) -> None:
+    def _number(self, func: Any, args: tuple, kwargs: dict, out: Any, cost: float, drawn: bool = False) -> None:
         """Number the call as the selective engine does (NOTE [Counting calls] in
         ``remat/_vocab/policy.py``); record a matrix product's, a convolution's or an attention's."""
         if not isinstance(func, torch._ops.OpOverload) or func.is_view:
@@ -519,14 +518,8 @@ class _Ops(TorchDispatchMode):
         index = numbered.get(name, 0)
         numbered[name] = index + 1
         key = call_key(name, index)
-        reads = {self.made.get(s._cdata) for s in local_storages(tree_leaves((args, kwargs)))}
-        made = _new_storages(args, kwargs, out)
-        self.nodes.setdefault(self.block, {})[key] = [
-            cost, sum(local_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)),
-            sorted({k for b, k in filter(None, reads) if b == self.block}),
-            not self._drew]  # a call that drew: never kept (NOTE [Kept random operators])
-        for storage in made:
-            self.made[storage] = (self.block, key)
+        # a call that drew is never kept (NOTE [Kept random operators])
+        self._node(key, args, kwargs, out, cost, keepable=not drawn, makes=_new_storages(args, kwargs, out))
         if name in REDUCTIONS:  # NOTE [Options per operator]: a small result that cuts a chain
             ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -557,17 +550,23 @@ class _Ops(TorchDispatchMode):
         graph pass, functionalized, numbers those; the engine does not)."""
         nodes = self.nodes.setdefault(self.block, {})
         self.inplace.setdefault(self.block, set()).add(name.removesuffix("_"))
-        reads = {self.made.get(s._cdata) for s in local_storages(tree_leaves((args, kwargs)))}
-        key = f"{name}!{len(nodes)}"
         touched = [s._cdata for s in local_storages(_written(func, args, kwargs))]
-        made = _new_storages(args, kwargs, out)
-        nodes[key] = [cost, sum(local_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)),
-                      sorted({k for b, k in filter(None, reads) if b == self.block}), False]
         for storage in touched:
             before = self.made.get(storage)
             if before is not None and before[0] == self.block:
                 nodes[before[1]][3] = False
-        for storage in [*touched, *made]:
+        self._node(f"{name}!{len(nodes)}", args, kwargs, out, cost, keepable=False,
+                   makes=[*touched, *_new_storages(args, kwargs, out)])
+
+    def _node(self, key: str, args: tuple, kwargs: dict, out: Any, cost: float, *, keepable: bool,
+              makes: list[int]) -> None:
+        """Record call ``key`` of the running block: ``[cost, output bytes, the keys of the block's
+        calls it reads, whether an option may keep it]``; it now makes the storages ``makes``."""
+        reads = {self.made.get(s._cdata) for s in local_storages(tree_leaves((args, kwargs)))}
+        self.nodes.setdefault(self.block, {})[key] = [
+            cost, sum(local_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)),
+            sorted({k for b, k in filter(None, reads) if b == self.block}), keepable]
+        for storage in makes:
             self.made[storage] = (self.block, key)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
