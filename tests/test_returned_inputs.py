@@ -104,3 +104,24 @@ def test_an_output_recompute_region_does_not_register_the_input_it_passes_throug
     (head(a).sum() + (b * 2).sum()).backward()
     del a, b
     assert _outputs._registry == {} and not _outputs.hook_active()
+
+
+def test_an_output_recompute_module_that_returns_its_input_leaves_no_hook_pushed():
+    """Own fuzz case 7557 (8,000 cases): ``nn.Dropout(0.0)`` marked ``output_recompute`` returns
+    its input itself; the region registered no output but pushed remat's saved-tensor hook,
+    and nothing popped it: the hook stayed on the stack after the step. Gradients stay equal."""
+    from remat._engine import outputs as _outputs
+
+    def run(mark: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0), nn.Linear(8, 8))
+        if mark:
+            remat.recompute_module(model[1], output_recompute=True)
+        x = torch.randn(3, 8, requires_grad=True)
+        model(x).sum().backward()
+        return [p.grad for p in model.parameters()] + [x.grad]
+
+    expected = run(False)
+    got = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert _outputs._registry == {} and not _outputs.hook_active()

@@ -63,7 +63,10 @@ def _key(t: torch.Tensor) -> int:
 
 
 def register(frame: Any, outputs: list) -> None:
-    """Register the tensor ``outputs`` of ``frame`` (flat list) as not to be kept."""
+    """Register the tensor ``outputs`` of ``frame`` (flat list) as not to be kept; the hook is
+    pushed only when one is (a region that only passes its inputs through registers none, and
+    a hook pushed then had no output whose death would pop it: it stayed after the step)."""
+    registered = False
     for index, t in enumerate(outputs):
         if not isinstance(t, torch.Tensor) or t.is_sparse or t.device.type == "meta":
             continue
@@ -71,7 +74,9 @@ def register(frame: Any, outputs: list) -> None:
         layout = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
         _registry[key] = (weakref.ref(frame), index, layout, id(t), t._version)
         weakref.finalize(t, _forget, key, id(t))
-    _push_hook()
+        registered = True
+    if registered:
+        _push_hook()
 
 
 def _forget(key: int, token: int) -> None:
