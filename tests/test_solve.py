@@ -150,6 +150,16 @@ def test_floor_is_the_least_peak_and_below_it_is_an_error():
         solve_brute_force(problem, low - 1)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_floor_is_the_least_peak_of_every_plan(seed):
+    # floor() bisects on the untimed dynamic program: the least peak brute force finds
+    rng = random.Random(100 + seed)
+    problem = random_problem(rng, rng.randint(1, 6))
+    least = min(evaluate(problem, c)[0] for c in itertools.product(
+        *(problem.allowed(i) for i in range(problem.blocks))))
+    assert floor(problem) == pytest.approx(least, abs=1)
+
+
 def test_monotone_over_a_budget_sweep():
     rng = random.Random(3)
     problem = random_problem(rng, 6)

@@ -83,6 +83,19 @@ place by ``bernoulli_``), nor any call of the operator's functional form (``div`
 block runs ``div_``). Nor is a random operator's output (NOTE [Kept random operators] in
 ``remat/_engine/selective.py``: a kept one still draws in recomputation, so keeping it
 buys nothing). A level whose cut would keep one of them gives no option.
+
+NOTE [Plans timing noise cannot flip]
+On real tensors the times are measured: each block's forward, each child's, each
+operator's on CPU, and each option's whole step (the calibration of its family). Two
+plans whose times differ by less than the timer's noise then swap places run after run,
+though each is measured as fast as the other (on the README's GPT: three plans in five
+runs). So the options are ranked by times that do not move: the same model's operators
+costed by FLOPs and bytes (the roofline the fake-tensor planner uses, from the warm-up
+trace, which the timed trace needed anyway), under the rules every time follows here (an
+``output`` block or an operator mark re-runs twice). The solver chooses on those
+(``BlockCosts.problem(ranking=True)``); the measured, calibrated times then predict the
+chosen plan's extra time (``Plan.predicted_extra_s``). Memory is measured either way,
+and bytes do not jitter: the same model, inputs and budget give the same plan.
 """
 
 from __future__ import annotations
@@ -109,7 +122,7 @@ from remat.memory.internal import (
     signature,
     truncated,
 )
-from remat.memory.profile import OptimizerLike, measure
+from remat.memory.profile import OptimizerLike, make_optimizer, measure, prime_optimizer
 from remat.planner._settings import Settings, child_mark, children_in, mark_choices
 from remat.planner._solve import (
     BLOCK_OPTIONS,
@@ -256,6 +269,16 @@ THROUGHPUT = {"cpu": 1e11, "cuda": 4e14}
 BANDWIDTH = {"cpu": 2e10, "cuda": 2e12}
 
 
+@dataclass(frozen=True)
+class Ranking:
+    """Per block, times from FLOPs and bytes that rank the options on real tensors (NOTE
+    [Plans timing noise cannot flip]): as :class:`BlockCosts`' fields of the same names."""
+
+    forward_s: list[float]
+    selective_s: list[float]
+    child_s: list
+
+
 @dataclass
 class BlockCosts:
     """Measured costs of a model's blocks, in forward order (one entry per block)."""
@@ -287,9 +310,13 @@ class BlockCosts:
     #: forwards of each block per step: above 1 (gradient accumulation), every gradient
     #: exists while the later micro-batches run, and the model counts them all
     calls: int = 1
+    #: on real tensors, the times that rank the options (None: ``forward_s`` and the others do)
+    ranking: Ranking | None = None
 
-    def problem(self) -> Problem:
-        """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks."""
+    def problem(self, *, ranking: bool = False) -> Problem:
+        """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks;
+        with ``ranking``, its times are :attr:`ranking`'s, not calibrated (NOTE [Plans timing
+        noise cannot flip])."""
         n = len(self.names)
         later = [sum(self.grad_bytes[i + 1 if self.calls == 1 else 0:]) for i in range(n)]
         fixed = [self.baseline_bytes + self.other_grad_bytes + g for g in later]
@@ -297,13 +324,14 @@ class BlockCosts:
         end = self.peaks["keep"] - sum(keep_kept)
         base = max((p for o, p in self.peaks.items() if self.phases.get(o) == "optimizer"), default=0)
         columns = len(self.options)
-        inner = self.child_s or [[]] * n
+        times: Any = self.ranking if ranking and self.ranking is not None else self
+        inner = times.child_s or [[]] * n
         # An ``output`` block runs twice in backward, chained or not: once to hand its output
         # to whoever saved it, once to rebuild what it saved itself (NOTE [Output pass]); timed
         # on the README's GPT, a lone output block costs what one in a chain does (2x a re-run)
         # (so a chain adds nothing: ``chain_time`` is zero)
         time_of = [[0.0, f, s, 2 * f, *c] + [0.0] * (columns - 4 - len(c))
-                   for f, s, c in zip(self.forward_s, self.selective_s, inner)]
+                   for f, s, c in zip(times.forward_s, times.selective_s, inner)]
         chain_time = [0.0] * n
         # Calibration: each option's uniform run was timed too; its measured extra time over
         # the unmarked step, against the sum of forward times, scales the times of its family
@@ -318,7 +346,7 @@ class BlockCosts:
         # forward (more hooks, operator marks), and pooled with them they made every block
         # re-run look dearer than it is (the prediction of a plan of block re-runs, high).
         scale = [1.0] * columns
-        keep_s = self.option_step_s.get("keep")
+        keep_s = self.option_step_s.get("keep") if times is self else None
         fitted: dict[str, list[tuple[float, float]]] = {}
         for o in range(1, columns):
             step_s = self.option_step_s.get(self.options[o])
@@ -336,7 +364,8 @@ class BlockCosts:
         # at least: an option inside blocks is not scaled below ``recompute``.
         for o in range(len(BLOCK_OPTIONS), columns):
             scale[o] = max(scale[o], scale[RECOMPUTE])
-        self.time_scale = scale
+        if times is self:
+            self.time_scale = scale
         time_of = [[t * scale[o] for o, t in enumerate(row)] for row in time_of]
         # What follows the last block (a head, a loss) runs backward with the gradients of
         # the parameters outside blocks and the blocks' kept bytes; a final chain is rebuilt there.
@@ -753,14 +782,23 @@ def trace(model: torch.nn.Module, blocks: list, settings: Settings, *, timed: bo
 
 
 def _measure_one(model: torch.nn.Module, blocks: list, chosen: dict, settings: Settings,
-                 keep_timing: bool, state: dict | None) -> tuple[Any, torch.nn.Module]:
-    """One tracked step with ``chosen`` (``{block: option}``) marked; the report and the model run."""
+                 keep_timing: bool, state: dict | None,
+                 shared: tuple[torch.optim.Optimizer, Any] | None = None) -> tuple[Any, torch.nn.Module]:
+    """One tracked step with ``chosen`` (``{block: option}``) marked; the report and the model run.
+
+    ``shared``: an optimizer made and primed once, with the unmarked run's report, whose
+    optimizer phase stands in for this run's (NOTE [One optimizer phase])."""
     if settings.build is not None:  # NOTE [Planning a rank]
         net = settings.build(chosen)
         return measure(net, settings.step.inputs, step=settings.step, optimizer=settings.optimizer,
                        estimated=settings.fake, api=API), net
     marked = mark_choices(dict(blocks), chosen)
     try:
+        if shared is not None:
+            opt, unmarked = shared
+            report = measure(model, settings.step.inputs, step=settings.step, optimizer=opt,
+                             estimated=settings.fake, api=API, optimizer_step=False)
+            return _with_optimizer_phase(report, unmarked), model
         return measure(model, settings.step.inputs, step=settings.step, optimizer=settings.optimizer,
                        repeat=settings.repeat if keep_timing else 0, estimated=settings.fake,
                        api=API), model
@@ -771,11 +809,32 @@ def _measure_one(model: torch.nn.Module, blocks: list, chosen: dict, settings: S
             model.load_state_dict(state)
 
 
+def _with_optimizer_phase(report: Any, unmarked: Any) -> Any:
+    """``report`` of a run without the optimizer's step, given the unmarked run's optimizer
+    phase (NOTE [One optimizer phase])."""
+    phase = unmarked.phase_peaks.get("optimizer")
+    if phase is None:
+        return report
+    report.phase_peaks = {**report.phase_peaks, "optimizer": phase}
+    if phase > report.peak_bytes:
+        report.peak_bytes, report.peak_phase = phase, "optimizer"
+        report.peak_increase = phase - report.baseline_bytes
+    return report
+
+
 def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
                     state: dict | None) -> Runs:
     """Run the step once per option with every block that has it marked alike, under the
     tracker; the unmarked run also chooses the options inside blocks (NOTE [Options inside
-    blocks]). On real tensors each option's step is then timed, interleaved."""
+    blocks]). On real tensors each option's step is then timed, interleaved.
+
+    NOTE [One optimizer phase]
+    The optimizer's step runs after backward, on gradients no mark changes, with only the
+    step's outputs still alive, which no mark changes either: its phase is the same under
+    every option. On fake tensors (where a step of the optimizer is a large share of a run)
+    one optimizer is made and primed for all the runs and steps in the unmarked run only;
+    every other run takes that run's optimizer phase. On real tensors each run makes its
+    own, as a user's step would."""
     names, blocks = traced.names, traced.blocks
     inner: dict[str, list[str]] = {name: [] for name in names}
     columns: list[str] = []
@@ -783,13 +842,23 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
     uniform: dict[str, dict[str, str]] = {}  # option -> the blocks its run marks
     reports = {}
     measured = model
+    opt = None  # NOTE [One optimizer phase]
+    if settings.fake and settings.build is None and settings.optimizer is not None:
+        opt = make_optimizer(settings.optimizer, model, API)
+        prime_optimizer(opt)
     while pending:
         option = pending.pop(0)
         chosen = {name: option for name in names if option in BLOCK_OPTIONS or option in inner[name]}
         uniform[option] = chosen
         settings.say(f"measuring '{option}' on {len(chosen)} blocks")
         timing = not settings.fake and option == "keep"
-        reports[option], net = _measure_one(model, blocks, chosen, settings, timing, state)
+        shared = None if opt is None or option == "keep" else (opt, reports["keep"])
+        if opt is not None and option == "keep":
+            reports[option] = measure(model, settings.step.inputs, step=settings.step, optimizer=opt,
+                                      estimated=True, api=API)
+            net = model
+        else:
+            reports[option], net = _measure_one(model, blocks, chosen, settings, timing, state, shared)
         if option == "keep" and settings.build is not None:
             measured, blocks = net, _named(net, blocks)
         if option == "keep":  # NOTE [Options inside blocks], [Options per operator]
@@ -799,13 +868,15 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
     steps: dict[str, float] = {}
     if not settings.fake and settings.build is None and settings.repeat:
         settings.say(f"timing the {len(uniform)} options, interleaved")
-        steps = _interleaved_steps(model, settings.step, dict(blocks), uniform, settings.repeat,
+        steps = interleaved_steps(model, settings.step, dict(blocks), uniform, settings.repeat,
                                    settings.optimizer)
     return Runs(reports=reports, inner=inner, columns=columns, steps=steps, measured=measured)
 
 
-def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
-    """The cost model of the blocks from the trace and the runs (per forward of a block)."""
+def assemble(traced: Trace, runs: Runs, settings: Settings, roofline: Trace | None = None) -> BlockCosts:
+    """The cost model of the blocks from the trace and the runs (per forward of a block);
+    ``roofline``: on real tensors, a trace costed by FLOPs and bytes, whose times rank the
+    options (NOTE [Plans timing noise cannot flip])."""
     names, blocks, calls = traced.names, traced.blocks, traced.calls
     rows = {o: {r.name: r for r in rep.rows} for o, rep in runs.reports.items()}
     keep, ops = rows["keep"], traced.ops
@@ -815,28 +886,64 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
     for k, row in enumerate(kept):
         if not traced.chain[k] and row[OUTPUT] is not None:
             row[OUTPUT] = None
+    # Identical blocks (one class, one set of parameter shapes, the same bytes kept under every
+    # option) cost the same: their times are averaged, so the timer cannot make one
+    # of them look cheaper to recompute than its twin (a plan that is stable run after run)
+    groups: dict[tuple, list[int]] = {}
+    for k, (_, module) in enumerate(blocks):
+        groups.setdefault((signature(module), tuple(kept[k])), []).append(k)
+    forward, share, child_s = _times(traced, runs, settings.fake, groups)
+    ranking = None
+    if not settings.fake:
+        r_forward, r_share, r_child = _times(roofline or traced, runs, True, groups)
+        ranking = Ranking(forward_s=r_forward, selective_s=[f * s for f, s in zip(r_forward, r_share)],
+                          child_s=r_child)
+    report = runs.reports["keep"]
+    if settings.fake:
+        step = 3 * calls * sum(ops.total.values())
+        timed = f"roofline ({settings.device})"
+    else:
+        # the step users run: forward, backward and the optimizer's step
+        step = (runs.steps["keep"] + runs.steps.get("optimizer", 0.0) if runs.steps
+                else (report.step_ms or 0.0) / 1e3)
+        timed = "measured, each family of options scaled by its timed runs"
+    grads = [sum(local_nbytes(p) for p in m.parameters() if p.requires_grad) for _, m in blocks]
+    all_grads = sum(local_nbytes(p) for p in runs.measured.parameters() if p.requires_grad)
+    return BlockCosts(
+        names=names, types=[type(m).__name__ for _, m in traced.blocks],
+        kept=kept, forward_s=forward, selective_s=[f * s for f, s in zip(forward, share)],
+        output_bytes=[keep[name].output_bytes // calls for name in names], grad_bytes=grads,
+        chain=traced.chain, baseline_bytes=report.baseline_bytes,
+        other_grad_bytes=all_grads - sum(grads),
+        peaks={o: r.peak_bytes for o, r in runs.reports.items()},
+        phases={o: r.peak_phase for o, r in runs.reports.items()}, step_s=step, timed=timed,
+        phase_peaks={o: dict(r.phase_peaks) for o, r in runs.reports.items()},
+        optimizer_peak=report.phase_peaks.get("optimizer"), option_step_s=runs.steps,
+        options=every, child_s=child_s, calls=calls,
+        ranking=ranking,
+    )
+
+
+def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, list[int]]) -> tuple:
+    """Per block: forward seconds, the share a selective policy re-runs, and the forward
+    seconds of each option inside it (``runs.columns``): from the trace's FLOPs and bytes
+    with ``roofline`` (its operators' costs), else from the unmarked run's measured times;
+    averaged over each group of identical blocks."""
+    names, blocks, calls, ops = traced.names, traced.blocks, traced.calls, traced.ops
+    keep = {r.name: r for r in runs.reports["keep"].rows}
 
     def seconds(name: str) -> float:
         return (keep[name].forward_ms or 0.0) / 1e3 / calls
 
     def child_seconds(k: int, child: str) -> float:
-        once = (ops.part_total.get((traced.index[k], child), 0.0) if settings.fake
+        once = (ops.part_total.get((traced.index[k], child), 0.0) if roofline
                 else seconds(f"{names[k]}.{child}"))
         # an operator mark runs twice in backward: once to hand its output to whoever saved
         # it, once to rebuild what it saved itself (NOTE [Output pass] in _engine/hooked.py)
         return once if child_mark(dict(blocks[k][1].named_children())[child]) == {} else 2 * once
 
-    report = runs.reports["keep"]
-    if settings.fake:
-        forward = [ops.total.get(i, 0.0) for i in traced.index]
-        step = 3 * calls * sum(ops.total.values())
-        timed = f"roofline ({settings.device})"
-    else:
-        forward = [seconds(name) for name in names]
-        # the step users run: forward, backward and the optimizer's step
-        step = (runs.steps["keep"] + runs.steps.get("optimizer", 0.0) if runs.steps
-                else (report.step_ms or 0.0) / 1e3)
-        timed = "measured, each family of options scaled by its timed runs"
+    forward = ([ops.total.get(i, 0.0) for i in traced.index] if roofline
+               else [seconds(name) for name in names])
 
     def inner_seconds(k: int, option: str) -> float:
         if option not in runs.inner[names[k]]:
@@ -852,12 +959,6 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
 
     child_s = [[inner_seconds(k, o) for o in runs.columns] for k in range(len(names))]
     share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in traced.index]
-    # Identical blocks (one class, one set of parameter shapes, the same bytes kept under every
-    # option) cost the same: their measured times are averaged, so the timer cannot make one of
-    # them look cheaper to recompute than its twin (a plan that is stable run after run)
-    groups: dict[tuple, list[int]] = {}
-    for k, (_, module) in enumerate(blocks):
-        groups.setdefault((signature(module), tuple(kept[k])), []).append(k)
     for members in groups.values():
         for values in (forward, share):
             mean = sum(values[k] for k in members) / len(members)
@@ -867,20 +968,7 @@ def assemble(traced: Trace, runs: Runs, settings: Settings) -> BlockCosts:
             mean = sum(child_s[k][c] for k in members) / len(members)
             for k in members:
                 child_s[k][c] = mean
-    grads = [sum(local_nbytes(p) for p in m.parameters() if p.requires_grad) for _, m in blocks]
-    all_grads = sum(local_nbytes(p) for p in runs.measured.parameters() if p.requires_grad)
-    return BlockCosts(
-        names=names, types=[type(m).__name__ for _, m in traced.blocks],
-        kept=kept, forward_s=forward, selective_s=[f * s for f, s in zip(forward, share)],
-        output_bytes=[keep[name].output_bytes // calls for name in names], grad_bytes=grads,
-        chain=traced.chain, baseline_bytes=report.baseline_bytes,
-        other_grad_bytes=all_grads - sum(grads),
-        peaks={o: r.peak_bytes for o, r in runs.reports.items()},
-        phases={o: r.peak_phase for o, r in runs.reports.items()}, step_s=step, timed=timed,
-        phase_peaks={o: dict(r.phase_peaks) for o, r in runs.reports.items()},
-        optimizer_peak=report.phase_peaks.get("optimizer"), option_step_s=runs.steps,
-        options=every, child_s=child_s, calls=calls,
-    )
+    return forward, share, child_s
 
 
 def measure_costs(model: torch.nn.Module, blocks: list, settings: Settings) -> BlockCosts:
@@ -893,9 +981,10 @@ def measure_costs(model: torch.nn.Module, blocks: list, settings: Settings) -> B
     state = None if settings.fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
     # on CPU tensors the selective share comes from operator times (a warm-up step first)
     timed = not settings.fake and settings.device == "cpu"
+    roofline = None
     try:
-        if timed:
-            trace(model, blocks, settings)
+        if timed:  # (also the warm-up of the timed trace) NOTE [Plans timing noise cannot flip]
+            roofline = trace(model, blocks, settings)
         traced_model = model if settings.build is None else settings.build({})
         traced = trace(traced_model, _named(traced_model, blocks), settings, timed=timed)
         traced.blocks = _named(model, traced.blocks)  # the model's classes, not the sharded ones
@@ -906,10 +995,10 @@ def measure_costs(model: torch.nn.Module, blocks: list, settings: Settings) -> B
         if state is not None:
             model.load_state_dict(state)
             model.zero_grad(set_to_none=True)
-    return assemble(traced, runs, settings)
+    return assemble(traced, runs, settings, roofline)
 
 
-def _interleaved_steps(model: torch.nn.Module, step: Step, blocks: Mapping[str, torch.nn.Module],
+def interleaved_steps(model: torch.nn.Module, step: Step, blocks: Mapping[str, torch.nn.Module],
                        uniform: Mapping[str, Mapping[str, str]], rounds: int,
                        optimizer: OptimizerLike = None) -> dict[str, float]:
     """Seconds of ``step`` (forward and backward) with each option's blocks marked (``uniform``:
@@ -920,8 +1009,6 @@ def _interleaved_steps(model: torch.nn.Module, step: Step, blocks: Mapping[str, 
     slows them alike. An option's figure is the unmarked step's median times the median over
     rounds of its ratio to the unmarked step of the same round: the statistic a user's loop
     shows (a typical step, not the luckiest), with the machine's slow spells divided out."""
-    from remat.memory.profile import make_optimizer, prime_optimizer
-
     opt = make_optimizer(optimizer, model, API)
     if opt is not None:
         prime_optimizer(opt)

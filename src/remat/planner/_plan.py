@@ -30,11 +30,12 @@ from remat.planner._cost import (
     BlockCosts,
     composed_costs,
     find_blocks,
+    interleaved_steps,
     measure_costs,
     measure_peak,
 )
 from remat.planner._settings import Builder, Settings, mark_choices, marks_of
-from remat.planner._solve import OPTIONS, BudgetError, Problem, floor, solve
+from remat.planner._solve import OPTIONS, BudgetError, Problem, Solution, evaluate, floor, solve
 from remat.planner._verify import composed_peak
 
 API = "remat.plan"
@@ -91,6 +92,9 @@ class Plan:
     solver: str = ""
     solve_s: float = 0.0
     timing: str = "measured"
+    #: on real tensors: the plan's extra seconds per step, timed against the unmarked step in
+    #: interleaved rounds (median of the rounds' ratios; None: not timed)
+    measured_extra_s: float | None = None
     #: a rank's plan (``world_size=``): the rank planned and the ranks in the job; every
     #: byte figure, the budget's included, is this rank's (None: one process)
     rank: int | None = None
@@ -105,6 +109,13 @@ class Plan:
     def predicted_overhead(self) -> float:
         """Predicted extra time as a fraction of the step without recompute (0.1: 10% slower)."""
         return self.predicted_extra_s / self.step_s if self.step_s else 0.0
+
+    @property
+    def measured_overhead(self) -> float | None:
+        """The timed extra time as a fraction of the step without recompute (None: not timed)."""
+        if self.measured_extra_s is None or not self.step_s:
+            return None
+        return self.measured_extra_s / self.step_s
 
     def apply(self, model: torch.nn.Module) -> list[str]:
         """Mark ``model``'s blocks (or, for ``children:`` options, their children) as this
@@ -155,8 +166,10 @@ class Plan:
                 + f" (no recompute {format_bytes(self.no_recompute_peak_bytes)}, "
                 f"floor {format_bytes(self.floor_bytes)})\n"
                 f"predicted overhead +{100 * self.predicted_overhead:.1f}% "
-                f"({1e3 * self.predicted_extra_s:,.2f} ms; times: {self.timing}); "
-                f"solved by {self.solver} in {1e3 * self.solve_s:.1f} ms")
+                f"({1e3 * self.predicted_extra_s:,.2f} ms; times: {self.timing})"
+                + (f", measured {100 * self.measured_overhead:+.1f}%" if self.measured_overhead is not None
+                   else "")
+                + f"; solved by {self.solver} in {1e3 * self.solve_s:.1f} ms")
         runs: list[list[Decision]] = []  # consecutive blocks with the same row print once
         for d in self.decisions:
             if runs and _same_row(runs[-1][-1], d):
@@ -193,6 +206,8 @@ class Plan:
                  + ("  (within budget)" if peak is not None and peak <= self.budget_bytes else
                     "  (OVER BUDGET)" if peak is not None else "")]
         overhead = getattr(measured, "overhead", None)
+        if overhead is None and measured is None:
+            overhead = self.measured_overhead
         if overhead is not None:
             lines.append(f"{'overhead':<10} {100 * self.predicted_overhead:>+11.1f}% {100 * overhead:>+11.1f}%")
         elif self.step_s:
@@ -479,12 +494,13 @@ def _plans(model: torch.nn.Module, budgets: list, settings: Settings) -> list:
     if costs is None:
         costs = measure_costs(model, chosen, settings)
     problem = costs.problem()
+    ranking = costs.problem(ranking=True)  # NOTE [Plans timing noise cannot flip]
     least = floor(problem)
     out = []
     for value, fractional in budgets:
         budget = value * costs.peaks["keep"] if fractional else value
         try:
-            out.append(_fit(model, costs, problem, budget, least, settings))
+            out.append(_fit(model, costs, (ranking, problem), budget, least, settings))
         except BudgetError as err:
             if not settings.floors:
                 raise
@@ -492,8 +508,11 @@ def _plans(model: torch.nn.Module, budgets: list, settings: Settings) -> list:
     return out
 
 
-def _fit(model: torch.nn.Module, costs: BlockCosts, problem: Problem, budget: float, least: float,
-         settings: Settings) -> Plan:
+def _fit(model: torch.nn.Module, costs: BlockCosts, problems: tuple[Problem, Problem], budget: float,
+         least: float, settings: Settings) -> Plan:
+    """The plan for ``budget``: chosen on the first of ``problems`` (the ranking times), its
+    extra time predicted by the second (the calibrated ones), its peak measured."""
+    ranking, problem = problems
     no_recompute = costs.peaks["keep"]
     settings.say(f"solving for {format_bytes(budget)}")
     target = budget
@@ -501,9 +520,10 @@ def _fit(model: torch.nn.Module, costs: BlockCosts, problem: Problem, budget: fl
     over: list[int] = []
     for _attempt in range(6):
         try:
-            solution = solve(problem, target, resolution=max(1.0, target / 8192), solver=settings.solver)
+            solution = _predicted(problem, solve(ranking, target, resolution=max(1.0, target / 8192),
+                                                 solver=settings.solver))
         except BudgetError:
-            uniform = _uniform(costs, problem, budget) if over else None
+            uniform = _uniform(costs, problems, budget) if over else None
             if uniform is not None:  # the cost model erred near its floor: a measured uniform plan
                 solution, measured = uniform
                 break
@@ -528,30 +548,60 @@ def _fit(model: torch.nn.Module, costs: BlockCosts, problem: Problem, budget: fl
         over.append(measured)
         target -= measured - budget
     else:
-        uniform = _uniform(costs, problem, budget)
+        uniform = _uniform(costs, problems, budget)
         if uniform is None:
             raise BudgetError(
                 f"{API}: no plan measured within a budget of {format_bytes(budget)} "
                 f"({budget:,.0f} bytes); the last plan measured {format_bytes(measured)}; raise the budget",
                 budget_bytes=budget, floor_bytes=measured)
         solution, measured = uniform
-    return _make(costs, problem, solution, budget, least, measured)
+    plan = _make(costs, problem, solution, budget, least, measured)
+    if settings.fake or settings.build is not None or not settings.verify or not settings.repeat:
+        return plan
+    settings.say(f"timing the plan for {format_bytes(budget)}")
+    return dataclasses.replace(plan, measured_extra_s=_timed_extra(model, costs, solution.choices, settings))
 
 
-def _uniform(costs: Any, problem: Problem, budget: float) -> tuple | None:
-    """The fastest plan marking every block alike whose measured peak (from the cost
-    model's runs) fits ``budget``, with that peak; None if none fits."""
-    from remat.planner._solve import Solution, evaluate
+#: interleaved rounds, per unit of ``repeat``, that time a plan against the unmarked step
+TIMED_ROUNDS = 4
 
+
+def _timed_extra(model: torch.nn.Module, costs: BlockCosts, choices: Sequence[str],
+                 settings: Settings) -> float:
+    """The plan's extra seconds per step (forward and backward): the plan and the unmarked
+    step timed in :data:`TIMED_ROUNDS` x ``repeat`` interleaved rounds, the median of the
+    rounds' ratios times the unmarked step's median; the model's state put back after."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    uniform = {"keep": {}, "plan": dict(zip(costs.names, choices))}
+    try:
+        steps = interleaved_steps(model, settings.step, dict(model.named_modules()), uniform,
+                                   TIMED_ROUNDS * settings.repeat)
+    finally:
+        model.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
+    return steps["plan"] - steps["keep"]
+
+
+def _predicted(problem: Problem, solution: Solution) -> Solution:
+    """``solution`` (solved on the ranking times) with the extra time ``problem`` predicts."""
+    choice = [problem.options.index(c) for c in solution.choices]
+    return dataclasses.replace(solution, time=evaluate(problem, choice)[1])
+
+
+def _uniform(costs: Any, problems: tuple[Problem, Problem], budget: float) -> tuple | None:
+    """The fastest plan (by the ranking times) marking every block alike whose measured peak
+    (from the cost model's runs) fits ``budget``, with that peak; None if none fits."""
+    ranking, problem = problems
     best = None
     for o, option in enumerate(problem.options):
         measured = costs.peaks.get(option, float("inf"))
         if measured > budget or any(problem.kept[i][o] is None for i in range(problem.blocks)):
             continue  # (the run marked every block alike; a plan that cannot is another plan)
-        extra = evaluate(problem, [o] * problem.blocks)[1]
-        if best is None or extra < best[0].time:
-            best = (Solution((option,) * problem.blocks, measured, extra, "uniform fallback"), measured)
-    return best
+        rank = evaluate(ranking, [o] * problem.blocks)[1]
+        if best is None or rank < best[0]:
+            extra = evaluate(problem, [o] * problem.blocks)[1]
+            best = (rank, Solution((option,) * problem.blocks, measured, extra, "uniform fallback"), measured)
+    return None if best is None else best[1:]
 
 
 def _measure_choices(model: torch.nn.Module, costs: BlockCosts, choices: Sequence[str],

@@ -48,7 +48,7 @@ import itertools
 import math
 import time as _time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: the options that mark a whole block: the first four columns of every :class:`Problem`
 BLOCK_OPTIONS = ("keep", "recompute", "selective", "output")
@@ -480,7 +480,17 @@ def solve(problem: Problem, budget: float, *, resolution: float = 1.0,
 
 
 def floor(problem: Problem) -> float:
-    """The smallest predicted peak any plan reaches (bisection on the dynamic program)."""
+    """The smallest predicted peak any plan reaches (bisection on the dynamic program).
+
+    Whether a plan fits does not depend on time: the bisection runs the dynamic program
+    on the problem with every time zero, where a state is dropped as soon as another
+    keeps and holds no more bytes (no time to tell them apart), so few states remain."""
+    n, k = problem.blocks, len(problem.options)
+    untimed = replace(problem, time=[[0.0] * k for _ in range(n)], chain_time=[0.0] * n)
+    return _floor(untimed)
+
+
+def _floor(problem: Problem) -> float:
     keep = evaluate(problem, [KEEP] * problem.blocks)[0]
     high = max(keep, *(evaluate(problem, [o if problem.kept[i][o] is not None else KEEP
                                           for i in range(problem.blocks)])[0]
