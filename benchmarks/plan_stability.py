@@ -70,17 +70,22 @@ def main() -> None:
         begin = time.perf_counter()
         plan = remat.plan(model(), tokens(), budget="60%")
         plans.append(plan)
-        print(f"run {run}: {time.perf_counter() - begin:.1f} s, predicted +{100 * plan.predicted_overhead:.1f}%, "
-              f"peak {plan.measured_peak_bytes:,} of {plan.budget_bytes:,}: {list(plan.choices.values())}")
+        timed = plan.measured_overhead
+        print(f"run {run}: {time.perf_counter() - begin:.1f} s, predicted +{100 * plan.predicted_overhead:.1f}%"
+              + (f" (timed by the planner {100 * timed:+.1f}%)" if timed is not None else "")
+              + f", peak {plan.measured_peak_bytes:,} of {plan.budget_bytes:,}: {list(plan.choices.values())}")
     distinct = {tuple(p.choices.values()) for p in plans}
     print(f"{len(distinct)} distinct plan(s) in {args.runs} runs")
     for plan in {tuple(p.choices.values()): p for p in plans}.values():
         ratios = measured_overhead(plan, args.rounds)
         q1, q2, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-        error = (plan.predicted_overhead - q2) / q2 if q2 else float("nan")
-        print(f"plan {list(plan.choices.values())}: predicted +{100 * plan.predicted_overhead:.1f}%, "
+        same = [p for p in plans if p.choices == plan.choices]
+        errors = [(p.predicted_overhead - q2) / q2 if q2 else float("nan") for p in same]
+        print(f"plan {list(plan.choices.values())}: predicted "
+              f"{', '.join(f'+{100 * p.predicted_overhead:.1f}%' for p in same)}, "
               f"measured +{100 * q2:.1f}% (IQR +{100 * q1:.1f}..+{100 * q3:.1f}%, {args.rounds} rounds): "
-              f"prediction off by {100 * error:+.0f}% of the measured overhead")
+              f"predictions off by {', '.join(f'{100 * e:+.0f}%' for e in errors)} of the measured overhead, "
+              f"{sum(abs(e) <= 0.1 for e in errors)} of {len(errors)} within 10%")
 
 
 if __name__ == "__main__":
