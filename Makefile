@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n auto --maxprocesses=4
 
 demo: $(STAMP)
 	$(PY) -m remat demo

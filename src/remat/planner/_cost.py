@@ -459,6 +459,11 @@ class _Ops(TorchDispatchMode):
         self.parts: list[tuple[int, str]] = []  # the children of the block running now
         self.part_total: dict[tuple[int, str], float] = {}
         self.part_outs: dict[tuple[int, str], set] = {}  # storages of each child's output
+        # the calls behind ``total``, ``recomputed`` and ``part_total`` (NOTE [Plans timing
+        # noise cannot flip]: each re-run call costs the engine's dispatch too)
+        self.count: dict[int, float] = {}
+        self.recomputed_count: dict[int, float] = {}
+        self.part_count: dict[tuple[int, str], float] = {}
         # per block: the calls of each operator name in the forward running now, and the cost
         # (as ``total``), roofline cost and output bytes of each call a per-operator option
         # may keep (NOTE [Options per operator])
@@ -515,10 +520,13 @@ class _Ops(TorchDispatchMode):
                             if isinstance(t, torch.Tensor))
                 cost = flops / self.throughput + moved / self.bandwidth
             self.total[self.block] = self.total.get(self.block, 0.0) + cost
+            self.count[self.block] = self.count.get(self.block, 0.0) + 1
             for part in self.parts:
                 self.part_total[part] = self.part_total.get(part, 0.0) + cost
+                self.part_count[part] = self.part_count.get(part, 0.0) + 1
             if not save_compute_intensive.saves(func.name()):
                 self.recomputed[self.block] = self.recomputed.get(self.block, 0.0) + cost
+                self.recomputed_count[self.block] = self.recomputed_count.get(self.block, 0.0) + 1
             self._number(func, args, kwargs, out, cost, drawn)
         elif isinstance(func, torch._ops.OpOverload) and not func.is_view and not func._schema.is_mutable:
             for storage in _new_storages(args, kwargs, out):  # made outside every block
@@ -768,7 +776,8 @@ def trace(model: torch.nn.Module, blocks: list, settings: Settings, *, timed: bo
         mine = outs.get(index[k], set())
         later = [ins.get(index[m], set()) for m in range(k + 1, n)]
         chain.append(k == n - 1 or (bool(mine & later[0]) and not any(mine & s for s in later[1:])))
-    for cost in (ops.total, ops.recomputed, ops.part_total):  # per forward of a block
+    for cost in (ops.total, ops.recomputed, ops.part_total, ops.count, ops.recomputed_count,
+                 ops.part_count):  # per forward of a block
         for key in cost:
             cost[key] /= calls
     for block in ops.calls.values():
@@ -892,12 +901,10 @@ def assemble(traced: Trace, runs: Runs, settings: Settings, roofline: Trace | No
     groups: dict[tuple, list[int]] = {}
     for k, (_, module) in enumerate(blocks):
         groups.setdefault((signature(module), tuple(kept[k])), []).append(k)
-    forward, share, child_s = _times(traced, runs, settings.fake, groups)
+    forward, selective, child_s = _times(traced, runs, settings.fake, groups)
     ranking = None
     if not settings.fake:
-        r_forward, r_share, r_child = _times(roofline or traced, runs, True, groups)
-        ranking = Ranking(forward_s=r_forward, selective_s=[f * s for f, s in zip(r_forward, r_share)],
-                          child_s=r_child)
+        ranking = Ranking(*_times(roofline or traced, runs, True, groups, per_call=True))
     report = runs.reports["keep"]
     if settings.fake:
         step = 3 * calls * sum(ops.total.values())
@@ -911,7 +918,7 @@ def assemble(traced: Trace, runs: Runs, settings: Settings, roofline: Trace | No
     all_grads = sum(local_nbytes(p) for p in runs.measured.parameters() if p.requires_grad)
     return BlockCosts(
         names=names, types=[type(m).__name__ for _, m in traced.blocks],
-        kept=kept, forward_s=forward, selective_s=[f * s for f, s in zip(forward, share)],
+        kept=kept, forward_s=forward, selective_s=selective,
         output_bytes=[keep[name].output_bytes // calls for name in names], grad_bytes=grads,
         chain=traced.chain, baseline_bytes=report.baseline_bytes,
         other_grad_bytes=all_grads - sum(grads),
@@ -924,19 +931,32 @@ def assemble(traced: Trace, runs: Runs, settings: Settings, roofline: Trace | No
     )
 
 
-def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, list[int]]) -> tuple:
-    """Per block: forward seconds, the share a selective policy re-runs, and the forward
-    seconds of each option inside it (``runs.columns``): from the trace's FLOPs and bytes
-    with ``roofline`` (its operators' costs), else from the unmarked run's measured times;
-    averaged over each group of identical blocks."""
+#: NOTE [Plans timing noise cannot flip]: what the engine adds per call on top of the call
+#: itself, in the ranking times: a call re-run (saved-tensor hooks, the region's modes), and a
+#: call run under a per-call policy (``selective``, ``ops:``; its dispatch mode, forward and
+#: re-run). Measured on CPU (tiny tensors, 600 calls: 38 us and 58 us per call in all, the
+#: calls' own cost included); Python's share of a call, so of the same order on CUDA.
+RERUN_CALL_S = 3e-5
+POLICY_CALL_S = 2e-5
+
+
+def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, list[int]], *,
+           per_call: bool = False) -> tuple:
+    """Per block: the seconds a re-run of it costs, those of its selective policy's re-run, and
+    those of each option inside it (``runs.columns``), averaged over each group of identical
+    blocks. With ``roofline``: the trace's operators costed by FLOPs and bytes (with
+    ``per_call``, plus the engine's share per call: :data:`RERUN_CALL_S`, :data:`POLICY_CALL_S`);
+    else the unmarked run's measured forward times (the trace's operator times share them out)."""
     names, blocks, calls, ops = traced.names, traced.blocks, traced.calls, traced.ops
     keep = {r.name: r for r in runs.reports["keep"].rows}
+    rerun, policy = (RERUN_CALL_S, POLICY_CALL_S) if roofline and per_call else (0.0, 0.0)
 
     def seconds(name: str) -> float:
         return (keep[name].forward_ms or 0.0) / 1e3 / calls
 
     def child_seconds(k: int, child: str) -> float:
-        once = (ops.part_total.get((traced.index[k], child), 0.0) if roofline
+        part = (traced.index[k], child)
+        once = (ops.part_total.get(part, 0.0) + rerun * ops.part_count.get(part, 0.0) if roofline
                 else seconds(f"{names[k]}.{child}"))
         # an operator mark runs twice in backward: once to hand its output to whoever saved
         # it, once to rebuild what it saved itself (NOTE [Output pass] in _engine/hooked.py)
@@ -944,6 +964,7 @@ def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, lis
 
     forward = ([ops.total.get(i, 0.0) for i in traced.index] if roofline
                else [seconds(name) for name in names])
+    count = [ops.count.get(i, 0.0) for i in traced.index]
 
     def inner_seconds(k: int, option: str) -> float:
         if option not in runs.inner[names[k]]:
@@ -953,14 +974,19 @@ def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, lis
         # NOTE [Options per operator]: the re-run runs all but the kept calls
         block = traced.index[k]
         found = ops.nodes.get(block, {})
-        kept = sum(found[key][0] for key in option.partition(":")[2].split("+") if key in found)
+        keys = [key for key in option.partition(":")[2].split("+") if key in found]
+        kept = sum(found[key][0] for key in keys)
         total = ops.total.get(block, 0.0)
-        return forward[k] * max(0.0, 1.0 - kept / total) if total else forward[k]
+        share = max(0.0, 1.0 - kept / total) if total else 1.0
+        return forward[k] * share + rerun * max(0.0, count[k] - len(keys)) + policy * count[k]
 
     child_s = [[inner_seconds(k, o) for o in runs.columns] for k in range(len(names))]
     share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in traced.index]
+    selective = [f * s + rerun * ops.recomputed_count.get(i, 0.0) + policy * n
+                 for f, s, i, n in zip(forward, share, traced.index, count)]
+    forward = [f + rerun * n for f, n in zip(forward, count)]
     for members in groups.values():
-        for values in (forward, share):
+        for values in (forward, selective):
             mean = sum(values[k] for k in members) / len(members)
             for k in members:
                 values[k] = mean
@@ -968,7 +994,7 @@ def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, lis
             mean = sum(child_s[k][c] for k in members) / len(members)
             for k in members:
                 child_s[k][c] = mean
-    return forward, share, child_s
+    return forward, selective, child_s
 
 
 def measure_costs(model: torch.nn.Module, blocks: list, settings: Settings) -> BlockCosts:
