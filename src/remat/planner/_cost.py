@@ -91,8 +91,12 @@ plans whose times differ by less than the timer's noise then swap places run aft
 though each is measured as fast as the other (on the README's GPT: three plans in five
 runs). So the options are ranked by times that do not move: the same model's operators
 costed by FLOPs and bytes (the roofline the fake-tensor planner uses, from the warm-up
-trace, which the timed trace needed anyway), under the rules every time follows here (an
-``output`` block or an operator mark re-runs twice). The solver chooses on those
+trace, which the timed trace needed anyway), plus the engine's share of each call, which
+FLOPs and bytes miss and which dominates small tensors (:data:`RERUN_CALL_S` per call
+re-run, :data:`POLICY_CALL_S` per call under a per-call policy: without it, ``selective``
+looked cheap and the README's GPT got a plan whose predictions missed by up to half),
+under the rules every time follows here (an ``output`` block or an operator mark re-runs
+twice). The solver chooses on those
 (``BlockCosts.problem(ranking=True)``); the measured, calibrated times then predict the
 chosen plan's extra time (``Plan.predicted_extra_s``). Memory is measured either way,
 and bytes do not jitter: the same model, inputs and budget give the same plan.
