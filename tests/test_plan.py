@@ -643,3 +643,38 @@ def test_a_plan_on_real_tensors_is_timed_against_the_unmarked_step(monkeypatch):
     unverified = remat.plan(model, x, budget=0.6, repeat=2, verify=False)
     assert unverified.measured_extra_s is None and len(calls) == 1
     assert remat.Plan.from_json(p.to_json()) == p
+
+
+@pytest.mark.parametrize("tokens_per_row", [4, 64], ids=["optimizer-peak", "backward-peak"])
+def test_one_optimizer_for_every_option_run_gives_each_runs_own_peaks(tokens_per_row):
+    """NOTE [One optimizer phase]: on fake tensors the option runs share one primed optimizer
+    and step it in the unmarked run only; every option's peak and phase peaks equal those of
+    its own run with an optimizer of its own, stepped, whether the optimizer's phase is the
+    step's peak (few tokens) or backward's is."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.memory.profile import measure
+    from remat.models.llama import next_token_loss
+    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._settings import mark_choices
+
+    with FakeTensorMode():
+        model = gpt(layers=3, width=64, heads=4, seq_len=64, vocab=100)
+        inputs = (torch.zeros(2, tokens_per_row, dtype=torch.long),)
+        step = Step(inputs=inputs, loss_fn=next_token_loss)
+        costs = measure_costs(model, find_blocks(model), Settings(step=step, optimizer="adam", fake=True))
+        phases = set()
+        for o, option in enumerate(costs.options):
+            if option not in costs.peaks:
+                continue
+            chosen = {name: option for i, name in enumerate(costs.names) if costs.kept[i][o] is not None}
+            marked = mark_choices(dict(model.named_modules()), chosen)
+            try:
+                own = measure(model, inputs, step=step, optimizer="adam", estimated=True)
+            finally:
+                for m in marked:
+                    remat.unmark(m)
+            assert (costs.peaks[option], costs.phase_peaks[option]) == (own.peak_bytes, own.phase_peaks), option
+            phases.add(own.peak_phase)
+    assert len(costs.peaks) > 4
+    assert ("optimizer" in phases) == (tokens_per_row == 4)
