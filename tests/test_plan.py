@@ -678,3 +678,54 @@ def test_one_optimizer_for_every_option_run_gives_each_runs_own_peaks(tokens_per
             phases.add(own.peak_phase)
     assert len(costs.peaks) > 4
     assert ("optimizer" in phases) == (tokens_per_row == 4)
+
+
+def test_no_plan_is_slower_than_a_uniform_marking_that_fits_its_budget():
+    """A budget sweep on real tensors: each plan's ranking time (what the solver chooses on,
+    NOTE [Plans timing noise cannot flip]) is at most that of every marking of all blocks
+    alike whose measured peak fits the plan's budget; the uniform marking is taken when it wins."""
+    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._plan import _fit
+    from remat.planner._solve import evaluate, floor
+
+    model, x = tiny_gpt(), tokens()
+    settings = Settings(step=Step(inputs=(x,)), optimizer="adam", verify=False, repeat=1)
+    costs = measure_costs(model, find_blocks(model), settings)
+    problem, ranking = costs.problem(), costs.problem(ranking=True)
+    assert ranking.time != problem.time  # the ranking times are not the calibrated ones
+    least, n = floor(problem), len(costs.names)
+    compared = 0
+    for fraction in (0.9, 0.8, 0.7, 0.6, 0.5):
+        budget = fraction * costs.peaks["keep"]
+        if budget < least:
+            continue
+        plan = _fit(model, costs, (ranking, problem), budget, least, settings)
+        mine = evaluate(ranking, [ranking.options.index(c) for c in plan.choices.values()])[1]
+        for o, option in enumerate(ranking.options):
+            uniform = [o] * n
+            if any(ranking.kept[i][o] is None for i in range(n)) or costs.peaks.get(option, budget + 1) > budget:
+                continue  # (its measured run: every block marked alike)
+            compared += 1
+            assert mine <= evaluate(ranking, uniform)[1] * (1 + 1e-9), (fraction, option, plan.choices)
+    assert compared >= 3
+
+
+def test_a_uniform_marking_measured_within_the_budget_wins_over_a_slower_plan(monkeypatch):
+    """The solver's plan is slower (by the ranking times) than marking every block alike
+    with an option whose own run measured within the budget: the fastest such marking
+    (``selective``: half a re-run per block) is taken."""
+    from remat.planner import _plan
+    from remat.planner._solve import Solution
+
+    costs = two_blocks({})
+    costs.peaks["keep"] = 60  # no recompute: over the budget
+    problem = costs.problem()
+    budget = costs.peaks["recompute"]
+    slow = Solution(("output", "output"), 0.0, 0.0, "dynamic program")  # 2x a re-run, and chained
+    monkeypatch.setattr(_plan, "solve", lambda *a, **k: slow)
+    plan = _plan._fit(None, costs, (problem, problem), budget, 0.0, Settings(step=Step(), verify=False))
+    assert list(plan.choices.values()) == ["selective", "selective"]
+    assert plan.solver == "uniform fallback" and plan.measured_peak_bytes == budget
+    monkeypatch.setattr(_plan, "solve", lambda *a, **k: Solution(("keep", "selective"), 0.0, 0.0, "dp"))
+    plan = _plan._fit(None, costs, (problem, problem), budget, 0.0, Settings(step=Step(), verify=False))
+    assert list(plan.choices.values()) == ["keep", "selective"]  # faster than any uniform marking
