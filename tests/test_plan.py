@@ -599,7 +599,7 @@ def test_timing_noise_cannot_flip_a_plan(monkeypatch):
     are one plan; the solver ranks options by FLOPs and bytes, which do not jitter. The
     calibrated prediction moves with the noise; the choices do not."""
     from remat.memory import profile
-    from remat.planner import _cost, _plan
+    from remat.planner import _cost
 
     torch.manual_seed(0)
     model = gpt(layers=6, width=64, heads=4, seq_len=64, vocab=128)  # near ties at 80%
@@ -614,7 +614,6 @@ def test_timing_noise_cannot_flip_a_plan(monkeypatch):
     assert any(c != "keep" for c in plans[0].choices.values())
     assert all(p.measured_peak_bytes <= p.budget_bytes for p in plans)
     assert all(p.measured_extra_s is not None for p in plans)  # the plan itself was timed
-    assert _plan.TIMED_ROUNDS >= 1
 
 
 def test_a_plan_on_real_tensors_is_timed_against_the_unmarked_step(monkeypatch):

@@ -795,26 +795,24 @@ def trace(model: torch.nn.Module, blocks: list, settings: Settings, *, timed: bo
 
 
 def _measure_one(model: torch.nn.Module, blocks: list, chosen: dict, settings: Settings,
-                 keep_timing: bool, state: dict | None,
-                 shared: tuple[torch.optim.Optimizer, Any] | None = None) -> tuple[Any, torch.nn.Module]:
+                 keep_timing: bool, state: dict | None, optimizer: torch.optim.Optimizer | None = None,
+                 unmarked: Any = None) -> tuple[Any, torch.nn.Module]:
     """One tracked step with ``chosen`` (``{block: option}``) marked; the report and the model run.
 
-    ``shared``: an optimizer made and primed once, with the unmarked run's report, whose
-    optimizer phase stands in for this run's (NOTE [One optimizer phase])."""
+    ``optimizer``: made and primed once for every run (NOTE [One optimizer phase]); stepped
+    unless ``unmarked`` (the unmarked run's report) is given, whose optimizer phase then
+    stands in for this run's."""
     if settings.build is not None:  # NOTE [Planning a rank]
         net = settings.build(chosen)
         return measure(net, settings.step.inputs, step=settings.step, optimizer=settings.optimizer,
                        estimated=settings.fake, api=API), net
     marked = mark_choices(dict(blocks), chosen)
     try:
-        if shared is not None:
-            opt, unmarked = shared
-            report = measure(model, settings.step.inputs, step=settings.step, optimizer=opt,
-                             estimated=settings.fake, api=API, optimizer_step=False)
-            return _with_optimizer_phase(report, unmarked), model
-        return measure(model, settings.step.inputs, step=settings.step, optimizer=settings.optimizer,
-                       repeat=settings.repeat if keep_timing else 0, estimated=settings.fake,
-                       api=API), model
+        report = measure(model, settings.step.inputs, step=settings.step,
+                         optimizer=settings.optimizer if optimizer is None else optimizer,
+                         repeat=settings.repeat if keep_timing else 0, estimated=settings.fake,
+                         api=API, optimizer_step=unmarked is None)
+        return (report if unmarked is None else _with_optimizer_phase(report, unmarked)), model
     finally:
         for m in marked:
             unmark_module(m)
@@ -865,13 +863,8 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
         uniform[option] = chosen
         settings.say(f"measuring '{option}' on {len(chosen)} blocks")
         timing = not settings.fake and option == "keep"
-        shared = None if opt is None or option == "keep" else (opt, reports["keep"])
-        if opt is not None and option == "keep":
-            reports[option] = measure(model, settings.step.inputs, step=settings.step, optimizer=opt,
-                                      estimated=True, api=API)
-            net = model
-        else:
-            reports[option], net = _measure_one(model, blocks, chosen, settings, timing, state, shared)
+        unmarked = None if opt is None or option == "keep" else reports["keep"]
+        reports[option], net = _measure_one(model, blocks, chosen, settings, timing, state, opt, unmarked)
         if option == "keep" and settings.build is not None:
             measured, blocks = net, _named(net, blocks)
         if option == "keep":  # NOTE [Options inside blocks], [Options per operator]
