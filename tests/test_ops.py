@@ -80,14 +80,22 @@ def test_primitive_changes_no_parameter_name_and_survives_copies():
 
 
 class CountingTanh(ops.Tanh):
-    """Tanh that counts how often it runs (forward plus recomputations)."""
+    """Tanh that counts how often it runs (forward plus recomputations).
+
+    The count lives in a list: a re-run reads the module's attributes as its forward
+    found them and puts back what it rebinds (NOTE [Module state at the boundary]), so
+    ``self.runs += 1`` would count forwards only, as without the mark."""
 
     def __init__(self):
         super().__init__()
-        self.runs = 0
+        self.counter = [0]
+
+    @property
+    def runs(self) -> int:
+        return self.counter[0]
 
     def forward(self, x):
-        self.runs += 1
+        self.counter[0] += 1
         return super().forward(x)
 
 

@@ -10,11 +10,14 @@ implementation (``hooked.py``) and the ``autograd.Function`` one
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
+from remat._engine import boundary as _boundary
+from remat._engine import facts as _facts
 from remat._engine import rng as _rng
 from remat._vocab.spec import RegionSpec
 
@@ -44,6 +47,15 @@ class RegionCore:
         self.replay = _rng.capture(self.arguments, spec.preserve_rng_state)
         self.kept_collectives: list | None = None  # NOTE [Kept collectives]
         self.runs = 0
+        roots = _boundary.modules_of(fn)  # NOTE [Module state at the boundary]
+        self.module_state = _boundary.ModuleState(name, roots) if roots else None
+        self.facts_key = _facts.key_of(self, self.arguments)  # NOTE [Observed once, confirmed every call]
+
+    def module_state_restored(self, replayed: list) -> contextlib.AbstractContextManager:
+        """The re-run's view of its modules: as the forward found them (``boundary.py``)."""
+        if self.module_state is None:
+            return contextlib.nullcontext()
+        return self.module_state.restored(replayed)
 
     def unflatten(self, leaves: list) -> tuple[tuple, dict]:
         """``(args, kwargs)`` from the flat leaves."""

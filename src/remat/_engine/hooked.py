@@ -414,6 +414,7 @@ class HookedFrame(RegionCore):
         mismatches: list[str] = []
         with contextlib.ExitStack() as stack:
             stack.enter_context(_state.recomputing())
+            stack.enter_context(self.module_state_restored(self.state))  # NOTE [Module state at the boundary]
             stack.enter_context(replayed_state(self.state))  # outside every mode (NOTE [Observed writes])
             stack.enter_context(self.replay.context())
             stack.enter_context(torch.enable_grad())

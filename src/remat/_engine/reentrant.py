@@ -72,7 +72,6 @@ from remat._engine.modes import (
 )
 from remat._engine.observe import (
     CheckReads,
-    Observe,
     Substitute,
     check_graph,
     replayed_state,
@@ -118,11 +117,16 @@ class ReentrantFrame(RegionCore):
         self.aliases, self.pending, self.params = [], None, []
 
 
-def close(frame: ReentrantFrame, observe: Observe, output: Any) -> Any:
-    """Finish a reentrant region's forward: what it read and wrote, then the Function."""
+def close(frame: ReentrantFrame, reads: list, state: list, output: Any) -> Any:
+    """Finish a reentrant region's forward: what it read and wrote, then the Function.
+
+    ``reads``: the tensors it read besides its arguments (NOTE [Observed reads]; its
+    modules' parameters when it ran unwatched: NOTE [Observed once, confirmed every
+    call]); ``state``: what it wrote (NOTE [Observed writes]).
+    """
     check_outputs(frame.name, output)
-    frame.params = list(observe.reads.values())  # NOTE [Observed reads]
-    frame.state = observe.state  # NOTE [Observed writes]
+    frame.params = [t for t in reads if t.requires_grad]
+    frame.state = state
     tensors, aliases = frame.arguments, frame.aliases
     frame.arguments, frame.aliases = [], []  # the Function saves them
     frame.written = {i for i, (x, v) in enumerate(zip(tensors, frame.versions)) if x._version != v}
@@ -453,7 +457,7 @@ def _rerun(frame: ReentrantFrame, inputs: list, aliases: dict, allowed: list) ->
     guard = _WrittenArguments(frame, inputs) if frame.written else contextlib.nullcontext()
     replay = _collectives.replaying(frame, wait_issued=True)  # NOTE [Kept collectives]
     substitute = Substitute(aliases) if aliases else contextlib.nullcontext()
-    with _state.recomputing(), replayed_state(frame.state), frame.replay.context(), \
+    with _state.recomputing(), frame.module_state_restored(frame.state), replayed_state(frame.state), frame.replay.context(), \
             torch.enable_grad(), guard, replay, substitute, CheckReads(frame.name, allowed):
         out = frame.fn(*args, **kwargs)
     return (out if isinstance(out, tuple) else (out,)), replay

@@ -30,10 +30,12 @@ from typing import Any
 import torch
 
 from remat._engine import collectives as _collectives
+from remat._engine import facts as _facts
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
 from remat._engine import reentrant as _reentrant
 from remat._engine.core import RegionCore
+from remat._engine.errors import RecomputeError
 from remat._engine.hooked import ForwardHooks, HookedFrame
 from remat._engine.observe import Observe
 from remat._engine.selective import policy_context
@@ -83,19 +85,22 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         _reentrant.check_args(name, args, kwargs)
         frame: RegionCore = _reentrant.ReentrantFrame(fn, args, kwargs, spec, name, contexts)
         args, kwargs = frame.call_with(frame.aliases)  # NOTE [Observed reads]
-        observe = Observe(name, frame.aliases, reads=True)
+        observe = _observer(frame, frame.aliases, reads=True)
     else:
         frame = HookedFrame(fn, args, kwargs, spec, name, contexts)
-        observe = Observe(name, [t for t, _ in frame.input_versions], reads=False)
-        frame.state = observe.state  # filled as the forward runs (NOTE [Observed writes])
+        observe = _observer(frame, [t for t, _ in frame.input_versions], reads=False)
+        if observe is not None:
+            frame.state = observe.state  # filled as the forward runs (NOTE [Observed writes])
     try:
         stack.enter_context(_collectives.recording(frame))  # NOTE [Kept collectives]
         if spec.use_reentrant:
             stack.enter_context(torch.no_grad())
-            stack.enter_context(observe)
+            if observe is not None:
+                stack.enter_context(observe)
         else:
             stack.enter_context(ForwardHooks(frame))
-            stack.enter_context(observe)  # below the region's own modes: it copies state
+            if observe is not None:
+                stack.enter_context(observe)  # below the region's own modes: it copies state
             if frame.contexts is not None:
                 stack.enter_context(frame.contexts[0])
             if frame.trace is not None:
@@ -120,9 +125,28 @@ def close_region(handle: _Handle, output: Any) -> Any:
     frame = handle.frame
     if frame is None:
         return output
+    observe = handle.observe
+    if observe is None:  # NOTE [Observed once, confirmed every call]
+        try:
+            _facts.confirm(frame, frame.facts_key)
+        except RecomputeError:
+            frame.abandon()
+            raise
+    else:
+        _facts.learn(frame, frame.facts_key, observe)
+    if frame.module_state is not None:
+        frame.module_state.settle()
     if frame.spec.use_reentrant:
-        return _reentrant.close(frame, handle.observe, output)
+        reads = frame.module_state.parameters() if observe is None else list(observe.reads.values())
+        return _reentrant.close(frame, reads, observe.state if observe is not None else [], output)
     return frame.close(output)
+
+
+def _observer(frame: RegionCore, arguments: list, reads: bool) -> Observe | None:
+    """The mode that watches the forward; None when earlier calls showed it needs no watching."""
+    if _facts.known(frame, frame.facts_key):  # NOTE [Observed once, confirmed every call]
+        return None
+    return Observe(frame.name, arguments, reads=reads)
 
 
 def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,

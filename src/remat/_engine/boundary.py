@@ -1,0 +1,208 @@
+"""The module state a region's forward found, and its re-run reads again (engine).
+
+NOTE [Module state at the boundary]
+A region that is a module (a marked module, ``remat.checkpoint(block, x)``, a bound
+method or a ``functools.partial`` of one) reads more than its arguments: its
+parameters and buffers, and whatever plain attributes its forward consults
+(``self.prev``, a truncated-BPTT hidden state; a Transformer-XL memory; a step
+counter; ``self.training``). Code often rebinds such an attribute in forward
+(``self.prev = h.detach()``) or between forward and backward (the next call), so a
+re-run that read the module as it is in backward would follow another path or read
+another value: silently wrong gradients.
+
+So when a module region opens, :class:`ModuleState` keeps a shallow copy of the
+``__dict__`` of every module of the region's tree (the references only: a tensor
+kept this way costs nothing while its owner still holds it, and its bytes once the
+owner has moved on), and the versions of its buffers and plain tensor attributes.
+A re-run first puts back every attribute rebound since (one that did not exist
+then is removed), runs, then restores what was there when it began: it reads
+exactly the attributes the forward read, and leaves the module as it found it (an
+attribute the re-run rebinds, ``self.prev = ...`` or a counter ``self.calls += 1``,
+is not rebound for the caller, as without the mark; a container it changes in
+place, a list it appends to, is changed: count re-runs with ``remat.is_recomputing()``).
+A buffer or tensor attribute changed in place since the forward returned (same
+object, new version) no longer holds the value the forward left; unless the region's own state replay restores
+it (NOTE [Observed writes] in ``observe.py``), the re-run is refused with a
+``RecomputeError`` instead of reading the new value.
+
+Parameters are left to autograd and the parallel wrappers that swap them (FSDP
+re-registers its gathered parameters around each forward and backward): the
+``_parameters``, ``_buffers`` and ``_modules`` dictionaries are compared by
+content, and only a parameter or buffer replaced by another object is put back.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from remat._engine.errors import RecomputeError
+
+_REGISTRIES = ("_parameters", "_buffers")
+_DICTS = (dict, collections.OrderedDict)
+
+
+def modules_of(fn: Callable) -> list[torch.nn.Module]:
+    """The modules a region's callable runs: itself, a bound method's owner, a partial's."""
+    while isinstance(fn, functools.partial):
+        found = [a for a in fn.args if isinstance(a, torch.nn.Module)]
+        if found:
+            return found[:1]
+        fn = fn.func
+    if isinstance(fn, torch.nn.Module):
+        return [fn]
+    owner = getattr(fn, "__self__", None)
+    return [owner] if isinstance(owner, torch.nn.Module) else []
+
+
+class _Entry:
+    """One module's attributes as the forward found them."""
+
+    __slots__ = ("attrs", "module", "registries", "versions")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.attrs = dict(module.__dict__)
+        self.registries = tuple(dict(module.__dict__[name]) for name in _REGISTRIES)
+        self.versions = [(name, t, t._version) for name, t in self._tensors()]
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, value in self.attrs.items():
+            if type(value) is torch.Tensor:  # a plain tensor attribute (not a Parameter)
+                yield name, value
+        for name, value in self.registries[1].items():
+            if value is not None:
+                yield name, value
+
+    def rebound(self) -> list[tuple[dict, str, Any]]:
+        """``(dict, key, value now)`` for each entry rebound since the forward."""
+        changed = []
+        now = self.module.__dict__
+        for key, value in self.attrs.items():
+            if now.get(key, _ABSENT) is not value and not _own(key):
+                changed.append((now, key, now.get(key, _ABSENT)))
+        for key in now.keys() - self.attrs.keys():
+            if not _own(key):
+                changed.append((now, key, now[key]))
+        for name, then in zip(_REGISTRIES, self.registries):
+            registry = now[name]
+            for key, value in then.items():
+                if registry.get(key, _ABSENT) is not value:
+                    changed.append((registry, key, registry.get(key, _ABSENT)))
+            for key in registry.keys() - then.keys():
+                changed.append((registry, key, registry[key]))
+        return changed
+
+    def value_then(self, where: dict, key: str) -> Any:
+        if where is self.module.__dict__:
+            return self.attrs.get(key, _ABSENT)
+        return self.registries[_REGISTRIES.index(_registry_name(self.module, where))].get(key, _ABSENT)
+
+
+def _own(key: str) -> bool:
+    """The module's registries (compared by content) and remat's own bookkeeping (its marks)."""
+    return key in _REGISTRIES or key.startswith("_remat_")
+
+
+def _registry_name(module: torch.nn.Module, registry: dict) -> str:
+    return next(name for name in _REGISTRIES if module.__dict__[name] is registry)
+
+
+_ABSENT = object()
+
+
+def _put(where: dict, key: str, value: Any) -> None:
+    if value is _ABSENT:
+        where.pop(key, None)
+    else:
+        where[key] = value
+
+
+class ModuleState:
+    """The attributes of a region's modules when its forward began (NOTE [Module state at the boundary]).
+
+    Args:
+        name: how errors name the region.
+        roots: the region's modules (:func:`modules_of`); their whole trees are kept.
+    """
+
+    __slots__ = ("entries", "name", "root")
+
+    def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
+        self.name, self.root = name, roots[0]
+        seen: set[int] = set()
+        self.entries = [_Entry(m) for root in roots for m in root.modules()
+                        if id(m) not in seen and not seen.add(id(m))]
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [entry.module for entry in self.entries]
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters of the region's modules, each once, in module order."""
+        seen: dict[int, torch.nn.Parameter] = {}
+        for entry in self.entries:
+            for p in entry.registries[0].values():
+                if p is not None:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def fingerprint(self) -> tuple:
+        """Identities of the modules, their attributes, parameters and buffers; hook counts.
+
+        NOTE [Observed once, confirmed every call] in ``facts.py``.
+        """
+        return tuple(
+            (id(e.module), tuple(map(id, e.attrs.values())), tuple(map(id, e.registries[0].values())),
+             tuple(map(id, e.registries[1].values())),
+             tuple(len(v) for v in e.attrs.values() if type(v) in _DICTS))
+            for e in self.entries)
+
+    def settle(self) -> None:
+        """The forward returned: what it left in place is what a re-run must find."""
+        for entry in self.entries:
+            entry.versions = [(name, t, t._version) for name, t, _ in entry.versions]
+
+    def written(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+        """The buffers and tensor attributes changed in place since the forward began."""
+        return [(entry.module, name, t) for entry in self.entries for name, t, version in entry.versions
+                if t._version != version]
+
+    def check_versions(self, replayed: list) -> None:
+        """Refuse a re-run whose module tensors changed in place since the forward read them."""
+        restored = {id(t) for t, _ in replayed}
+        for entry in self.entries:
+            for name, t, version in entry.versions:
+                if t._version != version and id(t) not in restored and t.untyped_storage().nbytes():
+                    raise RecomputeError(
+                        f"remat: region '{self.name}' cannot be re-run: "
+                        f"{type(entry.module).__name__}.{name} (shape {list(t.shape)}) was changed "
+                        f"in place after the region's forward read it (version {version} then, "
+                        f"{t._version} now), so the re-run would read another value and the "
+                        f"gradients would be wrong; change it out of place (rebind the attribute: "
+                        f"the re-run reads the tensor the forward read), or after backward"
+                    )
+
+    @contextlib.contextmanager
+    def restored(self, replayed: list) -> Iterator[None]:
+        """Run a re-run against the attributes the forward found; put back what is there now."""
+        self.check_versions(replayed)
+        undo = []
+        for entry in self.entries:
+            for where, key, now in entry.rebound():
+                undo.append((where, key, now))
+                _put(where, key, entry.value_then(where, key))
+        try:
+            yield
+        finally:
+            for entry in self.entries:  # what the re-run rebound itself
+                for where, key, _ in entry.rebound():
+                    if not any(w is where and k == key for w, k, _ in undo):
+                        undo.append((where, key, entry.value_then(where, key)))
+            for where, key, now in reversed(undo):
+                _put(where, key, now)
+            self.settle()  # what the re-run overwrote it wrote alike (NOTE [Observed writes])

@@ -1,0 +1,128 @@
+"""What a module region's observed forward taught, reused while nothing it rests on changed (engine).
+
+NOTE [Observed once, confirmed every call]
+Watching a forward (:class:`~remat._engine.observe.Observe`, a dispatch mode) costs
+Python work on every operator, which on a launch-bound step of small tensors is
+most of the step. What it learns about a module region is a few facts: the
+region writes no tensor it neither made nor took (no state to replay), and, under
+``use_reentrant=True``, every tensor it reads besides its arguments is a parameter
+of its own modules. Those facts hold for the next call as long as the region runs
+the same code on the same kind of inputs, so they are stored per module under a
+key made of everything the code could branch on that remat can see:
+
+- the region's options (:class:`~remat._vocab.spec.RegionSpec`) and autocast;
+- its inputs' structure: each tensor argument's shape, dtype, device and
+  ``requires_grad``, and every other argument (by value when hashable, by type
+  otherwise);
+- its modules as the forward finds them (:class:`~remat._engine.boundary.ModuleState`):
+  each module's identity, the identity of every attribute, parameter and buffer,
+  and the number of hooks of each kind (and of the global module hooks).
+
+A call whose key matches a stored observation, and whose modules are all the ones
+observed (held by weak references, so an identity cannot be reused), runs without
+the dispatch mode: a module that gains a parameter, a buffer, a hook, rebinds an
+attribute (``self.prev = ...``) or gets another input structure is observed again.
+A fact is still re-checked on every unwatched call: when the forward returns, the
+versions of the modules' buffers and tensor attributes must be the ones it found
+(a write the facts did not foresee is refused with a ``RecomputeError``, and the
+region is watched from then on). A region that was seen writing state, or reading
+a tensor that is not its argument or its modules' parameter, is watched on every
+call: it pays for what it uses, and no other region does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from remat._engine.errors import RecomputeError
+
+_CAPACITY = 8  # observations kept per module (input shapes, train and eval, ...)
+
+
+class Facts:
+    """What one observed call of a module region found."""
+
+    __slots__ = ("modules",)
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = [weakref.ref(m) for m in modules]
+
+    def alive(self) -> bool:
+        return all(ref() is not None for ref in self.modules)
+
+
+_STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _leaf_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return None
+    try:
+        hash(x)
+    except TypeError:
+        return type(x)
+    return (type(x), x)
+
+
+def _global_hooks() -> tuple:
+    module = torch.nn.modules.module
+    return tuple(len(getattr(module, name, ())) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+        "_global_backward_pre_hooks", "_global_forward_hooks_always_called"))
+
+
+def key_of(frame: Any, arguments: list) -> tuple | None:
+    """The key of a module region's call (NOTE [Observed once, confirmed every call]), or None."""
+    state = frame.module_state
+    if state is None or frame.spec.debug:
+        return None
+    inputs = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in arguments)
+    leaves = tuple(_leaf_key(x) for x in frame.leaves) if frame.treespec is not None else ()
+    autocast = (torch.is_autocast_enabled(), torch.get_autocast_dtype("cpu")
+                if torch.is_autocast_enabled() else None)
+    return (frame.spec, state.fingerprint(), inputs, str(frame.treespec), leaves, autocast,
+            _global_hooks())
+
+
+def known(frame: Any, key: tuple | None) -> bool:
+    """True when an earlier call with ``key`` was observed and found the region needs no watching."""
+    if key is None:
+        return False
+    facts = _STORE.get(frame.module_state.root, {}).get(key)
+    return facts is not None and facts.alive()
+
+
+def learn(frame: Any, key: tuple | None, observe: Any) -> None:
+    """Store what an observed call found, when it lets the next calls run unwatched."""
+    if key is None or observe.state or frame.module_state.written():
+        return  # state to replay: watched on every call
+    if frame.spec.use_reentrant:
+        own = {id(p) for p in frame.module_state.parameters()}
+        if any(id(t) not in own for t in observe.reads.values()):
+            return  # it reads tensors other than its modules' parameters
+    table = _STORE.setdefault(frame.module_state.root, {})
+    if len(table) >= _CAPACITY:
+        table.pop(next(iter(table)))
+    table[key] = Facts(frame.module_state.modules())
+
+
+def forget(frame: Any, key: tuple | None) -> None:
+    _STORE.get(frame.module_state.root, {}).pop(key, None)
+
+
+def confirm(frame: Any, key: tuple | None) -> None:
+    """An unwatched forward returned: the facts must still hold (no state was written)."""
+    written = frame.module_state.written()
+    if written:
+        forget(frame, key)
+        module, name, tensor = written[0]
+        raise RecomputeError(
+            f"remat: region '{frame.name}' changed {type(module).__name__}.{name} (shape "
+            f"{list(tensor.shape)}) in place in a forward that earlier calls with the same inputs "
+            f"and modules showed to write no state, so remat did not watch it and cannot replay "
+            f"the write in recomputation; the region is watched from the next call on: run this "
+            f"step again (its gradients would have been wrong)"
+        )

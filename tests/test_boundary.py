@@ -1,0 +1,227 @@
+"""State that crosses a region's boundary by an attribute, and facts observed once and re-checked.
+
+NOTE [Module state at the boundary] (``_engine/boundary.py``), NOTE [Observed once,
+confirmed every call] (``_engine/facts.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import remat
+from remat._engine import observe as _observe
+from remat._engine.errors import RecomputeError
+from tests._harness import assert_bitwise_equal
+
+MODES = {
+    "non-reentrant": {},
+    "reentrant": {"use_reentrant": True},
+    "output_recompute": {"output_recompute": True},
+    "policy": {"policy": remat.save_compute_intensive},
+}
+
+
+class Recurrent(torch.nn.Module):
+    """Truncated BPTT: the hidden state is carried to the next call in an attribute."""
+
+    def __init__(self, start: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.prev = start
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x) + (0 if self.prev is None else self.prev))
+        self.prev = h.detach()
+        return self.out(h)
+
+
+class Host(torch.nn.Module):
+    def __init__(self, start) -> None:
+        super().__init__()
+        self.cell = Recurrent(start)
+
+    def forward(self, x):
+        return self.cell(x)
+
+
+def _front(front: str, mode: dict):
+    """How the cell is marked: returns (model, call)."""
+    def call_plain(m, x):
+        return m(x)
+
+    if front == "recompute_module":
+        return (lambda m: remat.recompute_module(m, **mode)), call_plain
+    if front == "apply":
+        return (lambda m: remat.apply(m, where=Recurrent, **mode)), call_plain
+    if front == "checkpoint":
+        if "output_recompute" in mode or "policy" in mode:
+            pytest.skip("remat.checkpoint takes torch's options only")
+        return (lambda m: m), (lambda m, x: remat.checkpoint(m.cell, x, use_reentrant=bool(mode)))
+    raise AssertionError(front)
+
+
+def _train(model, call, chunks=3):
+    """Three chunks of a sequence, one backward and one SGD step each; every gradient and state."""
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for _ in range(chunks):
+        opt.zero_grad()
+        x = torch.randn(3, 4, generator=g).requires_grad_()
+        call(model, x).pow(2).sum().backward()
+        seen += [p.grad.clone() for p in model.parameters()] + [x.grad, model.cell.prev]
+        opt.step()
+    return seen
+
+
+@pytest.mark.parametrize("start", ["none", "zeros"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("front", ["recompute_module", "apply", "checkpoint"])
+def test_an_attribute_rebound_across_calls_is_read_as_the_forward_read_it(front, mode, start):
+    torch.manual_seed(0)
+    base = Host(None if start == "none" else torch.zeros(3, 4))
+    mark, call = _front(front, MODES[mode])
+    marked = copy.deepcopy(base)
+    mark(marked.cell if front == "recompute_module" else marked)
+    want = _train(base, lambda m, x: m(x))
+    assert_bitwise_equal(_train(marked, call), want)
+    assert marked.cell.prev is not None
+
+
+def test_an_attribute_rebound_between_forward_and_backward_is_put_back_for_the_rerun():
+    torch.manual_seed(0)
+    base = Host(torch.zeros(3, 4))
+    marked = copy.deepcopy(base)
+    remat.recompute_module(marked.cell)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 4, generator=g) for _ in range(2)]
+    grads = []
+    for model in (base, marked):
+        first = model(xs[0]).sum()
+        second = model(xs[1]).sum()  # rebinds prev again before the first backward
+        (first + second).backward()
+        grads.append([p.grad for p in model.parameters()] + [model.cell.prev])
+    assert_bitwise_equal(grads[1], grads[0])
+
+
+class Normalizer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) * self.scale)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_buffer_changed_in_place_after_forward_is_refused_not_read(mode):
+    model = remat.recompute_module(Normalizer(), **MODES[mode])
+    out = model(torch.randn(2, 4, requires_grad=True)).sum()
+    with torch.no_grad():
+        model.scale.mul_(2)  # the value the forward read is gone
+    with pytest.raises(RecomputeError, match=r"Normalizer.scale .* changed in place"):
+        out.backward()
+
+
+def _observed_calls(monkeypatch) -> list:
+    entered = []
+    enter = _observe.Observe.__enter__
+
+    def counting(self):
+        entered.append(self.name)
+        return enter(self)
+
+    monkeypatch.setattr(_observe.Observe, "__enter__", counting)
+    return entered
+
+
+def _change(kind: str, model: torch.nn.Module) -> None:
+    """Change what the block's forward depends on, between two calls."""
+    if kind == "parameter":
+        model.register_parameter("extra", torch.nn.Parameter(torch.full((4,), 0.25)))
+    elif kind == "buffer":
+        model.register_buffer("shift", torch.full((4,), 0.5))
+    elif kind == "hook":
+        model.fc.register_forward_hook(lambda m, args, out: out * 2)
+    elif kind == "attribute":
+        model.scale = torch.full((4,), 3.0)
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.scale = None
+
+    def forward(self, x, flag=False):
+        h = self.fc(x)
+        if self.scale is not None:
+            h = h * self.scale
+        if "extra" in self._parameters:
+            h = h + self.extra
+        if "shift" in self._buffers:
+            h = h + self.shift
+        return torch.tanh(h) * (2 if flag else 1)
+
+
+@pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("kind", ["parameter", "buffer", "hook", "attribute", "inputs"])
+def test_a_region_whose_module_changed_between_calls_is_observed_again(monkeypatch, kind, mode):
+    torch.manual_seed(0)
+    base = Block()
+    marked = remat.recompute_module(copy.deepcopy(base), **MODES[mode])
+    entered = _observed_calls(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+
+    def step(model, changed):
+        model.zero_grad()
+        x = torch.randn(2, 4, generator=g).requires_grad_()
+        args = (x, True) if changed and kind == "inputs" else (x,)
+        model(*args).pow(2).sum().backward()
+        return [p.grad for p in model.parameters()] + [x.grad]
+
+    for model in (base, marked):
+        g.manual_seed(0)
+        results = [step(model, False), step(model, False)]
+        if kind != "inputs":
+            _change(kind, model)
+        results += [step(model, True), step(model, True)]
+        if model is base:
+            want = results
+    assert entered.count("Block") == 2  # the first call, and the first after the change
+    for got, expected in zip(results, want, strict=True):
+        assert_bitwise_equal(got, expected)
+
+
+class SometimesWrites(torch.nn.Module):
+    """Writes its buffer only on the third call: a branch on Python state remat cannot see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+        self.calls = [0]  # the same list object every call: the key does not change
+
+    def forward(self, x):
+        self.calls[0] += not remat.is_recomputing()
+        if self.calls[0] == 3:
+            self.count.add_(1)
+        return torch.tanh(self.fc(x))
+
+
+def test_an_unforeseen_write_in_an_unwatched_forward_is_refused_then_watched():
+    model = remat.recompute_module(SometimesWrites())
+    x = torch.randn(2, 4, requires_grad=True)
+    for _ in range(2):
+        model(x).sum().backward()
+    with pytest.raises(RecomputeError, match=r"SometimesWrites.count .* in place"):
+        model(x)
+    model.calls[0] = 2
+    before = model.count.clone()
+    out = model(x)  # watched again: the write is seen and replayed
+    out.sum().backward()
+    assert torch.equal(model.count, before + 1)
