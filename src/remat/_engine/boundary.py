@@ -63,12 +63,13 @@ def modules_of(fn: Callable) -> list[torch.nn.Module]:
 class _Entry:
     """One module's attributes as the forward found them."""
 
-    __slots__ = ("attrs", "module", "registries", "versions")
+    __slots__ = ("attrs", "ids", "module", "registries", "versions")
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.attrs = dict(module.__dict__)
         self.registries = tuple(dict(module.__dict__[name]) for name in _REGISTRIES)
+        self.ids = _identities(self.attrs, self.registries)
         self.versions = [(name, t, t._version) for name, t in self._tensors()]
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -81,8 +82,10 @@ class _Entry:
 
     def rebound(self) -> list[tuple[dict, str, Any]]:
         """``(dict, key, value now)`` for each entry rebound since the forward."""
-        changed = []
         now = self.module.__dict__
+        if _identities(now, tuple(now[name] for name in _REGISTRIES)) == self.ids:
+            return []  # the same objects under the same keys (the usual case, checked in C)
+        changed = []
         for key, value in self.attrs.items():
             if now.get(key, _ABSENT) is not value and not _own(key):
                 changed.append((now, key, now.get(key, _ABSENT)))
@@ -102,6 +105,11 @@ class _Entry:
         if where is self.module.__dict__:
             return self.attrs.get(key, _ABSENT)
         return self.registries[_REGISTRIES.index(_registry_name(self.module, where))].get(key, _ABSENT)
+
+
+def _identities(attrs: dict, registries: tuple) -> tuple:
+    return (tuple(attrs), tuple(map(id, attrs.values())),
+            *(tuple(map(id, r.values())) for r in registries), *(tuple(r) for r in registries))
 
 
 def _own(key: str) -> bool:
@@ -156,11 +164,8 @@ class ModuleState:
 
         NOTE [Observed once, confirmed every call] in ``facts.py``.
         """
-        return tuple(
-            (id(e.module), tuple(map(id, e.attrs.values())), tuple(map(id, e.registries[0].values())),
-             tuple(map(id, e.registries[1].values())),
-             tuple(len(v) for v in e.attrs.values() if type(v) in _DICTS))
-            for e in self.entries)
+        return tuple((id(e.module), e.ids, tuple(len(v) for v in e.attrs.values() if type(v) in _DICTS))
+                     for e in self.entries)
 
     def settle(self) -> None:
         """The forward returned: what it left in place is what a re-run must find."""

@@ -50,6 +50,7 @@ class RegionCore:
         roots = _boundary.modules_of(fn)  # NOTE [Module state at the boundary]
         self.module_state = _boundary.ModuleState(name, roots) if roots else None
         self.facts_key = _facts.key_of(self, self.arguments)  # NOTE [Observed once, confirmed every call]
+        self.watched = True  # its forward ran under Observe
 
     def module_state_restored(self, replayed: list) -> contextlib.AbstractContextManager:
         """The re-run's view of its modules: as the forward found them (``boundary.py``)."""

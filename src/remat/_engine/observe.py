@@ -61,13 +61,26 @@ from remat._engine.errors import RecomputeError
 from remat._engine.modes import _UNANNOTATED, _allocates, _storage_key, _written_args
 
 
-def _subclass_call(args: tuple, kwargs: dict) -> bool:
+def tensors_in(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]:
+    """The tensors among an operator's arguments or outputs, in lists and tuples too (no pytree)."""
+    found = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found += tensors_in(a)
+    return found
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _subclass_call(tensors: list) -> bool:
     """True for an operator on a tensor subclass (``DTensor``): the operators its
     ``__torch_dispatch__`` runs on the local tensors come back through the modes; they
     are the subclass's business, not reads of the region (:func:`_inside_subclass`)."""
-    return any(isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter)
-               and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
-               for t in pytree.tree_leaves((args, kwargs)))
+    return any(type(t) not in _PLAIN and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+               for t in tensors)
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -82,8 +95,8 @@ class _Watch(TorchDispatchMode):
 
     depth = 0
 
-    def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if not _subclass_call(args, kwargs):
+    def _call(self, func: Any, args: tuple, kwargs: dict, tensors: list) -> Any:
+        if not _subclass_call(tensors):
             return func(*args, **kwargs)
         self.depth += 1
         try:
@@ -121,8 +134,8 @@ class Observe(_Watch):
         kwargs = kwargs or {}
         if _replaying[0] or self.depth:  # the engine's own copies; a subclass's local operators
             return func(*args, **kwargs)
-        outside = [t for t in pytree.tree_leaves((args, kwargs))
-                   if isinstance(t, torch.Tensor) and id(t) not in self.produced]
+        tensors = tensors_in(args, kwargs)
+        outside = [t for t in tensors if id(t) not in self.produced]
         if self.want_reads:
             for t in outside:
                 if t.requires_grad and id(t) not in self.arguments:
@@ -131,13 +144,12 @@ class Observe(_Watch):
             self._note_writes(func, args, kwargs)
         if outside and _allocates(func):  # a view reads nothing yet
             self._read_storages.update(_storage(t) for t in outside)
-        out = self._call(func, args, kwargs)
+        out = self._call(func, args, kwargs, tensors)
         allocates = _allocates(func)
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.produced.add(id(t))
-                if allocates and (key := _storage(t)) is not None:
-                    self.fresh.add(key)
+        for t in tensors_in((out,)):
+            self.produced.add(id(t))
+            if allocates and (key := _storage(t)) is not None:
+                self.fresh.add(key)
         return out
 
     def _note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -273,8 +285,9 @@ class CheckReads(_Watch):
         kwargs = kwargs or {}
         if self.depth:
             return func(*args, **kwargs)
-        for t in pytree.tree_leaves((args, kwargs)):
-            if (isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None
+        tensors = tensors_in(args, kwargs)
+        for t in tensors:
+            if (t.requires_grad and t.grad_fn is None
                     and id(t) not in self.produced and id(t) not in self.allowed
                     and _storage(t) not in self.storages):
                 raise RecomputeError(
@@ -285,8 +298,8 @@ class CheckReads(_Watch):
                     f"gradients would be wrong; keep what the region reads until backward, or "
                     f"pass the tensor as an argument"
                 )
-        out = self._call(func, args, kwargs)
-        self.produced.update(id(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        out = self._call(func, args, kwargs, tensors)
+        self.produced.update(id(t) for t in tensors_in((out,)))
         return out
 
 

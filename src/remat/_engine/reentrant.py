@@ -53,6 +53,7 @@ parameters through another re-run, a separate sum, with the same effect.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
@@ -141,7 +142,12 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any) -> Any:
     result = iter(apply(frame, kept, tensors) if kept or frame.written else ())
     whole = tuple(tensors[frame.passthrough[j]] if j in frame.passthrough else next(result)
                   for j in range(len(outs)))
-    return whole if isinstance(output, tuple) else whole[0]
+    return _like(output, whole) if isinstance(output, tuple) else whole[0]
+
+
+def _like(output: tuple, items: tuple) -> tuple:
+    """``items`` in the tuple type the region returned (a ``NamedTuple`` stays one)."""
+    return type(output)._make(items) if hasattr(type(output), "_make") else items
 
 
 def apply(frame: ReentrantFrame, output: Any, tensors: list) -> Any:
@@ -157,9 +163,9 @@ def apply(frame: ReentrantFrame, output: Any, tensors: list) -> Any:
     result = Reentrant.apply(frame, len(tensors), *inputs, *bases)
     frame.targets = None
     if not frame.n_targets:
-        return result
+        return _like(output, result) if isinstance(output, tuple) else result
     result = result[:len(result) - frame.n_targets]
-    return result if isinstance(output, tuple) else result[0]
+    return _like(output, result) if isinstance(output, tuple) else result[0]
 
 
 def _written_targets(frame: ReentrantFrame, tensors: list) -> None:
@@ -457,8 +463,12 @@ def _rerun(frame: ReentrantFrame, inputs: list, aliases: dict, allowed: list) ->
     guard = _WrittenArguments(frame, inputs) if frame.written else contextlib.nullcontext()
     replay = _collectives.replaying(frame, wait_issued=True)  # NOTE [Kept collectives]
     substitute = Substitute(aliases) if aliases else contextlib.nullcontext()
-    with _state.recomputing(), frame.module_state_restored(frame.state), replayed_state(frame.state), frame.replay.context(), \
-            torch.enable_grad(), guard, replay, substitute, CheckReads(frame.name, allowed):
+    # an unwatched forward read its modules' parameters only, all of them inputs; the
+    # re-run reads the modules as the forward found them (NOTE [Observed once, confirmed
+    # every call]); check_graph still refuses a path to any other tensor
+    check = CheckReads(frame.name, allowed) if frame.watched else contextlib.nullcontext()
+    with _state.recomputing(), frame.module_state_restored(frame.state), replayed_state(frame.state), \
+            frame.replay.context(), torch.enable_grad(), guard, replay, substitute, check:
         out = frame.fn(*args, **kwargs)
     return (out if isinstance(out, tuple) else (out,)), replay
 
@@ -524,15 +534,31 @@ def check_args(name: str, args: tuple, kwargs: dict) -> None:
             )
 
 
+def _tensors_held(item: Any, depth: int = 3) -> list[torch.Tensor]:
+    """The tensors ``item`` holds: in a pytree container, or in the fields of an object
+    pytree does not open (a ``@dataclass``, a plain object's attributes), a few levels down."""
+    found = []
+    for x in pytree.tree_leaves(item):
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif depth and not isinstance(x, (type, torch.nn.Module)):
+            if dataclasses.is_dataclass(x):
+                fields = [getattr(x, f.name) for f in dataclasses.fields(x)]
+            else:
+                fields = list(getattr(x, "__dict__", {}).values())
+            found += _tensors_held(fields, depth - 1) if fields else []
+    return found
+
+
 def check_outputs(name: str, out: Any) -> None:
     outs = out if isinstance(out, tuple) else (out,)
     for position, item in enumerate(outs):
         if isinstance(item, torch.Tensor):
             continue
-        if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(item)):
+        if _tensors_held(item):
             raise TypeError(
                 f"remat: region '{name}' (use_reentrant=True) returned output {position} of type "
                 f"{type(item).__name__} holding tensors; the reentrant implementation cannot "
-                f"differentiate tensors inside lists, tuples or dicts; return them directly "
+                f"differentiate tensors inside lists, tuples, dicts or dataclasses; return them directly "
                 f"(a flat tuple) or use use_reentrant=False"
             )

@@ -79,6 +79,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
     stack = contextlib.ExitStack()
     if not torch.is_grad_enabled() or spec.policy == save_all:
         return _Handle(None, stack, args, kwargs)
+    _refuse_functorch(name)
     spec = _flags.resolve(spec)  # NOTE [Global switches]
     contexts = _contexts(spec, context_fn)
     if spec.use_reentrant:
@@ -111,6 +112,24 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
     return _Handle(frame, stack, args, kwargs, observe)
 
 
+def _refuse_functorch(name: str) -> None:
+    """A region cannot run under ``torch.func`` transforms: refuse it before it runs.
+
+    Its ``autograd.Function`` (either implementation) has no ``setup_context``, which
+    functorch needs; torch's checkpoint fails there too (saved-tensor hooks, or the same
+    Function error). The transform's own gradients need no recompute region.
+    """
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return
+    raise RecomputeError(
+        f"remat: region '{name}' runs under a torch.func transform (grad, vjp, jacrev, "
+        f"hessian, vmap), which cannot run a recompute region (torch.utils.checkpoint cannot "
+        f"either: 'torch.func transforms don't yet support saved tensor hooks'); apply the "
+        f"transform to the unmarked model (remat.unmark(model), or a copy without marks), or "
+        f"differentiate with torch.autograd.grad, which remat supports"
+    )
+
+
 def close_region(handle: _Handle, output: Any) -> Any:
     """Finish a region opened by :func:`open_region`; return what the caller should see.
 
@@ -127,6 +146,7 @@ def close_region(handle: _Handle, output: Any) -> Any:
         return output
     observe = handle.observe
     if observe is None:  # NOTE [Observed once, confirmed every call]
+        frame.watched = False
         try:
             _facts.confirm(frame, frame.facts_key)
         except RecomputeError:

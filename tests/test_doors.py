@@ -1,0 +1,103 @@
+"""Doors other than a region's arguments and outputs: structured outputs, torch.func transforms.
+
+Each test compares with the unmarked model bit for bit, or asserts a typed error raised
+before any parameter, buffer or gradient changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch.func import functional_call, grad, jacrev, vjp
+
+import remat
+from tests._harness import assert_bitwise_equal
+
+MODES = {
+    "non-reentrant": {},
+    "reentrant": {"use_reentrant": True},
+    "output_recompute": {"output_recompute": True},
+    "policy": {"policy": remat.save_compute_intensive},
+}
+
+
+@dataclasses.dataclass
+class Out:
+    h: torch.Tensor
+
+
+class Pair(NamedTuple):
+    h: torch.Tensor
+    g: torch.Tensor
+
+
+class Block(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.fc, self.kind = torch.nn.Linear(4, 4), kind
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if self.kind == "dataclass":
+            return Out(h)
+        if self.kind == "namedtuple":
+            return Pair(h, h * 2)
+        return {"h": [h]}
+
+
+def _tensor(out) -> torch.Tensor:
+    if isinstance(out, Out):
+        return out.h
+    if isinstance(out, Pair):
+        return out.h + out.g
+    return out["h"][0]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["dataclass", "namedtuple", "nested"])
+def test_structured_outputs_carry_their_gradients_or_are_refused_up_front(kind, mode):
+    torch.manual_seed(0)
+    stem, base, x = torch.nn.Linear(4, 4), Block(kind), torch.randn(3, 4)
+    marked_stem, marked = copy.deepcopy(stem), remat.recompute_module(copy.deepcopy(base), **MODES[mode])
+    _tensor(base(stem(x))).pow(2).sum().backward()
+    want = [p.grad for p in (*stem.parameters(), *base.parameters())]
+    if mode == "reentrant" and kind != "namedtuple":  # a NamedTuple is a tuple: its fields are outputs
+        with pytest.raises(TypeError, match="dataclasses; return them directly|dicts"):
+            marked(marked_stem(x))
+        assert all(p.grad is None for p in (*marked_stem.parameters(), *marked.parameters()))
+        return
+    _tensor(marked(marked_stem(x))).pow(2).sum().backward()
+    assert_bitwise_equal([p.grad for p in (*marked_stem.parameters(), *marked.parameters())], want)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_torch_func_over_a_marked_model_is_refused_with_the_alternative(mode, transform):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def loss(p, m):
+        return functional_call(m, p, (x,)).sum()
+
+    def run(m):
+        if transform == "grad":
+            return grad(loss)(params, m)
+        if transform == "vjp":
+            return vjp(lambda p: loss(p, m), params)[1](torch.ones(()))
+        return jacrev(loss)(params, m)
+
+    run(net)  # the unmarked model differentiates
+    marked = copy.deepcopy(net)
+    remat.recompute_module(marked[0], **MODES[mode])
+    before = [p.clone() for p in marked.parameters()]
+    with pytest.raises(remat.RecomputeError, match=r"torch.func transform.*remat.unmark"):
+        run(marked)
+    assert_bitwise_equal(list(marked.parameters()), before)
+    remat.unmark(marked)
+    run(marked)
