@@ -33,7 +33,6 @@ content, and only a parameter or buffer replaced by another object is put back.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
@@ -44,7 +43,6 @@ import torch
 from remat._engine.errors import RecomputeError
 
 _REGISTRIES = ("_parameters", "_buffers")
-_DICTS = (dict, collections.OrderedDict)
 
 
 def modules_of(fn: Callable) -> list[torch.nn.Module]:
@@ -63,28 +61,29 @@ def modules_of(fn: Callable) -> list[torch.nn.Module]:
 class _Entry:
     """One module's attributes as the forward found them."""
 
-    __slots__ = ("attrs", "ids", "module", "registries", "versions")
+    __slots__ = ("attrs", "module", "registries", "versions")
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.attrs = dict(module.__dict__)
-        self.registries = tuple(dict(module.__dict__[name]) for name in _REGISTRIES)
-        self.ids = _identities(self.attrs, self.registries)
-        self.versions = [(name, t, t._version) for name, t in self._tensors()]
+        d = module.__dict__
+        self.module, self.attrs = module, d.copy()
+        self.registries = (d["_parameters"].copy(), d["_buffers"].copy())
+        self.versions = [(k, t, t._version) for k, t in self.registries[1].items() if t is not None]
+        self.versions += [(k, t, t._version) for k, t in self.attrs.items() if type(t) is torch.Tensor]
 
-    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, value in self.attrs.items():
-            if type(value) is torch.Tensor:  # a plain tensor attribute (not a Parameter)
-                yield name, value
-        for name, value in self.registries[1].items():
-            if value is not None:
-                yield name, value
+    def key(self) -> tuple:
+        """Identities of the module, its attributes, parameters and buffers; its hook counts."""
+        a, (params, buffers) = self.attrs, self.registries
+        return (id(self.module), len(a), *a, *map(id, a.values()), len(params), *map(id, params.values()),
+                len(buffers), *map(id, buffers.values()), len(a.get("_forward_hooks", ())),
+                len(a.get("_forward_pre_hooks", ())), len(a.get("_backward_hooks", ())),
+                len(a.get("_backward_pre_hooks", ())))
 
     def rebound(self) -> list[tuple[dict, str, Any]]:
         """``(dict, key, value now)`` for each entry rebound since the forward."""
         now = self.module.__dict__
-        if _identities(now, tuple(now[name] for name in _REGISTRIES)) == self.ids:
-            return []  # the same objects under the same keys (the usual case, checked in C)
+        if (_same(now, self.attrs) and _same(now["_parameters"], self.registries[0])
+                and _same(now["_buffers"], self.registries[1])):
+            return []  # the usual case, checked in C
         changed = []
         for key, value in self.attrs.items():
             if now.get(key, _ABSENT) is not value and not _own(key):
@@ -107,9 +106,17 @@ class _Entry:
         return self.registries[_REGISTRIES.index(_registry_name(self.module, where))].get(key, _ABSENT)
 
 
-def _identities(attrs: dict, registries: tuple) -> tuple:
-    return (tuple(attrs), tuple(map(id, attrs.values())),
-            *(tuple(map(id, r.values())) for r in registries), *(tuple(r) for r in registries))
+def _same(now: dict, then: dict) -> bool:
+    """Whether two dicts hold the same objects under the same keys.
+
+    Dict equality compares values by identity first, in C; values that are not the
+    same object fall to their ``==``, which for tensors may raise or compare values:
+    an exception counts as a change, and equal values under a new object read alike.
+    """
+    try:
+        return bool(now == then)
+    except Exception:  # noqa: BLE001 - a value whose == is elementwise or refuses
+        return False
 
 
 def _own(key: str) -> bool:
@@ -164,8 +171,7 @@ class ModuleState:
 
         NOTE [Observed once, confirmed every call] in ``facts.py``.
         """
-        return tuple((id(e.module), e.ids, tuple(len(v) for v in e.attrs.values() if type(v) in _DICTS))
-                     for e in self.entries)
+        return tuple(map(_Entry.key, self.entries))
 
     def settle(self) -> None:
         """The forward returned: what it left in place is what a re-run must find."""

@@ -1,0 +1,236 @@
+"""The engine's own cost: remat against torch.utils.checkpoint on the same blocks, every way to mark.
+
+A stack of 12 pre-norm transformer blocks (``nn.MultiheadAttention`` and a GELU MLP),
+one thread. Each way to mark runs beside the torch configuration that marks the same
+blocks (``torch.utils.checkpoint`` in the same implementation; torch's selective
+checkpoint for a policy; a checkpoint around the activation alone for a primitive mark).
+All configurations of one case run in interleaved rounds, rotating the order each
+round; a ratio is taken within each round and the median and interquartile range of
+those ratios are reported, with the microseconds each region adds per operator of its
+forward ((remat - torch) / (regions x operators)). Small widths with 2 x 16 tokens are
+launch-bound: there each operator's Python cost is the step's cost.
+
+    OMP_NUM_THREADS=1 python benchmarks/engine_overhead.py [--rounds 30] [--quick]
+
+Writes ``benchmarks/results/engine_overhead.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import copy
+import functools
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as tuc
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat import ops
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+BLOCKS = 12
+
+
+class Block(remat.nn.Cell):
+    """Pre-norm attention and a GELU MLP; ``self.act`` is the activation (a primitive or a function)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.attn = torch.nn.MultiheadAttention(width, max(1, width // 32), batch_first=True)
+        self.fc1, self.fc2 = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+        self.act = F.gelu
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    return tuc.CheckpointPolicy.MUST_SAVE if keep else tuc.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Stack(torch.nn.Module):
+    """The blocks, called through ``call(block, x)``."""
+
+    def __init__(self, blocks: torch.nn.ModuleList, call) -> None:
+        super().__init__()
+        self.blocks, self.call = blocks, call
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = self.call(block, x)
+        return x
+
+
+def _plain(block, x):
+    return block(x)
+
+
+def _torch(reentrant: bool, context_fn=None):
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    return lambda block, x: tuc.checkpoint(block, x, use_reentrant=reentrant, **extra)
+
+
+def _torch_activation(block, x):  # the activation alone, as a primitive mark rebuilds it
+    return block(x)
+
+
+def configurations(base: torch.nn.ModuleList) -> dict:
+    """``name -> (model, torch baseline name)``; the baselines map to themselves."""
+    sac = functools.partial(tuc.create_selective_checkpoint_contexts, _save_matmuls)
+
+    def stack(call=_plain, mark=None):
+        blocks = copy.deepcopy(base)
+        if mark is not None:
+            mark(blocks)
+        return Stack(blocks, call)
+
+    def primitive_torch(blocks):
+        for b in blocks:
+            b.act = lambda h: tuc.checkpoint(F.gelu, h, use_reentrant=False)
+
+    def primitive_remat(blocks):
+        for b in blocks:
+            b.act = ops.GeLU()
+            b.act.recompute()
+
+    def cells(blocks, **kw):
+        for b in blocks:
+            b.recompute(**kw)
+
+    out = {"unmarked": (stack(), "unmarked")}
+    for r, tag in ((False, "non-reentrant"), (True, "reentrant")):
+        baseline = f"torch {tag}"
+        out[baseline] = (stack(_torch(r)), baseline)
+        out[f"remat.apply {tag}"] = (stack(mark=lambda m, r=r: remat.apply(m, where=Block, use_reentrant=r)),
+                                     baseline)
+        out[f"remat.checkpoint {tag}"] = (
+            stack(lambda b, x, r=r: remat.checkpoint(b, x, use_reentrant=r)), baseline)
+        out[f"recompute_module {tag}"] = (
+            stack(mark=lambda m, r=r: [remat.recompute_module(b, use_reentrant=r) for b in m]), baseline)
+        out[f"cell marks {tag}"] = (stack(mark=lambda m, r=r: cells(m, use_reentrant=r)), baseline)
+    out["output_recompute"] = (stack(mark=lambda m: remat.apply(m, where=Block, output_recompute=True)),
+                               "torch non-reentrant")
+    out["torch selective"] = (stack(_torch(False, sac)), "torch selective")
+    out["policy save_compute_intensive"] = (
+        stack(mark=lambda m: remat.apply(m, where=Block, policy=remat.save_compute_intensive)),
+        "torch selective")
+    out["torch activation"] = (stack(mark=primitive_torch), "torch activation")
+    out["primitive marks"] = (stack(mark=primitive_remat), "torch activation")
+    return out
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operators_per_block(block: torch.nn.Module, x: torch.Tensor) -> int:
+    with _Count() as count:
+        block(x)
+    return count.n
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor) -> float:
+    xi = x.clone().requires_grad_()
+    start = time.perf_counter()
+    model(xi).float().pow(2).mean().backward()
+    elapsed = time.perf_counter() - start
+    for p in model.parameters():
+        p.grad = None
+    return elapsed
+
+
+def run_case(width: int, shape: tuple, rounds: int, device: str) -> dict:
+    """One width and input shape: every configuration, interleaved; ratios per round."""
+    torch.manual_seed(0)
+    base = torch.nn.ModuleList(Block(width) for _ in range(BLOCKS)).to(device)
+    x = torch.randn(*shape, width, device=device)
+    configs = {name: (model.to(device), baseline) for name, (model, baseline) in configurations(base).items()}
+    ops_per_block = operators_per_block(base[0], x)
+    for model, _ in configs.values():  # warm-up: the first call of each region is observed
+        for _ in range(3):
+            _step(model, x)
+    names = list(configs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(_step(configs[name][0], x))
+            if device == "cuda":
+                torch.cuda.synchronize()
+    rows = {}
+    for name in names:
+        baseline = configs[name][1]
+        ratios = [a / b for a, b in zip(times[name], times[baseline])]
+        q = statistics.quantiles(ratios, n=4)
+        med, med_base = statistics.median(times[name]), statistics.median(times[baseline])
+        rows[name] = {
+            "baseline": baseline, "median_ms": med * 1e3, "ratio": statistics.median(ratios),
+            "iqr": [q[0], q[2]],
+            "us_per_op": (med - med_base) * 1e6 / (BLOCKS * ops_per_block),
+        }
+    return {"width": width, "shape": list(shape), "ops_per_block": ops_per_block, "rows": rows}
+
+
+def render(cases: list, meta: dict) -> str:
+    lines = [f"# Engine overhead: remat against torch.utils.checkpoint on the same blocks ({meta['device']})",
+             "",
+             f"{BLOCKS} blocks, one thread, {meta['rounds']} interleaved rounds per case; ratio = median of the "
+             "per-round ratios to the torch configuration that marks the same blocks (IQR in brackets); "
+             "us/op = microseconds remat adds per operator of a region's forward.", ""]
+    for case in cases:
+        lines += [f"## width {case['width']}, input {case['shape']} ({case['ops_per_block']} operators per block)",
+                  "", "| configuration | against | step ms | ratio | IQR | us/op |", "|---|---|---|---|---|---|"]
+        for name, row in case["rows"].items():
+            lines.append(f"| {name} | {row['baseline']} | {row['median_ms']:.2f} | {row['ratio']:.3f} | "
+                         f"{row['iqr'][0]:.3f}-{row['iqr'][1]:.3f} | {row['us_per_op']:+.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="two widths, few rounds (a smoke test)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=str(RESULTS / "engine_overhead"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    small = [(w, (2, 16)) for w in ((32, 128) if args.quick else (32, 128, 512, 1024))]
+    large = [] if args.quick else [(512, (8, 256))]
+    rounds = 4 if args.quick else args.rounds
+    cases = [run_case(w, s, rounds, args.device) for w, s in small]
+    cases += [run_case(w, s, max(6, rounds // 3), args.device) for w, s in large]
+    meta = {"device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+            "rounds": rounds, "torch": torch.__version__}
+    report = render(cases, meta)
+    print(report)
+    pathlib.Path(args.out + ".json").write_text(json.dumps({"meta": meta, "cases": cases}, indent=1))
+    pathlib.Path(args.out + ".md").write_text(report + "\n")
+    return {"meta": meta, "cases": cases}
+
+
+if __name__ == "__main__":
+    main()
