@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from remat._engine.errors import RecomputeError
+from remat._engine.observe import engine_copies
 
 _REGISTRIES = ("_parameters", "_buffers")
 
@@ -146,10 +147,11 @@ class ModuleState:
         roots: the region's modules (:func:`modules_of`); their whole trees are kept.
     """
 
-    __slots__ = ("entries", "name", "root")
+    __slots__ = ("entries", "name", "overwritten", "root")
 
     def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
         self.name, self.root = name, roots[0]
+        self.overwritten: list[torch.Tensor] = []  # written by the forward, not as state
         seen: set[int] = set()
         self.entries = [_Entry(m) for root in roots for m in root.modules()
                         if id(m) not in seen and not seen.add(id(m))]
@@ -173,8 +175,23 @@ class ModuleState:
         """
         return tuple(map(_Entry.key, self.entries))
 
-    def settle(self) -> None:
-        """The forward returned: what it left in place is what a re-run must find."""
+    def settle(self, state: list) -> None:
+        """The forward returned: what it left in place is what a re-run must find.
+
+        A buffer it overwrote without reading first (spectral norm's ``_u``, filled by an
+        ``out=``) is not state to replay (NOTE [Observed writes]): the re-run writes it
+        again before it reads it. But a later forward may have written it since, so its
+        value is kept around each re-run (:meth:`restored`).
+        """
+        replayed = {id(t) for t, _ in state}
+        self.overwritten = [t for _, t in self._changed() if id(t) not in replayed]
+        self._refresh()
+
+    def _changed(self) -> list[tuple[_Entry, torch.Tensor]]:
+        return [(entry, t) for entry in self.entries for _, t, version in entry.versions
+                if t._version != version]
+
+    def _refresh(self) -> None:
         for entry in self.entries:
             entry.versions = [(name, t, t._version) for name, t, _ in entry.versions]
 
@@ -185,7 +202,7 @@ class ModuleState:
 
     def check_versions(self, replayed: list) -> None:
         """Refuse a re-run whose module tensors changed in place since the forward read them."""
-        restored = {id(t) for t, _ in replayed}
+        restored = {id(t) for t, _ in replayed} | {id(t) for t in self.overwritten}
         for entry in self.entries:
             for name, t, version in entry.versions:
                 if t._version != version and id(t) not in restored and t.untyped_storage().nbytes():
@@ -207,6 +224,8 @@ class ModuleState:
             for where, key, now in entry.rebound():
                 undo.append((where, key, now))
                 _put(where, key, entry.value_then(where, key))
+        with engine_copies():
+            kept = [(t, t.detach().clone()) for t in self.overwritten if t.untyped_storage().nbytes()]
         try:
             yield
         finally:
@@ -216,4 +235,7 @@ class ModuleState:
                         undo.append((where, key, entry.value_then(where, key)))
             for where, key, now in reversed(undo):
                 _put(where, key, now)
-            self.settle()  # what the re-run overwrote it wrote alike (NOTE [Observed writes])
+            with engine_copies():
+                for t, value in kept:
+                    t.data.copy_(value)  # no version bump, as replayed state (NOTE [Observed writes])
+            self._refresh()

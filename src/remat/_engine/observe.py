@@ -203,7 +203,7 @@ def replayed_state(state: list) -> Iterator[None]:
         yield
         return
     n = len(state)
-    with _engine_copies():
+    with engine_copies():
         # a storage a framework freed since (FSDP's gathered parameters) holds nothing
         now = [t.detach().clone() if t.untyped_storage().nbytes() else None for t, _ in state]
         for t, before in reversed(state):  # overlapping views: the earliest value wins
@@ -212,7 +212,7 @@ def replayed_state(state: list) -> Iterator[None]:
     try:
         yield
     finally:
-        with _engine_copies():
+        with engine_copies():
             for t, before in reversed(state[n:]):
                 t.data.copy_(before)
             for (t, _), value in zip(state, now):
@@ -221,7 +221,7 @@ def replayed_state(state: list) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _engine_copies() -> Iterator[None]:
+def engine_copies() -> Iterator[None]:
     saved, _replaying[0] = _replaying[0], True
     try:
         with torch.no_grad():

@@ -155,7 +155,7 @@ def close_region(handle: _Handle, output: Any) -> Any:
     else:
         _facts.learn(frame, frame.facts_key, observe)
     if frame.module_state is not None:
-        frame.module_state.settle()
+        frame.module_state.settle(observe.state if observe is not None else [])
     if frame.spec.use_reentrant:
         reads = frame.module_state.parameters() if observe is None else list(observe.reads.values())
         return _reentrant.close(frame, reads, observe.state if observe is not None else [], output)
