@@ -101,3 +101,39 @@ def test_torch_func_over_a_marked_model_is_refused_with_the_alternative(mode, tr
     assert_bitwise_equal(list(marked.parameters()), before)
     remat.unmark(marked)
     run(marked)
+
+
+class ForceBlock(torch.nn.Module):
+    """A gradient of its own activation inside forward (a force field's -dE/dx, a PINN residual)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        dh, = torch.autograd.grad((h ** 2).sum(), h, retain_graph=True, create_graph=True)
+        return x + self.fc2(h + 0.1 * dh)
+
+
+INNER_GRAD_MODES = {
+    "non-reentrant": {},
+    "output_recompute": {"output_recompute": True},
+    "policy": {"policy": remat.save_compute_intensive},
+    "output_recompute+policy": {"output_recompute": True, "policy": remat.save_compute_intensive},
+    "output_recompute+save_only": {"output_recompute": True, "policy": remat.save_only("aten::addmm")},
+}
+
+
+@pytest.mark.parametrize("mode", list(INNER_GRAD_MODES))
+def test_gradients_taken_inside_forward_of_adjacent_regions_are_exact(mode):
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(ForceBlock(), ForceBlock(), torch.nn.Linear(8, 2))
+    marked = copy.deepcopy(base)
+    remat.apply(marked, where=ForceBlock, **INNER_GRAD_MODES[mode])
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    got = []
+    for model in (base, marked):
+        model(x).pow(2).sum().backward()
+        got.append([p.grad for p in model.parameters()])
+    assert_bitwise_equal(got[1], got[0])

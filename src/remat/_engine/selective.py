@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from remat._engine.errors import RecomputeError
 from remat._engine.rng import drew, generator_states
+from remat._engine.state import recompute_depth
 from remat._vocab.policy import Policy
 
 # Operators that never hold a value worth keeping: aliases and bookkeeping.
@@ -118,15 +119,33 @@ class _Store:
 
 
 class SaveMode(TorchDispatchMode):
-    """Forward half: run each operator, keep the outputs ``policy`` saves."""
+    """Forward half: run each operator, keep the outputs ``policy`` saves.
+
+    NOTE [Re-runs inside a selective forward]
+    A forward that calls backward itself (``torch.autograd.grad`` inside the region:
+    a force field's ``-dE/dx``) re-runs the region before it has returned (NOTE
+    [Backward inside a region's forward] in ``hooked.py``). That re-run's operators
+    pass through this mode too, below its own replay mode; numbering them as calls
+    of the forward shifted every later call's number, and recomputation handed back
+    another call's kept output: a silent wrong gradient (found by an outside fuzzer,
+    with ``output_recompute``). Operators run deeper in re-runs than the forward
+    itself are not the forward's calls: they pass through unnumbered.
+    """
 
     def __init__(self, policy: Policy | CallPolicy, store: _Store) -> None:
         super().__init__()
         self.policy, self.store = policy, store
         self.calls: dict[Any, int] = defaultdict(int)
+        self.depth = 0
+
+    def __enter__(self):
+        self.depth = recompute_depth()
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if recompute_depth() > self.depth:  # NOTE [Re-runs inside a selective forward]
+            return func(*args, **kwargs)
         keeps = _keeps(self.policy, func)
         random = keeps and torch.Tag.nondeterministic_seeded in func.tags
         before = generator_states((args, kwargs)) if random else None

@@ -32,6 +32,11 @@ def is_recomputing() -> bool:
     return getattr(_local, "recompute_depth", 0) > 0
 
 
+def recompute_depth() -> int:
+    """Return how many re-runs enclose the running code in this thread (0 outside any)."""
+    return getattr(_local, "recompute_depth", 0)
+
+
 def recompute_count() -> int:
     """Return how many region re-runs have started in this thread (a counter for tests)."""
     return getattr(_local, "recompute_runs", 0)
