@@ -168,7 +168,7 @@ def run_case(width: int, shape: tuple, rounds: int, device: str) -> dict:
     configs = {name: (model.to(device), baseline) for name, (model, baseline) in configurations(base).items()}
     ops_per_block = operators_per_block(base[0], x)
     for model, _ in configs.values():  # warm-up: the first call of each region is observed
-        for _ in range(3):
+        for _ in range(2):
             _step(model, x)
     names = list(configs)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -191,7 +191,9 @@ def run_case(width: int, shape: tuple, rounds: int, device: str) -> dict:
             "iqr": [q[0], q[2]],
             "us_per_op": (med - med_base) * 1e6 / (BLOCKS * ops_per_block),
         }
-    return {"width": width, "shape": list(shape), "ops_per_block": ops_per_block, "rows": rows}
+    case = {"width": width, "shape": list(shape), "ops_per_block": ops_per_block, "rows": rows}
+    print(render([case], {"device": device, "rounds": rounds}), flush=True)
+    return case
 
 
 def render(cases: list, meta: dict) -> str:
@@ -219,14 +221,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     small = [(w, (2, 16)) for w in ((32, 128) if args.quick else (32, 128, 512, 1024))]
-    large = [] if args.quick else [(512, (8, 256))]
+    large = [] if args.quick else [(256, (4, 128))]
     rounds = 4 if args.quick else args.rounds
     cases = [run_case(w, s, rounds, args.device) for w, s in small]
-    cases += [run_case(w, s, max(6, rounds // 3), args.device) for w, s in large]
+    cases += [run_case(w, s, max(5, rounds // 6), args.device) for w, s in large]
     meta = {"device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
             "rounds": rounds, "torch": torch.__version__}
     report = render(cases, meta)
-    print(report)
     pathlib.Path(args.out + ".json").write_text(json.dumps({"meta": meta, "cases": cases}, indent=1))
     pathlib.Path(args.out + ".md").write_text(report + "\n")
     return {"meta": meta, "cases": cases}

@@ -319,6 +319,68 @@ class HFLayer(Block):
         return self.layer(x, DynamicCache(config=self.config), use_cache=True)
 
 
+class Stateful(Block):
+    """Truncated-BPTT state: a tensor carried to the next call in an attribute (issue 25)."""
+
+    kind = "stateful"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(D, D), nn.Linear(D, D)
+        self.prev = None if p["none"] else torch.zeros(())
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x) + (0 if self.prev is None else self.prev))
+        self.prev = h.detach().mean()  # read by the next call, rebound after this one
+        return self.out(h)
+
+
+class SideLoss(Block):
+    """A loss that leaves the block by a side channel: an attribute, or a child's forward hook
+    (a router's load-balancing loss); the stage adds it to the output (issue 25)."""
+
+    kind = "side_loss"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc, self.channel = nn.Linear(D, D), p["channel"]
+        self.aux = None
+        if self.channel == "hook":
+            self.fc.register_forward_hook(_capture)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if self.channel == "attribute":
+            self.aux = h.pow(2).mean()
+        return x + h
+
+    def side(self) -> torch.Tensor:
+        if self.channel == "attribute":
+            return self.aux
+        return self.fc.captured.pop().pow(2).mean()
+
+
+def _capture(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    module.__dict__.setdefault("captured", []).append(output)
+
+
+class InnerGrad(Block):
+    """A gradient inside forward (a force field's -dE/dz), under torch.enable_grad (issue 25)."""
+
+    kind = "inner_grad"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        with torch.enable_grad():
+            z = h.detach().requires_grad_()
+            (dz,) = torch.autograd.grad(torch.sin(z).pow(2).sum(), z, create_graph=True)
+        return h + 0.1 * dz
+
+
 def _has_transformers() -> bool:
     try:
         import transformers  # noqa: F401
@@ -355,6 +417,9 @@ BLOCKS: dict[str, BlockKind] = {
     "inplace_input_late": BlockKind(InplaceInputLate, 0.2),
     "closure": BlockKind(Closure, 0.5),
     "self_attention": BlockKind(SelfAttention, 0.5),
+    "stateful": BlockKind(Stateful, 0.5, lambda r: {"none": r.random() < 0.5}),
+    "side_loss": BlockKind(SideLoss, 0.5, lambda r: {"channel": r.choice(("attribute", "hook"))}),
+    "inner_grad": BlockKind(InnerGrad, 0.3),
 }
 if _has_transformers():
     BLOCKS["hf_layer"] = BlockKind(HFLayer, 0.4, lambda r: {"cache": r.random() < 0.5})
@@ -441,6 +506,8 @@ class Stage(remat.nn.Cell):
             out = call(block, self.calls.get(i), args, kwargs)
             if block.tuple_out:
                 out = COMBINE[b["p"]["combine"]](*out)
+            if b["kind"] == "side_loss":
+                out = out + block.side()  # the side channel reaches the loss outside the region
             h = WIRES[b["wire"]][0](out)
             outs.append(h)
         return h
@@ -839,6 +906,10 @@ DOCUMENTED_ERRORS: list[tuple[type, str, str]] = [
      "A region's input changed in place after the region ran: a RecomputeError in backward"),
     (remat.RecomputeError, r"changed one of its inputs in place after it had saved .* tensor",
      "A region that changes its own input in place after saving a temporary: a RecomputeError"),
+    (remat.RecomputeError, r"\(use_reentrant=True\): a tensor it computes .* leaves it through",
+     "Limits of use_reentrant=True: a tensor that leaves a region by a side channel"),
+    (remat.RecomputeError, r"\(use_reentrant=True\) differentiates inside its forward",
+     "Limits of use_reentrant=True: gradients inside a region's forward"),
 ]
 
 #: A case may use this much more memory than when it started (bytes); past it, allocation

@@ -137,3 +137,85 @@ def test_gradients_taken_inside_forward_of_adjacent_regions_are_exact(mode):
         model(x).pow(2).sum().backward()
         got.append([p.grad for p in model.parameters()])
     assert_bitwise_equal(got[1], got[0])
+
+
+class AuxBlock(torch.nn.Module):
+    """A side channel: an auxiliary loss stored on the module, or captured by a child's hook."""
+
+    def __init__(self, channel: str) -> None:
+        super().__init__()
+        self.fc, self.norm = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+        self.channel, self.aux, self.captured = channel, None, []
+        if channel == "hook":
+            self.fc.register_forward_hook(lambda m, args, out: self.captured.append(out))
+
+    def forward(self, x):
+        h = torch.tanh(self.norm(self.fc(x)))
+        if self.channel == "attribute":
+            self.aux = h.pow(2).mean()
+        return x + h
+
+    def side_loss(self):
+        return self.aux if self.channel == "attribute" else self.captured.pop().pow(2).mean()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("channel", ["attribute", "hook"])
+def test_a_loss_that_leaves_a_region_by_a_side_channel_trains_or_is_refused(channel, mode):
+    torch.manual_seed(0)
+    base = AuxBlock(channel)
+    marked = copy.deepcopy(base)
+    if channel == "hook":  # the deep copy's hook appends to the original's list: re-register
+        marked.fc._forward_hooks.clear()
+        marked.fc.register_forward_hook(lambda m, args, out: marked.captured.append(out))
+    remat.recompute_module(marked, **MODES[mode])
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    (base(x).sum() + base.side_loss()).backward()
+    if mode == "reentrant" and channel == "hook":  # a capture cannot be handed back
+        before = [t.clone() for t in marked.state_dict().values()]
+        with pytest.raises(remat.RecomputeError, match="forward hook .* use_reentrant=False"):
+            marked(x)
+        assert_bitwise_equal(list(marked.state_dict().values()), before)  # statistics put back
+        return
+    (marked(x).sum() + marked.side_loss()).backward()
+    assert_bitwise_equal([p.grad for p in marked.parameters()] + list(marked.buffers()),
+                         [p.grad for p in base.parameters()] + list(base.buffers()))
+
+
+def test_a_key_value_cache_passed_in_is_the_callers_container_not_an_escape():
+    """A tensor stored into an object the region was called with is not refused."""
+
+    class Cache:
+        def __init__(self) -> None:
+            self.keys: list = []
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.k = torch.nn.Linear(4, 4)
+
+        def forward(self, x, cache):
+            k = self.k(x)
+            cache.keys.append(k)
+            return torch.tanh(k) + x
+
+    torch.manual_seed(0)
+    base = Attention()
+    marked = remat.recompute_module(copy.deepcopy(base), use_reentrant=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    caches = [Cache(), Cache()]
+    base(x, caches[0]).sum().backward()
+    marked(x, caches[1]).sum().backward()
+    assert_bitwise_equal([p.grad for p in marked.parameters()], [p.grad for p in base.parameters()])
+    # the re-run appends again, as torch's checkpoint does (NOTE [Module state at the boundary])
+    assert_bitwise_equal(caches[1].keys[:1], caches[0].keys)
+
+
+def test_a_gradient_inside_a_reentrant_forward_is_refused_with_the_fix():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ForceBlock(), torch.nn.BatchNorm1d(8), ForceBlock())
+    remat.recompute_module(model, use_reentrant=True)
+    before = [t.clone() for t in model.state_dict().values()]
+    with pytest.raises(remat.RecomputeError, match="differentiates inside its forward.*use_reentrant=False"):
+        model(torch.randn(3, 8))
+    assert_bitwise_equal(list(model.state_dict().values()), before)

@@ -11,7 +11,8 @@ re-run that read the module as it is in backward would follow another path or re
 another value: silently wrong gradients.
 
 So when a module region opens, :class:`ModuleState` keeps a shallow copy of the
-``__dict__`` of every module of the region's tree (the references only: a tensor
+``__dict__`` of every module of the region's tree (a region that is a plain function,
+a lambda or a closure, keeps each module it calls, when it calls it) (the references only: a tensor
 kept this way costs nothing while its owner still holds it, and its bytes once the
 owner has moved on), and the versions of its buffers and plain tensor attributes.
 A re-run first puts back every attribute rebound since (one that did not exist
@@ -132,7 +133,7 @@ def _registry_name(module: torch.nn.Module, registry: dict) -> str:
 _ABSENT = object()
 
 
-def _put(where: dict, key: str, value: Any) -> None:
+def put(where: dict, key: str, value: Any) -> None:
     if value is _ABSENT:
         where.pop(key, None)
     else:
@@ -147,14 +148,38 @@ class ModuleState:
         roots: the region's modules (:func:`modules_of`); their whole trees are kept.
     """
 
-    __slots__ = ("entries", "name", "overwritten", "root")
+    __slots__ = ("entries", "name", "overwritten", "root", "seen")
 
     def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
-        self.name, self.root = name, roots[0]
+        self.name, self.root = name, roots[0] if roots else None
         self.overwritten: list[torch.Tensor] = []  # written by the forward, not as state
-        seen: set[int] = set()
-        self.entries = [_Entry(m) for root in roots for m in root.modules()
-                        if id(m) not in seen and not seen.add(id(m))]
+        self.entries: list[_Entry] = []
+        self.seen: set[int] = set()
+        for root in roots:
+            self.add(root)
+
+    def add(self, module: torch.nn.Module) -> None:
+        """Keep ``module``'s tree as it is now (its modules not kept yet)."""
+        if id(module) in self.seen:
+            return
+        for m in module.modules():
+            if id(m) not in self.seen:
+                self.seen.add(id(m))
+                self.entries.append(_Entry(m))
+
+    @contextlib.contextmanager
+    def calls_watched(self) -> Iterator[None]:
+        """A region that is a plain function (a lambda, a closure): the modules it calls.
+
+        Each module is kept as the forward finds it when it is called (a global forward
+        pre-hook, while the forward runs): the same state a re-run must find there.
+        """
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda module, args: self.add(module))
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def modules(self) -> list[torch.nn.Module]:
         return [entry.module for entry in self.entries]
@@ -223,7 +248,7 @@ class ModuleState:
         for entry in self.entries:
             for where, key, now in entry.rebound():
                 undo.append((where, key, now))
-                _put(where, key, entry.value_then(where, key))
+                put(where, key, entry.value_then(where, key))
         with engine_copies():
             kept = [(t, t.detach().clone()) for t in self.overwritten if t.untyped_storage().nbytes()]
         try:
@@ -234,7 +259,7 @@ class ModuleState:
                     if not any(w is where and k == key for w, k, _ in undo):
                         undo.append((where, key, entry.value_then(where, key)))
             for where, key, now in reversed(undo):
-                _put(where, key, now)
+                put(where, key, now)
             with engine_copies():
                 for t, value in kept:
                     t.data.copy_(value)  # no version bump, as replayed state (NOTE [Observed writes])

@@ -48,14 +48,12 @@ class RegionCore:
         self.kept_collectives: list | None = None  # NOTE [Kept collectives]
         self.runs = 0
         roots = _boundary.modules_of(fn)  # NOTE [Module state at the boundary]
-        self.module_state = _boundary.ModuleState(name, roots) if roots else None
+        self.module_state = _boundary.ModuleState(name, roots)
         self.facts_key = _facts.key_of(self, self.arguments)  # NOTE [Observed once, confirmed every call]
         self.watched = True  # its forward ran under Observe
 
     def module_state_restored(self, replayed: list) -> contextlib.AbstractContextManager:
         """The re-run's view of its modules: as the forward found them (``boundary.py``)."""
-        if self.module_state is None:
-            return contextlib.nullcontext()
         return self.module_state.restored(replayed)
 
     def unflatten(self, leaves: list) -> tuple[tuple, dict]:

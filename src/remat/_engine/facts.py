@@ -77,7 +77,7 @@ def _global_hooks() -> tuple:
 def key_of(frame: Any, arguments: list) -> tuple | None:
     """The key of a module region's call (NOTE [Observed once, confirmed every call]), or None."""
     state = frame.module_state
-    if state is None or frame.spec.debug:
+    if state.root is None or frame.spec.debug:  # a plain function: watched on every call
         return None
     inputs = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in arguments)
     leaves = tuple(_leaf_key(x) for x in frame.leaves) if frame.treespec is not None else ()

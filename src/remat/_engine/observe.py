@@ -44,11 +44,34 @@ leaves the state as it found it (NOTE [No double state updates]). A region
 that writes nothing pays nothing; one that writes batch-norm statistics pays a
 copy of a few numbers per channel. A written tensor that requires grad (its
 history would change) is refused.
+
+NOTE [Tensors that escape a reentrant region]
+A ``use_reentrant=True`` region runs forward without grad. A tensor it makes that
+leaves it other than through its outputs (an auxiliary loss stored on the module,
+``self.aux = h.pow(2).mean()``; a router's logits captured by a forward hook; a list
+it appends to) would carry a gradient without the mark and carries none with it: its
+loss term trains nothing, silently (torch's reentrant checkpoint does the same). So
+a watched reentrant forward also follows which tensors would carry a gradient (made
+by an operator, other than ``detach``, from an argument or a read that does) and
+keeps a weak reference to each; when the region returns, one still alive that is
+not an output, an argument or a view of one has escaped. One the forward bound to an
+attribute of the region's modules is made an output of the region's Function, and
+the attribute is bound to that output instead: it carries its gradient as without
+the mark (the re-run hands back its own value of the attribute beside the region's
+outputs). Any other escape (a hook's capture, a list) cannot be handed back, and the
+region is refused with a ``RecomputeError`` naming the fix, ``use_reentrant=False``,
+after putting back the state its forward wrote and the attributes it rebound. A
+tensor stored into an object the region was called with (a key/value cache passed
+as ``past_key_values``) is the caller's container updated in place, as unmarked,
+and is not refused. A module region is watched until a call shows none of this
+(NOTE [Observed once, confirmed every call] in ``facts.py``); an attribute rebound
+in forward changes the module's key, so such a region is watched on every call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -116,9 +139,12 @@ class Observe(_Watch):
         reads: whether to record reads (a reentrant region's extra inputs).
     """
 
-    def __init__(self, name: str, arguments: list, reads: bool) -> None:
+    def __init__(self, name: str, arguments: list, reads: bool, flowing: list | None = None) -> None:
         super().__init__()
         self.name = name
+        # NOTE [Tensors that escape a reentrant region]: what would carry a gradient unmarked
+        self.flowing: set[int] | None = None if flowing is None else {id(t) for t in flowing}
+        self.made: list[weakref.ref] = []
         self.arguments = {id(t) for t in arguments}
         self.argument_storages = {_storage(t) for t in arguments} - {None}
         self.want_reads = reads
@@ -146,11 +172,29 @@ class Observe(_Watch):
             self._read_storages.update(_storage(t) for t in outside)
         out = self._call(func, args, kwargs, tensors)
         allocates = _allocates(func)
-        for t in tensors_in((out,)):
+        made = tensors_in((out,))
+        for t in made:
             self.produced.add(id(t))
             if allocates and (key := _storage(t)) is not None:
                 self.fresh.add(key)
+        if self.flowing is not None and func not in _STOPS_GRADIENT and any(
+                id(t) in self.flowing or t.requires_grad for t in tensors):
+            for t in made:  # what the region allocated (not a buffer it wrote with out=)
+                if (t.is_floating_point() or t.is_complex()) and _storage(t) in self.fresh:
+                    self.flowing.add(id(t))
+                    self.made.append(weakref.ref(t))
         return out
+
+    def escaped(self, kept: list) -> list[torch.Tensor]:
+        """Tensors the forward made that would carry a gradient unmarked and are still alive
+        other than as ``kept`` (the outputs, the arguments) or a view of one of them.
+
+        NOTE [Tensors that escape a reentrant region].
+        """
+        storages = {_storage(t) for t in kept} - {None}
+        ids = {id(t) for t in kept}
+        return [t for ref in self.made if (t := ref()) is not None
+                and id(t) not in ids and _storage(t) not in storages]
 
     def _note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
         for i, name in _written_args(func):
@@ -175,6 +219,8 @@ class Observe(_Watch):
         self._state_ids.add(id(t))
         self.state.append((t, t.detach().clone()))
 
+
+_STOPS_GRADIENT = {torch.ops.aten.detach.default}
 
 _OVERWRITE = {"copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "exponential_",
               "random_", "geometric_", "cauchy_", "log_normal_", "set_"}
@@ -218,6 +264,14 @@ def replayed_state(state: list) -> Iterator[None]:
             for (t, _), value in zip(state, now):
                 if value is not None:
                     t.data.copy_(value)
+
+
+def restore_state(state: list) -> None:
+    """Put back the values a forward found in the state it wrote (a refused region)."""
+    with engine_copies():
+        for t, before in reversed(state):
+            if t.untyped_storage().nbytes():
+                t.data.copy_(before)
 
 
 @contextlib.contextmanager

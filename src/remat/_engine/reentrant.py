@@ -112,19 +112,24 @@ class ReentrantFrame(RegionCore):
         self.copied: dict[int, bool] = {}  # NOTE [Arguments returned as outputs]
         self.passthrough: dict[int, int] = {}  # output position -> the argument it is
         self.returned: set[int] = set()  # storages of the outputs
+        self.escaped: list[tuple[dict, str]] = []  # attributes handed out as outputs
 
     def abandon(self) -> None:
         super().abandon()
         self.aliases, self.pending, self.params = [], None, []
 
 
-def close(frame: ReentrantFrame, reads: list, state: list, output: Any) -> Any:
+def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list = ()) -> Any:
     """Finish a reentrant region's forward: what it read and wrote, then the Function.
 
     ``reads``: the tensors it read besides its arguments (NOTE [Observed reads]; its
     modules' parameters when it ran unwatched: NOTE [Observed once, confirmed every
-    call]); ``state``: what it wrote (NOTE [Observed writes]).
+    call]); ``state``: what it wrote (NOTE [Observed writes]); ``escaped``: ``(dict,
+    key, tensor)`` for each attribute the forward bound to a tensor that would carry a
+    gradient (NOTE [Tensors that escape a reentrant region] in ``observe.py``).
     """
+    if escaped:
+        return _with_escaped(frame, reads, state, output, escaped)
     check_outputs(frame.name, output)
     frame.params = [t for t in reads if t.requires_grad]
     frame.state = state
@@ -143,6 +148,23 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any) -> Any:
     whole = tuple(tensors[frame.passthrough[j]] if j in frame.passthrough else next(result)
                   for j in range(len(outs)))
     return _like(output, whole) if isinstance(output, tuple) else whole[0]
+
+
+def _with_escaped(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list) -> Any:
+    """Escaped attributes become outputs of the Function, and the attributes its outputs.
+
+    NOTE [Tensors that escape a reentrant region]: ``self.aux = h.pow(2).mean()`` carries
+    a gradient as without the mark; the re-run hands back its own value of the attribute
+    beside the region's outputs (:func:`_rerun`).
+    """
+    single = not isinstance(output, tuple)
+    outs = (output,) if single else tuple(output)
+    frame.escaped = [(where, key) for where, key, _ in escaped]
+    result = close(frame, reads, state, (*outs, *(t for _, _, t in escaped)))
+    for (where, key, _), value in zip(escaped, result[len(outs):], strict=True):
+        where[key] = value
+    result = tuple(result[:len(outs)])
+    return result[0] if single else _like(output, result)
 
 
 def _like(output: tuple, items: tuple) -> tuple:
@@ -470,6 +492,8 @@ def _rerun(frame: ReentrantFrame, inputs: list, aliases: dict, allowed: list) ->
     with _state.recomputing(), frame.module_state_restored(frame.state), replayed_state(frame.state), \
             frame.replay.context(), torch.enable_grad(), guard, replay, substitute, check:
         out = frame.fn(*args, **kwargs)
+        if frame.escaped:  # NOTE [Tensors that escape a reentrant region]: the re-run's values
+            out = (*(out if isinstance(out, tuple) else (out,)), *(w[k] for w, k in frame.escaped))
     return (out if isinstance(out, tuple) else (out,)), replay
 
 
@@ -534,7 +558,7 @@ def check_args(name: str, args: tuple, kwargs: dict) -> None:
             )
 
 
-def _tensors_held(item: Any, depth: int = 3) -> list[torch.Tensor]:
+def tensors_held(item: Any, depth: int = 5) -> list[torch.Tensor]:
     """The tensors ``item`` holds: in a pytree container, or in the fields of an object
     pytree does not open (a ``@dataclass``, a plain object's attributes), a few levels down."""
     found = []
@@ -544,10 +568,17 @@ def _tensors_held(item: Any, depth: int = 3) -> list[torch.Tensor]:
         elif depth and not isinstance(x, (type, torch.nn.Module)):
             if dataclasses.is_dataclass(x):
                 fields = [getattr(x, f.name) for f in dataclasses.fields(x)]
-            else:
-                fields = list(getattr(x, "__dict__", {}).values())
-            found += _tensors_held(fields, depth - 1) if fields else []
+            else:  # attributes, and slots (remat's own per-run arguments have them)
+                fields = [*getattr(x, "__dict__", {}).values(),
+                          *(getattr(x, name, None) for cls in type(x).__mro__
+                            for name in _slots(cls))]
+            found += tensors_held(fields, depth - 1) if fields else []
     return found
+
+
+def _slots(cls: type) -> tuple:
+    slots = cls.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(n for n in slots if n != "__weakref__")
 
 
 def check_outputs(name: str, out: Any) -> None:
@@ -555,7 +586,7 @@ def check_outputs(name: str, out: Any) -> None:
     for position, item in enumerate(outs):
         if isinstance(item, torch.Tensor):
             continue
-        if _tensors_held(item):
+        if tensors_held(item):
             raise TypeError(
                 f"remat: region '{name}' (use_reentrant=True) returned output {position} of type "
                 f"{type(item).__name__} holding tensors; the reentrant implementation cannot "

@@ -23,12 +23,14 @@ either.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from remat._engine import boundary as _boundary
 from remat._engine import collectives as _collectives
 from remat._engine import facts as _facts
 from remat._engine import flags as _flags
@@ -37,7 +39,7 @@ from remat._engine import reentrant as _reentrant
 from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.hooked import ForwardHooks, HookedFrame
-from remat._engine.observe import Observe
+from remat._engine.observe import Observe, restore_state
 from remat._engine.selective import policy_context
 from remat._vocab.policy import save_all
 from remat._vocab.spec import RegionSpec
@@ -86,7 +88,8 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         _reentrant.check_args(name, args, kwargs)
         frame: RegionCore = _reentrant.ReentrantFrame(fn, args, kwargs, spec, name, contexts)
         args, kwargs = frame.call_with(frame.aliases)  # NOTE [Observed reads]
-        observe = _observer(frame, frame.aliases, reads=True)
+        flowing = [a for a, x in zip(frame.aliases, frame.arguments) if x.requires_grad]
+        observe = _observer(frame, frame.aliases, reads=True, flowing=flowing)
     else:
         frame = HookedFrame(fn, args, kwargs, spec, name, contexts)
         observe = _observer(frame, [t for t, _ in frame.input_versions], reads=False)
@@ -94,6 +97,8 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
             frame.state = observe.state  # filled as the forward runs (NOTE [Observed writes])
     try:
         stack.enter_context(_collectives.recording(frame))  # NOTE [Kept collectives]
+        if frame.module_state.root is None:  # NOTE [Module state at the boundary]
+            stack.enter_context(frame.module_state.calls_watched())
         if spec.use_reentrant:
             stack.enter_context(torch.no_grad())
             if observe is not None:
@@ -152,21 +157,72 @@ def close_region(handle: _Handle, output: Any) -> Any:
         except RecomputeError:
             frame.abandon()
             raise
-    else:
-        _facts.learn(frame, frame.facts_key, observe)
-    if frame.module_state is not None:
-        frame.module_state.settle(observe.state if observe is not None else [])
+    escaped = []
+    if observe is not None:
+        if frame.spec.use_reentrant:
+            escaped = _escapes(frame, observe, output)
+        if not escaped:
+            _facts.learn(frame, frame.facts_key, observe)
+    frame.module_state.settle(observe.state if observe is not None else [])
     if frame.spec.use_reentrant:
         reads = frame.module_state.parameters() if observe is None else list(observe.reads.values())
-        return _reentrant.close(frame, reads, observe.state if observe is not None else [], output)
+        return _reentrant.close(frame, reads, observe.state if observe is not None else [], output,
+                                escaped)
     return frame.close(output)
 
 
-def _observer(frame: RegionCore, arguments: list, reads: bool) -> Observe | None:
+def _observer(frame: RegionCore, arguments: list, reads: bool, flowing: list | None = None
+              ) -> Observe | None:
     """The mode that watches the forward; None when earlier calls showed it needs no watching."""
     if _facts.known(frame, frame.facts_key):  # NOTE [Observed once, confirmed every call]
         return None
-    return Observe(frame.name, arguments, reads=reads)
+    return Observe(frame.name, arguments, reads=reads, flowing=flowing)
+
+
+def _bound(fn: Callable) -> list:
+    """The arguments a ``functools.partial`` binds (Hugging Face binds a layer's keywords)."""
+    found = []
+    while isinstance(fn, functools.partial):
+        found += [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    return found
+
+
+def _escapes(frame: RegionCore, observe: Observe, output: Any) -> list:
+    """NOTE [Tensors that escape a reentrant region] (``observe.py``).
+
+    Returns ``(dict, key, tensor)`` for each attribute of the region's modules the
+    forward bound to a tensor that escaped (they become outputs of the Function);
+    refuses any other escape, leaving the state the forward wrote and the attributes it
+    rebound as they were.
+    """
+    kept = [*_reentrant.tensors_held(output), *frame.arguments, *frame.aliases,
+            *_reentrant.tensors_held([*frame.leaves, *_bound(frame.fn)])]
+    escaped = observe.escaped([t for t in kept if isinstance(t, torch.Tensor)])
+    if not escaped:
+        return []
+    rebound, attributes = [], []
+    for entry in frame.module_state.entries:
+        for place, key, now in entry.rebound():
+            rebound.append((place, key, entry.value_then(place, key)))
+            if isinstance(now, torch.Tensor) and any(now is t for t in escaped):
+                attributes.append((place, key, now))
+    others = [t for t in escaped if not any(t is now for _, _, now in attributes)]
+    if not others:
+        return attributes
+    restore_state(observe.state)
+    for place, key, then in rebound:
+        _boundary.put(place, key, then)
+    frame.abandon()
+    raise RecomputeError(
+        f"remat: region '{frame.name}' (use_reentrant=True): a tensor it computes (shape "
+        f"{list(others[0].shape)}) leaves it through a forward hook or a container it wrote "
+        f"to, not through its outputs; the reentrant implementation runs forward without grad, "
+        f"so that tensor would carry no gradient (without the mark it does: an auxiliary or "
+        f"router loss would train nothing); use use_reentrant=False, which keeps its graph, or "
+        f"return the tensor as an output or store it as an attribute of the region's module "
+        f"(torch's reentrant checkpoint drops that gradient silently)"
+    )
 
 
 def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
@@ -181,10 +237,33 @@ def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
     handle = open_region(fn, args, kwargs, spec, name=name, context_fn=context_fn)
     try:
         output = fn(*handle.args, **handle.kwargs)
-    except BaseException:
+    except BaseException as err:
         _abandon(handle, *sys.exc_info())
+        _explain_reentrant_error(handle, err)
         raise
     return close_region(handle, output)
+
+
+def _explain_reentrant_error(handle: _Handle, err: BaseException) -> None:
+    """A reentrant forward that differentiates inside itself fails in torch's words: say why.
+
+    The reentrant implementation runs forward without grad (NOTE [Reentrant gradients] in
+    ``reentrant.py``), so ``torch.autograd.grad`` inside it (a force field's ``-dE/dx``)
+    finds nothing to differentiate; torch's reentrant checkpoint fails alike. The state the
+    forward wrote so far is put back first.
+    """
+    frame = handle.frame
+    if (frame is None or not frame.spec.use_reentrant or not isinstance(err, RuntimeError)
+            or "does not require grad" not in str(err)):
+        return
+    if handle.observe is not None:
+        restore_state(handle.observe.state)
+    raise RecomputeError(
+        f"remat: region '{frame.name}' (use_reentrant=True) differentiates inside its forward "
+        f"(torch.autograd.grad or backward on a tensor it computes: {err}); the reentrant "
+        f"implementation runs forward without grad, as torch's reentrant checkpoint does; use "
+        f"use_reentrant=False, which supports gradients inside a region"
+    ) from err
 
 
 def _abandon(handle: _Handle, *exc_info: Any) -> None:
