@@ -28,6 +28,11 @@ versions of the modules' buffers and tensor attributes must be the ones it found
 region is watched from then on). A region that was seen writing state, or reading
 a tensor that is not its argument or its modules' parameter, is watched on every
 call: it pays for what it uses, and no other region does.
+
+An unwatched reentrant region's re-run is not watched either: the forward that was
+observed read only its modules' parameters, and every parameter of its modules is an
+input of its Function (a path to any other tensor would have been refused then, by the
+read check and the graph check of NOTE [Observed reads]).
 """
 
 from __future__ import annotations

@@ -414,7 +414,8 @@ def _differentiate(frame: ReentrantFrame, tensors: tuple, grads: tuple) -> tuple
     wrt = [w for w in wrts if w is not None] + frame.params + list(aliases.values())
     found: list = [None] * len(wrt)
     if outs and wrt:
-        check_graph(frame.name, outs, wrt)  # NOTE [Observed reads]
+        if frame.watched:  # unwatched: its modules' parameters are all in wrt (NOTE [Observed
+            check_graph(frame.name, outs, wrt)  # reads], [Observed once, confirmed every call])
         try:
             with _closure_stops(frame), _hooks_off(frame.params):
                 found = list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
