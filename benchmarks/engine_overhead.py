@@ -192,18 +192,20 @@ def run_case(width: int, shape: tuple, rounds: int, device: str) -> dict:
             "us_per_op": (med - med_base) * 1e6 / (BLOCKS * ops_per_block),
         }
     case = {"width": width, "shape": list(shape), "ops_per_block": ops_per_block, "rows": rows}
-    print(render([case], {"device": device, "rounds": rounds}), flush=True)
+    print(render([case], {"device": device, "rounds": rounds}).split("\n", 4)[-1], flush=True)
     return case
 
 
 def render(cases: list, meta: dict) -> str:
-    lines = [f"# Engine overhead: remat against torch.utils.checkpoint on the same blocks ({meta['device']})",
-             "",
-             f"{BLOCKS} blocks, one thread, {meta['rounds']} interleaved rounds per case; ratio = median of the "
-             "per-round ratios to the torch configuration that marks the same blocks (IQR in brackets); "
-             "us/op = microseconds remat adds per operator of a region's forward.", ""]
+    title = f"### The engine's own cost: remat against torch.utils.checkpoint ({meta['device']})"
+    command = (f"`OMP_NUM_THREADS=1 python benchmarks/engine_overhead.py --rounds {meta['rounds']}` "
+               f"(generated; torch {meta.get('torch', torch.__version__)}).")
+    legend = (f"{BLOCKS} blocks, one thread, {meta['rounds']} interleaved rounds per case; ratio = median "
+              "of the per-round ratios to the torch configuration that marks the same blocks (IQR in "
+              "brackets); us/op = microseconds remat adds per operator of a region's forward.")
+    lines = [title, "", command, "", legend, ""]
     for case in cases:
-        lines += [f"## width {case['width']}, input {case['shape']} ({case['ops_per_block']} operators per block)",
+        lines += [f"#### width {case['width']}, input {case['shape']} ({case['ops_per_block']} operators per block)",
                   "", "| configuration | against | step ms | ratio | IQR | us/op |", "|---|---|---|---|---|---|"]
         for name, row in case["rows"].items():
             lines.append(f"| {name} | {row['baseline']} | {row['median_ms']:.2f} | {row['ratio']:.3f} | "

@@ -143,7 +143,9 @@ class Observe(_Watch):
         super().__init__()
         self.name = name
         # NOTE [Tensors that escape a reentrant region]: what would carry a gradient unmarked
-        self.flowing: set[int] | None = None if flowing is None else {id(t) for t in flowing}
+        # by id, with a weak reference: a dead tensor's id is reused by the next one made
+        self.flowing: dict[int, weakref.ref] | None = (
+            None if flowing is None else {id(t): weakref.ref(t) for t in flowing})
         self.made: list[weakref.ref] = []
         self.arguments = {id(t) for t in arguments}
         self.argument_storages = {_storage(t) for t in arguments} - {None}
@@ -178,12 +180,18 @@ class Observe(_Watch):
             if allocates and (key := _storage(t)) is not None:
                 self.fresh.add(key)
         if self.flowing is not None and func not in _STOPS_GRADIENT and any(
-                id(t) in self.flowing or t.requires_grad for t in tensors):
-            for t in made:  # what the region allocated (not a buffer it wrote with out=)
-                if (t.is_floating_point() or t.is_complex()) and _storage(t) in self.fresh:
-                    self.flowing.add(id(t))
-                    self.made.append(weakref.ref(t))
+                t.requires_grad or self._flows(t) for t in tensors):
+            for t in made:
+                if t.is_floating_point() or t.is_complex():
+                    ref = weakref.ref(t)
+                    self.flowing[id(t)] = ref
+                    if _storage(t) in self.fresh:  # allocated here (not a buffer written by out=)
+                        self.made.append(ref)
         return out
+
+    def _flows(self, t: torch.Tensor) -> bool:
+        ref = self.flowing.get(id(t))
+        return ref is not None and ref() is t
 
     def escaped(self, kept: list) -> list[torch.Tensor]:
         """Tensors the forward made that would carry a gradient unmarked and are still alive

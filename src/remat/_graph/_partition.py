@@ -96,6 +96,26 @@ def drop_detaches(graph: fx.Graph) -> int:
     return dropped
 
 
+def without_mutated_reads(forward: list[fx.Node], recompute: set[fx.Node]) -> set[fx.Node]:
+    """Keep, rather than recompute, the nodes that read an input the graph updates in place.
+
+    NOTE [Inputs the graph mutates]
+    A buffer a forward updates in place (a step counter, an EMA statistic, batch
+    norm's running statistics) is an input of the joint graph that AOTAutograd writes
+    back (``copy_``) when the forward ends. A copy of a node that read it, placed in
+    backward, reads the updated value, not the one the forward read: the compiled
+    re-run of an ``output_recompute`` block that multiplies by its counter used the
+    next count (eager marks replay the state instead, NOTE [Observed writes]). Such
+    nodes are kept; the recomputed nodes after them read what they kept.
+    """
+    mutated = {n.args[0] for n in forward
+               if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+               and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"}
+    if not mutated:
+        return recompute
+    return {n for n in recompute if not any(a in mutated for a in n.all_input_nodes)}
+
+
 def copy_into_backward(
     graph: fx.Graph, backward: list[fx.Node], recompute: set[fx.Node]
 ) -> dict[fx.Node, fx.Node]:
@@ -164,6 +184,7 @@ def recompute_partition(
     drop_detaches(graph)
     forward, backward = split_joint(graph)
     _, recompute = plan_recompute(forward, modules, root)
+    recompute = without_mutated_reads(forward, recompute)
     copies = copy_into_backward(graph, backward, recompute)
     graph.lint()
     joint.recompile()
