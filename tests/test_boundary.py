@@ -255,3 +255,46 @@ def test_state_written_by_two_forwards_before_one_backward_ends_as_unmarked(mode
         torch.testing.assert_close(seen[1], seen[0], rtol=1e-5, atol=1e-6)
     else:
         assert_bitwise_equal(seen[1][0] + seen[1][1][1], seen[0][0] + seen[0][1][1])
+
+
+class _Keeps(torch.nn.Module):
+    """Keeps an activation on the module (attention maps kept for inspection), or is pruned
+    (prune's pre-hook sets ``fc1.weight`` in every forward)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.kind, self.last = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), kind, None
+        if kind == "prune":
+            torch.nn.utils.prune.l1_unstructured(self.fc1, "weight", amount=0.3)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if self.kind == "attr":
+            self.last = h
+        return x + self.fc2(h)
+
+
+def _live_tensors() -> int:
+    import gc
+
+    gc.collect()
+    return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["attr", "prune"])
+def test_a_model_whose_blocks_keep_activations_is_freed_after_a_step(kind, mode):
+    """The re-run rebound ``self.last`` to a tensor of its own, whose graph led back to the
+    region: a cycle through autograd that gc cannot free (the model leaked after ``del``)."""
+    import torch.nn.utils.prune  # noqa: F401
+
+    counts = []
+    for marked in (False, True):
+        start = _live_tensors()
+        model = torch.nn.Sequential(_Keeps(kind), _Keeps(kind))
+        if marked:
+            remat.apply(model, where=_Keeps, **MODES[mode])
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        del model
+        counts.append(_live_tensors() - start)
+    assert counts == [0, 0]

@@ -219,3 +219,16 @@ def test_a_gradient_inside_a_reentrant_forward_is_refused_with_the_fix():
     with pytest.raises(remat.RecomputeError, match="differentiates inside its forward.*use_reentrant=False"):
         model(torch.randn(3, 8))
     assert_bitwise_equal(list(model.state_dict().values()), before)
+
+
+def test_a_reentrant_region_with_an_attribute_side_loss_refuses_a_second_backward():
+    """It lets go of its module after its first backward (NOTE [Tensors that escape a
+    reentrant region]): the attribute leads back to it through autograd, a cycle gc cannot
+    free. torch's reentrant checkpoint trains the side loss to nothing instead."""
+    torch.manual_seed(0)
+    model = remat.recompute_module(AuxBlock("attribute"), use_reentrant=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = model(x).sum() + model.aux
+    loss.backward(retain_graph=True)
+    with pytest.raises(remat.RecomputeError, match="second time .* use_reentrant=False"):
+        loss.backward()

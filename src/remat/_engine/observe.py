@@ -58,7 +58,10 @@ not an output, an argument or a view of one has escaped. One the forward bound t
 attribute of the region's modules is made an output of the region's Function, and
 the attribute is bound to that output instead: it carries its gradient as without
 the mark (the re-run hands back its own value of the attribute beside the region's
-outputs). Any other escape (a hook's capture, a list) cannot be handed back, and the
+outputs). Such a region lets go of its module after its first backward (the attribute
+leads back to it through autograd, a cycle Python's collector cannot free), so a second
+backward through it (``retain_graph=True``) is refused. Any other escape (a hook's
+capture, a list) cannot be handed back, and the
 region is refused with a ``RecomputeError`` naming the fix, ``use_reentrant=False``,
 after putting back the state its forward wrote and the attributes it rebound. A
 tensor stored into an object the region was called with (a key/value cache passed

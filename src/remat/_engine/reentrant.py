@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from remat._engine import boundary as _boundary
 from remat._engine import collectives as _collectives
 from remat._engine import state as _state
 from remat._engine.core import RegionCore
@@ -113,10 +114,17 @@ class ReentrantFrame(RegionCore):
         self.passthrough: dict[int, int] = {}  # output position -> the argument it is
         self.returned: set[int] = set()  # storages of the outputs
         self.escaped: list[tuple[dict, str]] = []  # attributes handed out as outputs
+        self.released = False  # let go of its module after its first backward
 
     def abandon(self) -> None:
         super().abandon()
         self.aliases, self.pending, self.params = [], None, []
+
+    def release(self) -> None:
+        """Let go of the module: an attribute holding one of the Function's outputs leads
+        back here through autograd, a cycle Python's collector cannot free."""
+        self.released, self.fn, self.escaped = True, None, []
+        self.module_state = _boundary.ModuleState(self.name, [])
 
 
 def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list = ()) -> Any:
@@ -242,6 +250,13 @@ class Reentrant(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         frame: ReentrantFrame = ctx.frame
+        if frame.released:
+            raise RecomputeError(
+                f"remat: backward ran a second time through reentrant region '{frame.name}', whose "
+                f"forward bound a tensor that carries a gradient to an attribute of its module; the "
+                f"region let go of its module after its first backward (NOTE [Tensors that escape a "
+                f"reentrant region]); use use_reentrant=False for a second backward"
+            )
         try:
             tensors = ctx.saved_tensors
         except RuntimeError as err:
@@ -262,7 +277,10 @@ class Reentrant(torch.autograd.Function):
             tensors = tuple(x.detach().requires_grad_(frame.copied.get(i, True))
                             if i in frame.views or i in frame.copied else x
                             for i, x in enumerate(tensors))
-        return _differentiate(frame, tensors, grads)
+        found = _differentiate(frame, tensors, grads)
+        if frame.escaped:  # NOTE [Tensors that escape a reentrant region]: break the cycle
+            frame.release()
+        return found
 
 
 class _Boundary(torch.autograd.Function):
