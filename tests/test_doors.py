@@ -232,3 +232,31 @@ def test_a_reentrant_region_with_an_attribute_side_loss_refuses_a_second_backwar
     loss.backward(retain_graph=True)
     with pytest.raises(remat.RecomputeError, match="second time .* use_reentrant=False"):
         loss.backward()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_leaf_made_inside_a_region_is_its_own_temporary(mode):
+    """T5 makes its position bias ``torch.zeros(..., requires_grad=True)`` inside each layer
+    when gradient checkpointing is on; the reentrant re-run refused it before."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+
+    def region(x):
+        bias = torch.zeros(4, requires_grad=True)
+        return lin(x) + bias
+
+    x = torch.randn(2, 4, requires_grad=True)
+    region(x).pow(2).sum().backward()
+    want = [lin.weight.grad.clone(), lin.bias.grad.clone(), x.grad.clone()]
+    lin.zero_grad()
+    x.grad = None
+    if mode == "reentrant":
+        out = remat.checkpoint(region, x, use_reentrant=True)
+    elif mode == "output_recompute":
+        out = remat.recompute(region, x, output_recompute=True)
+    else:
+        context = remat.policy_context(remat.save_compute_intensive) if mode == "policy" else None
+        out = remat.checkpoint(region, x, use_reentrant=False,
+                               **({"context_fn": context} if context else {}))
+    out.pow(2).sum().backward()
+    assert_bitwise_equal([lin.weight.grad, lin.bias.grad, x.grad], want)

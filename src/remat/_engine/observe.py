@@ -368,14 +368,16 @@ class CheckReads(_Watch):
         return out
 
 
-def check_graph(name: str, outs: list, wrt: list) -> None:
+def check_graph(name: str, outs: list, wrt: list, made: set = frozenset()) -> None:
     """Refuse a re-run whose graph reaches a tensor that is not an input of the Function.
 
     NOTE [Observed reads]: such a gradient would be lost. Walks the re-run's autograd
     graph from ``outs``; stops at ``wrt`` (their ``grad_fn``, or their gradient
-    accumulator for leaves).
+    accumulator for leaves). A leaf the re-run made itself (``made``: ids of what its
+    operators returned; T5 makes its position bias a leaf that requires grad) is the
+    region's own temporary, as in its forward: its gradient leaves the region nowhere.
     """
-    leaf_ids = {id(t) for t in wrt if t.grad_fn is None}
+    leaf_ids = {id(t) for t in wrt if t.grad_fn is None} | made
     stops = {t.grad_fn for t in wrt if t.grad_fn is not None}
     seen: set = set()
     todo = [o.grad_fn for o in outs if o.grad_fn is not None]

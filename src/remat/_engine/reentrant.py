@@ -425,7 +425,7 @@ def _differentiate(frame: ReentrantFrame, tensors: tuple, grads: tuple) -> tuple
     aliases = {id(p): _Boundary.apply(stop, p) if create_graph else p.detach().requires_grad_()
                for p in nonleaf}
     allowed = [t for t in (*feeds, *wrts, *frame.params, *aliases.values()) if t is not None]
-    rerun, replay = _rerun(frame, feeds, aliases, allowed)
+    rerun, replay, made = _rerun(frame, feeds, aliases, allowed)
     if frame.passthrough:  # NOTE [Arguments returned as outputs]: not outputs of the Function
         rerun = tuple(o for j, o in enumerate(rerun) if j not in frame.passthrough)
     outs, out_grads, bases = _pairs(frame, rerun, feeds, grads)
@@ -433,7 +433,7 @@ def _differentiate(frame: ReentrantFrame, tensors: tuple, grads: tuple) -> tuple
     found: list = [None] * len(wrt)
     if outs and wrt:
         if frame.watched:  # unwatched: its modules' parameters are all in wrt (NOTE [Observed
-            check_graph(frame.name, outs, wrt)  # reads], [Observed once, confirmed every call])
+            check_graph(frame.name, outs, wrt, made)  # reads], [Observed once, confirmed ...])
         try:
             with _closure_stops(frame), _hooks_off(frame.params):
                 found = list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
@@ -493,7 +493,8 @@ def _closure_stops(frame: ReentrantFrame) -> Any:
             handle.remove()
 
 
-def _rerun(frame: ReentrantFrame, inputs: list, aliases: dict, allowed: list) -> tuple[tuple, Any]:
+def _rerun(frame: ReentrantFrame, inputs: list, aliases: dict, allowed: list
+           ) -> tuple[tuple, Any, set]:
     """Re-run the region; return its outputs and the mode that saw its collectives.
 
     ``aliases`` stand for the non-leaf tensors the forward read; a read of a tensor
@@ -513,7 +514,8 @@ def _rerun(frame: ReentrantFrame, inputs: list, aliases: dict, allowed: list) ->
         out = frame.fn(*args, **kwargs)
         if frame.escaped:  # NOTE [Tensors that escape a reentrant region]: the re-run's values
             out = (*(out if isinstance(out, tuple) else (out,)), *(w[k] for w, k in frame.escaped))
-    return (out if isinstance(out, tuple) else (out,)), replay
+    made = check.produced if isinstance(check, CheckReads) else set()
+    return (out if isinstance(out, tuple) else (out,)), replay, made
 
 
 def _wait_issued(replay: Any) -> None:
