@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.utils.prune
 
 import remat
 from remat._engine import observe as _observe
@@ -286,8 +287,6 @@ def _live_tensors() -> int:
 def test_a_model_whose_blocks_keep_activations_is_freed_after_a_step(kind, mode):
     """The re-run rebound ``self.last`` to a tensor of its own, whose graph led back to the
     region: a cycle through autograd that gc cannot free (the model leaked after ``del``)."""
-    import torch.nn.utils.prune  # noqa: F401
-
     counts = []
     for marked in (False, True):
         start = _live_tensors()
