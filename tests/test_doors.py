@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -260,3 +261,35 @@ def test_a_leaf_made_inside_a_region_is_its_own_temporary(mode):
                                **({"context_fn": context} if context else {}))
     out.pow(2).sum().backward()
     assert_bitwise_equal([lin.weight.grad, lin.bias.grad, x.grad], want)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_torch_reentrant_checkpoint_inside_a_region_trains(mode):
+    """Hugging Face's own switch left on under remat.apply(use_reentrant=True): torch's
+    reentrant checkpoint inside the region refused remat's nested torch.autograd.grad."""
+    import torch.utils.checkpoint as tuc
+
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x, wrapped=False):
+            if wrapped:
+                x = tuc.checkpoint(self.fc1, x, use_reentrant=True)
+            else:
+                x = self.fc1(x)
+            return self.fc2(torch.tanh(x))
+
+    torch.manual_seed(0)
+    base = Inner()
+    marked = remat.recompute_module(copy.deepcopy(base), **MODES[mode])
+    x = torch.randn(3, 4, requires_grad=True)
+    base(x).pow(2).sum().backward()
+    y = x.detach().clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: none of the inputs require grad
+        marked(y, wrapped=True).pow(2).sum().backward()
+    assert_bitwise_equal([p.grad for p in marked.parameters()] + [y.grad],
+                         [p.grad for p in base.parameters()] + [x.grad])
+

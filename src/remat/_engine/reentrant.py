@@ -404,7 +404,41 @@ def _pairs(frame: ReentrantFrame, outs: tuple, feeds: list, grads: tuple) -> tup
 
 
 def _differentiate(frame: ReentrantFrame, tensors: tuple, grads: tuple) -> tuple:
-    """NOTE [Reentrant gradients]: every gradient returned through the Function."""
+    """NOTE [Reentrant gradients]: every gradient returned through the Function.
+
+    NOTE [torch's reentrant checkpoint inside a reentrant region]
+    torch's reentrant checkpoint refuses to be differentiated by ``torch.autograd.grad``
+    (``_is_checkpoint_valid``), which the nested backward is; Hugging Face's own switch
+    left on under ``remat.apply(..., use_reentrant=True)`` puts one inside every region.
+    Then the region is re-run again and differentiated by a plain ``backward``, whose
+    gradients are collected from the tensors differentiated (their ``.grad`` is set
+    aside and put back) and returned through the Function as before.
+    """
+    try:
+        return _differentiate_once(frame, tensors, grads, accumulate=False)
+    except RuntimeError as err:
+        if "incompatible with .grad()" not in str(err):
+            raise
+    return _differentiate_once(frame, tensors, grads, accumulate=True)
+
+
+def _accumulated(outs: list, wrt: list, out_grads: list, create_graph: bool) -> list:
+    """The gradients of ``wrt`` by a plain backward (NOTE [torch's reentrant checkpoint
+    inside a reentrant region]); their ``.grad`` comes back as it was."""
+    before = [w.grad for w in wrt]
+    for w in wrt:
+        if w.grad_fn is not None:
+            w.retain_grad()
+        w.grad = None
+    try:
+        torch.autograd.backward(outs, out_grads, create_graph=create_graph)
+        return [w.grad for w in wrt]
+    finally:
+        for w, g in zip(wrt, before):
+            w.grad = g
+
+
+def _differentiate_once(frame: ReentrantFrame, tensors: tuple, grads: tuple, accumulate: bool) -> tuple:
     create_graph = torch.is_grad_enabled()
     stop = [True]
     wrts: list = []
@@ -436,8 +470,9 @@ def _differentiate(frame: ReentrantFrame, tensors: tuple, grads: tuple) -> tuple
             check_graph(frame.name, outs, wrt, made)  # reads], [Observed once, confirmed ...])
         try:
             with _closure_stops(frame), _hooks_off(frame.params):
-                found = list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
-                                                 create_graph=create_graph))
+                found = (_accumulated(outs, wrt, out_grads, create_graph) if accumulate else
+                         list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
+                                                  create_graph=create_graph)))
         finally:
             stop[0] = False
     _wait_issued(replay)
