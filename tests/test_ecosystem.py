@@ -463,3 +463,52 @@ def test_t5_trains_through_remats_reentrant_switch():
     assert torch.equal(got[0], want[0])
     # the documented rounding of reentrant regions whose input is read by every layer
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _mixtral():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                           num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                           router_aux_loss_coef=0.1, use_cache=False)
+    return tf.MixtralForCausalLM(cfg).train()
+
+
+def _mixtral_steps(model, steps: int = 2) -> list:
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for _ in range(steps):
+        opt.zero_grad()
+        out = model(input_ids=ids, labels=ids)
+        assert out.aux_loss.requires_grad  # the router's balancing loss trains
+        out.loss.backward()
+        seen += [out.loss.detach()] + [p.grad for p in model.parameters()]
+        opt.step()
+    return seen
+
+
+@pytest.mark.parametrize("switch", ["apply", "gradient_checkpointing_enable"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_mixtral_router_losses_train_bitwise_or_are_refused(option, switch):
+    """Router logits are recorded by forward hooks on each layer's gate: under
+    use_reentrant=True they would carry no gradient (torch's reentrant checkpoint trains
+    the router without its balancing loss, silently), so remat refuses before any change."""
+    base = _mixtral()
+    marked = copy.deepcopy(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if switch == "apply":
+            remat.apply(marked, where="blocks", **OPTIONS[option])
+        else:
+            remat.gradient_checkpointing_enable(marked, **OPTIONS[option])
+        if option == "reentrant":
+            before = [t.clone() for t in marked.state_dict().values()]
+            with pytest.raises(remat.RecomputeError, match="forward hook .* use_reentrant=False"):
+                _mixtral_steps(marked)
+            assert_bitwise_equal(list(marked.state_dict().values()), before)
+            return
+        got = _mixtral_steps(marked)
+    assert_bitwise_equal(got, _mixtral_steps(base))
