@@ -12,8 +12,8 @@ key made of everything the code could branch on that remat can see:
 
 - the region's options (:class:`~remat._vocab.spec.RegionSpec`) and autocast;
 - its inputs' structure: each tensor argument's shape, dtype, device and
-  ``requires_grad``, and every other argument (by value when hashable, by type
-  otherwise);
+  ``requires_grad``, and every other argument (a plain value by value, any other object
+  by type);
 - its modules as the forward finds them (:class:`~remat._engine.boundary.ModuleState`):
   each module's identity, the identity of every attribute, parameter and buffer,
   and the number of hooks of each kind (and of the global module hooks).
@@ -62,14 +62,16 @@ class Facts:
 _STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format)
+
+
 def _leaf_key(x: Any) -> Any:
+    """A plain value by value; any other object by its type, never the object itself (a key
+    holding a cache whose tensors lead back to the module through autograd would keep the
+    module alive for good: the store's values must not reach its keys)."""
     if isinstance(x, torch.Tensor):
         return None
-    try:
-        hash(x)
-    except TypeError:
-        return type(x)
-    return (type(x), x)
+    return (type(x), x) if isinstance(x, _VALUES) else type(x)
 
 
 def _global_hooks() -> tuple:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -619,6 +620,8 @@ def tensors_held(item: Any, depth: int = 5) -> list[torch.Tensor]:
     pytree does not open (a ``@dataclass``, a plain object's attributes), a few levels down."""
     found = []
     for x in pytree.tree_leaves(item):
+        if isinstance(x, weakref.ref):  # an object held weakly (a cache a layer writes to)
+            x = x()
         if isinstance(x, torch.Tensor):
             found.append(x)
         elif depth and not isinstance(x, (type, torch.nn.Module)):

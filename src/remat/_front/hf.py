@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import functools
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -66,15 +67,19 @@ def is_hf_layer(module: torch.nn.Module) -> bool:
 class CacheRun(PerRun):
     """A cache argument of a marked layer: the cache itself for forward, copies after."""
 
-    __slots__ = ("cache", "runs", "snapshot")
+    __slots__ = ("cache", "runs", "snapshot", "written")
 
     def __init__(self, cache: Any) -> None:
         self.cache, self.snapshot, self.runs = cache, _copy(cache), 0
+        self.written = weakref.ref(cache)  # what the forward writes to, as long as it lives
 
     def take(self) -> Any:
         """The model's cache for the first run (forward), a throwaway copy for each re-run."""
         self.runs += 1
-        return self.cache if self.runs == 1 else _copy(self.snapshot)
+        if self.runs == 1:  # let go of the model's cache: its later layers' tensors lead back
+            cache, self.cache = self.cache, None  # here through autograd, a cycle gc cannot free
+            return cache
+        return _copy(self.snapshot)
 
 
 def _copy(cache: Any) -> Any:
