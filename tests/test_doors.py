@@ -293,3 +293,49 @@ def test_a_torch_reentrant_checkpoint_inside_a_region_trains(mode):
     assert_bitwise_equal([p.grad for p in marked.parameters()] + [y.grad],
                          [p.grad for p in base.parameters()] + [x.grad])
 
+
+
+class _LoRA(torch.nn.Module):
+    def __init__(self, base: torch.nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        self.a = torch.nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, rank) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+class _Adapted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.v = _LoRA(torch.nn.Linear(8, 8)), _LoRA(torch.nn.Linear(8, 8))
+        self.o = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.o(torch.softmax(self.q(x), -1) * self.v(x))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_adapters_on_a_frozen_model_train_exactly(mode):
+    """LoRA-style adapters, the base frozen and no input requiring grad (token ids through a
+    frozen embedding, no enable_input_require_grads): the reentrant pitfall of torch."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Embedding(20, 8), _Adapted(), _Adapted())
+    for name, p in base.named_parameters():
+        p.requires_grad_(name.endswith((".a", ".b")))
+    ids = torch.randint(0, 20, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def train(model):
+        trained = [p for p in model.parameters() if p.requires_grad]
+        opt, seen = torch.optim.SGD(trained, lr=0.1), []
+        for _ in range(2):
+            opt.zero_grad()
+            model(ids).pow(2).sum().backward()
+            seen += [p.grad.clone() for p in trained]
+            opt.step()
+        return seen
+
+    marked = copy.deepcopy(base)
+    remat.apply(marked, where=_Adapted, **MODES[mode])
+    assert_bitwise_equal(train(marked), train(base))
