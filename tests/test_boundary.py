@@ -287,13 +287,9 @@ def _live_tensors() -> int:
 def test_a_model_whose_blocks_keep_activations_is_freed_after_a_step(kind, mode):
     """The re-run rebound ``self.last`` to a tensor of its own, whose graph led back to the
     region: a cycle through autograd that gc cannot free (the model leaked after ``del``)."""
-    counts = []
-    for marked in (False, True):
-        start = _live_tensors()
-        model = torch.nn.Sequential(_Keeps(kind), _Keeps(kind))
-        if marked:
-            remat.apply(model, where=_Keeps, **MODES[mode])
-        model(torch.randn(4, 8)).pow(2).sum().backward()
-        del model
-        counts.append(_live_tensors() - start)
-    assert counts == [0, 0]
+    start = _live_tensors()
+    model = torch.nn.Sequential(_Keeps(kind), _Keeps(kind))
+    remat.apply(model, where=_Keeps, **MODES[mode])
+    model(torch.randn(4, 8)).pow(2).sum().backward()
+    del model
+    assert _live_tensors() - start <= 0  # (another test's tensors may be freed meanwhile)

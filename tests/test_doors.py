@@ -222,18 +222,21 @@ def test_a_gradient_inside_a_reentrant_forward_is_refused_with_the_fix():
     assert_bitwise_equal(list(model.state_dict().values()), before)
 
 
-def test_a_reentrant_region_with_an_attribute_side_loss_refuses_a_second_backward():
-    """It lets go of its module after its first backward (NOTE [Tensors that escape a
-    reentrant region]): the attribute leads back to it through autograd, a cycle gc cannot
-    free. torch's reentrant checkpoint trains the side loss to nothing instead."""
-    torch.manual_seed(0)
-    model = remat.recompute_module(AuxBlock("attribute"), use_reentrant=True)
-    x = torch.randn(3, 4, requires_grad=True)
-    loss = model(x).sum() + model.aux
-    loss.backward(retain_graph=True)
-    with pytest.raises(remat.RecomputeError, match="second time .* use_reentrant=False"):
-        loss.backward()
 
+def test_a_reentrant_region_with_an_attribute_side_loss_backwards_twice_when_retained():
+    """It lets go of its module only after a backward that freed its graph (NOTE [Tensors
+    that escape a reentrant region])."""
+    torch.manual_seed(0)
+    base = AuxBlock("attribute")
+    marked = remat.recompute_module(copy.deepcopy(base), use_reentrant=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for model in (base, marked):
+        loss = model(x).sum() + model.aux
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert_bitwise_equal(grads[1], grads[0])
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_leaf_made_inside_a_region_is_its_own_temporary(mode):

@@ -280,8 +280,17 @@ class Reentrant(torch.autograd.Function):
                             for i, x in enumerate(tensors))
         found = _differentiate(frame, tensors, grads)
         if frame.escaped:  # NOTE [Tensors that escape a reentrant region]: break the cycle
-            frame.release()
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _release_if_freed(ctx))
         return found
+
+
+def _release_if_freed(ctx: Any) -> None:
+    """At the end of a backward: a graph not retained cannot run the region again, so it lets
+    go of its module (NOTE [Tensors that escape a reentrant region])."""
+    try:
+        _ = ctx.saved_tensors
+    except RuntimeError:
+        ctx.frame.release()
 
 
 class _Boundary(torch.autograd.Function):
