@@ -531,3 +531,35 @@ def test_closure_tensor_from_shared_weights_handed_to_a_nested_reentrant_region(
         return [x.grad, *[p.grad for p in net.parameters()]]
 
     assert_bitwise_equal(run(plain, False), run(marked, True))
+
+
+def test_an_outer_region_around_an_inner_one_whose_module_has_an_unused_parameter():
+    """An unwatched inner region takes every parameter of its modules as an input of its
+    Function (NOTE [Observed once, confirmed every call]), one its forward does not use
+    included; the outer region's graph walk found that parameter outside its own inputs
+    and refused, though no gradient reaches it (shared fuzzer seed 32202)."""
+
+    class PassOne(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)  # fc2 unused
+
+        def forward(self, x):
+            return torch.tanh(self.fc1(x)), x
+
+    torch.manual_seed(0)
+    base = PassOne()
+    marked = remat.recompute_module(copy.deepcopy(base), use_reentrant=True)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def run(model, call):
+        a, b = call(model, x)
+        loss = (a * b).sum()
+        loss.backward(retain_graph=True)
+        first = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+        loss.backward()
+        return first + [p.grad for p in model.parameters()]
+
+    want = run(base, lambda m, t: m(t))
+    got = run(marked, lambda m, t: remat.checkpoint(m.forward, t, use_reentrant=True))
+    assert_bitwise_equal(got, want)

@@ -24,9 +24,10 @@ tensor that requires grad which the forward did not read (an attribute replaced
 between forward and backward): its value is not the one the forward used.
 What neither can see (a custom ``autograd.Function`` whose forward
 never reads a tensor it returns a gradient for) is caught in backward: the
-re-run's graph is checked before it is differentiated (:func:`check_graph`); a
-path to a tensor that is not an input of the Function would lose its gradient,
-so it is refused with a typed error instead.
+re-run's graph is walked before it is differentiated (:func:`reached_outside`); a
+tensor it reaches that is not an input of the Function is differentiated too, and
+if it gets a gradient (which would be lost) the region is refused with a typed
+error instead (:func:`refuse_lost`).
 
 NOTE [Observed writes]
 The same mode sees every tensor the forward writes in place that it neither
@@ -333,7 +334,7 @@ class CheckReads(_Watch):
     """Refuse a re-run reading a leaf that requires grad which the forward did not read.
 
     A tensor with a history (made by an ``autograd.Function`` the re-run calls, or
-    one from outside) is left to :func:`check_graph`, which follows its history.
+    one from outside) is left to :func:`reached_outside`, which follows its history.
 
     NOTE [Observed reads]. ``allowed``: the tensors the re-run may read besides those it
     produces.
@@ -368,18 +369,22 @@ class CheckReads(_Watch):
         return out
 
 
-def check_graph(name: str, outs: list, wrt: list, made: set = frozenset()) -> None:
-    """Refuse a re-run whose graph reaches a tensor that is not an input of the Function.
+def reached_outside(outs: list, wrt: list, made: set = frozenset()) -> list[torch.Tensor]:
+    """The leaves a re-run's graph reaches that are not inputs of the Function.
 
-    NOTE [Observed reads]: such a gradient would be lost. Walks the re-run's autograd
-    graph from ``outs``; stops at ``wrt`` (their ``grad_fn``, or their gradient
+    NOTE [Observed reads]: a gradient for one of them would be lost. Walks the re-run's
+    autograd graph from ``outs``; stops at ``wrt`` (their ``grad_fn``, or their gradient
     accumulator for leaves). A leaf the re-run made itself (``made``: ids of what its
     operators returned; T5 makes its position bias a leaf that requires grad) is the
     region's own temporary, as in its forward: its gradient leaves the region nowhere.
+    The caller differentiates them too and refuses only one that gets a gradient
+    (:func:`refuse_lost`): an edge that carries none (a parameter of an inner region's
+    module that its forward did not use) loses nothing.
     """
     leaf_ids = {id(t) for t in wrt if t.grad_fn is None} | made
     stops = {t.grad_fn for t in wrt if t.grad_fn is not None}
     seen: set = set()
+    found: dict[int, torch.Tensor] = {}
     todo = [o.grad_fn for o in outs if o.grad_fn is not None]
     while todo:
         node = todo.pop()
@@ -389,13 +394,21 @@ def check_graph(name: str, outs: list, wrt: list, made: set = frozenset()) -> No
         variable = getattr(node, "variable", None)
         if variable is not None:
             if id(variable) not in leaf_ids:
-                raise RecomputeError(
-                    f"remat: region '{name}' (use_reentrant=True): its recomputation reaches a "
-                    f"tensor that requires grad (shape {list(variable.shape)}) which its forward "
-                    f"did not read, so that tensor's gradient would be lost (a custom "
-                    f"autograd.Function that returns a gradient for an input its forward never "
-                    f"reads, or state that changed between forward and backward); use "
-                    f"use_reentrant=False, or make the forward read it"
-                )
+                found.setdefault(id(variable), variable)
             continue
         todo.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
+
+
+def refuse_lost(name: str, outside: list, grads: list) -> None:
+    """Refuse when a leaf outside the Function's inputs got a gradient (NOTE [Observed reads])."""
+    for variable, g in zip(outside, grads, strict=True):
+        if g is not None:
+            raise RecomputeError(
+                f"remat: region '{name}' (use_reentrant=True): its recomputation reaches a "
+                f"tensor that requires grad (shape {list(variable.shape)}) which its forward "
+                f"did not read, so that tensor's gradient would be lost (a custom "
+                f"autograd.Function that returns a gradient for an input its forward never "
+                f"reads, or state that changed between forward and backward); use "
+                f"use_reentrant=False, or make the forward read it"
+            )

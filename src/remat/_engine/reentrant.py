@@ -20,7 +20,7 @@ differentiable down to the real inputs (a gradient penalty), while the nested
 ``torch.autograd.grad`` still stops there. A tensor read through the closure
 cannot be stopped at: if the nested backward runs on past it (it was computed
 from the region's own parameters), the region is refused (:func:`_closure_stops`).
-Before the nested backward the re-run's graph is checked (``observe.check_graph``):
+Before the nested backward the re-run's graph is walked (``observe.reached_outside``):
 a path to a tensor that is not an input of the Function is refused, never lost.
 The gradient hooks of the tensors read (``param.register_hook``) are silenced
 while the nested backward captures their gradients (:func:`_hooks_off`): they run
@@ -76,7 +76,8 @@ from remat._engine.modes import (
 from remat._engine.observe import (
     CheckReads,
     Substitute,
-    check_graph,
+    reached_outside,
+    refuse_lost,
     replayed_state,
     substituted,
 )
@@ -476,15 +477,19 @@ def _differentiate_once(frame: ReentrantFrame, tensors: tuple, grads: tuple, acc
     wrt = [w for w in wrts if w is not None] + frame.params + list(aliases.values())
     found: list = [None] * len(wrt)
     if outs and wrt:
-        if frame.watched:  # unwatched: its modules' parameters are all in wrt (NOTE [Observed
-            check_graph(frame.name, outs, wrt, made)  # reads], [Observed once, confirmed ...])
+        # unwatched: its modules' parameters are all in wrt (NOTE [Observed reads],
+        # [Observed once, confirmed every call])
+        outside = reached_outside(outs, wrt, made) if frame.watched else []
         try:
             with _closure_stops(frame), _hooks_off(frame.params):
-                found = (_accumulated(outs, wrt, out_grads, create_graph) if accumulate else
-                         list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True,
+                everything = wrt + outside
+                found = (_accumulated(outs, everything, out_grads, create_graph) if accumulate else
+                         list(torch.autograd.grad(outs, everything, out_grads, allow_unused=True,
                                                   create_graph=create_graph)))
         finally:
             stop[0] = False
+        refuse_lost(frame.name, outside, found[len(wrt):])
+        found = found[:len(wrt)]
     _wait_issued(replay)
     for p in reversed(nonleaf):  # the alias's gradient goes to the tensor it stands for
         g = found.pop()
@@ -552,7 +557,7 @@ def _rerun(frame: ReentrantFrame, inputs: list, aliases: dict, allowed: list
     substitute = Substitute(aliases) if aliases else contextlib.nullcontext()
     # an unwatched forward read its modules' parameters only, all of them inputs; the
     # re-run reads the modules as the forward found them (NOTE [Observed once, confirmed
-    # every call]); check_graph still refuses a path to any other tensor
+    # every call]); a gradient reaching any other tensor is still refused
     check = CheckReads(frame.name, allowed) if frame.watched else contextlib.nullcontext()
     with _state.recomputing(), frame.module_state_restored(frame.state), replayed_state(frame.state), \
             frame.replay.context(), torch.enable_grad(), guard, replay, substitute, check:
