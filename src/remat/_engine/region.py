@@ -36,6 +36,7 @@ from remat._engine import facts as _facts
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
 from remat._engine import reentrant as _reentrant
+from remat._engine import structure as _structure
 from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.hooked import ForwardHooks, HookedFrame
@@ -85,7 +86,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
     spec = _flags.resolve(spec)  # NOTE [Global switches]
     contexts = _contexts(spec, context_fn)
     if spec.use_reentrant:
-        _reentrant.check_args(name, args, kwargs)
+        _structure.check_args(name, args, kwargs)
         frame: RegionCore = _reentrant.ReentrantFrame(fn, args, kwargs, spec, name, contexts)
         args, kwargs = frame.call_with(frame.aliases)  # NOTE [Observed reads]
         flowing = [a for a, x in zip(frame.aliases, frame.arguments) if x.requires_grad]
@@ -196,8 +197,8 @@ def _escapes(frame: RegionCore, observe: Observe, output: Any) -> list:
     refuses any other escape, leaving the state the forward wrote and the attributes it
     rebound as they were.
     """
-    kept = [*_reentrant.tensors_held(output), *frame.arguments, *frame.aliases,
-            *_reentrant.tensors_held([*frame.leaves, *_bound(frame.fn)])]
+    kept = [*_structure.tensors_held(output), *frame.arguments, *frame.aliases,
+            *_structure.tensors_held([*frame.leaves, *_bound(frame.fn)])]
     escaped = observe.escaped([t for t in kept if isinstance(t, torch.Tensor)])
     if not escaped:
         return []

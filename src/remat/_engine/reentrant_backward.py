@@ -1,0 +1,297 @@
+"""The backward of a ``use_reentrant=True`` region: its re-run and nested differentiation (engine).
+
+NOTE [Reentrant gradients], NOTE [Written arguments] and NOTE [torch's reentrant
+checkpoint inside a reentrant region] (``reentrant.py``, and :func:`differentiate`
+below) say what this code obeys. :class:`Reentrant`'s backward calls
+:func:`differentiate`, which re-runs the region (:func:`_rerun`) on fresh leaves or
+:class:`Boundary` nodes and returns every gradient the Function owes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from remat._engine import collectives as _collectives
+from remat._engine import state as _state
+from remat._engine.errors import RecomputeError
+from remat._engine.modes import _UNANNOTATED, StateGuard, _allocates, _storage_key, _written_args
+from remat._engine.observe import (
+    CheckReads,
+    Substitute,
+    reached_outside,
+    refuse_lost,
+    replayed_state,
+)
+
+
+class Boundary(torch.autograd.Function):
+    """An argument of a re-run under ``create_graph=True``: the nested backward stops here.
+
+    With ``value``, the argument's value is ``value`` and its gradient goes to ``x``
+    (a :class:`Link`: NOTE [Written arguments]).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, stop: list, x: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
+        ctx.stop = stop
+        return x.view_as(x) if value is None else value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any, *_: Any) -> Any:
+        return None, (None if ctx.stop[0] else grad), None
+
+
+class Link(torch.autograd.Function):
+    """Holds a written argument's history as it was before the write (NOTE [Written arguments]).
+
+    Its output has the argument's shape and no memory of its own (an expanded
+    scalar); a gradient sent to it goes to the argument's history.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(()).expand(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return grad
+
+
+def _feed(frame: Any, i: int, x: torch.Tensor, wrt: torch.Tensor | None) -> torch.Tensor:
+    feed = wrt if wrt is not None else x.detach()
+    if i not in frame.written:
+        return feed
+    with torch.enable_grad():  # a copy the re-run may write to; gradients pass through it
+        return feed.clone()
+
+
+def _pairs(frame: Any, outs: tuple, feeds: list, grads: tuple) -> tuple[list, list, list]:
+    """The re-run's outputs and the gradients they get; the gradients of the written bases.
+
+    NOTE [Written arguments]: a written view's new value gets its slice of its base's
+    gradient; the base itself gets the rest (the slice zeroed: the region overwrote it).
+    """
+    n = len(grads) - frame.n_targets
+    pairs = [(o, g) for o, g in zip(outs, grads[:n]) if isinstance(o, torch.Tensor) and o.requires_grad]
+    bases: list = [None] * frame.n_bases
+    slices = []
+    for i in frame.dirty:
+        g = grads[n + frame.target_of[i]]
+        if i in frame.views:
+            k, base_shape, base_stride, shape, stride, offset = frame.views[i]
+            whole = g.new_empty_strided(base_shape, base_stride)
+            whole.copy_(g)  # as autograd's CopySlices does
+            part = whole.as_strided(shape, stride, offset)
+            g = part.clone()
+            slices.append(part)
+            bases[k] = whole
+        if feeds[i].requires_grad:
+            pairs.append((feeds[i], g))
+    for part in slices:
+        part.zero_()
+    return [o for o, _ in pairs], [g for _, g in pairs], bases
+
+
+def differentiate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
+    """NOTE [Reentrant gradients]: every gradient returned through the Function.
+
+    NOTE [torch's reentrant checkpoint inside a reentrant region]
+    torch's reentrant checkpoint refuses to be differentiated by ``torch.autograd.grad``
+    (``_is_checkpoint_valid``), which the nested backward is; Hugging Face's own switch
+    left on under ``remat.apply(..., use_reentrant=True)`` puts one inside every region.
+    Then the region is re-run again and differentiated by a plain ``backward``, whose
+    gradients are collected from the tensors differentiated (their ``.grad`` is set
+    aside and put back) and returned through the Function as before.
+    """
+    try:
+        return _differentiate_once(frame, tensors, grads, accumulate=False)
+    except RuntimeError as err:
+        if "incompatible with .grad()" not in str(err):
+            raise
+    return _differentiate_once(frame, tensors, grads, accumulate=True)
+
+
+def _accumulated(outs: list, wrt: list, out_grads: list, create_graph: bool) -> list:
+    """The gradients of ``wrt`` by a plain backward (NOTE [torch's reentrant checkpoint
+    inside a reentrant region]); their ``.grad`` comes back as it was."""
+    before = [w.grad for w in wrt]
+    for w in wrt:
+        if w.grad_fn is not None:
+            w.retain_grad()
+        w.grad = None
+    try:
+        torch.autograd.backward(outs, out_grads, create_graph=create_graph)
+        return [w.grad for w in wrt]
+    finally:
+        for w, g in zip(wrt, before):
+            w.grad = g
+
+
+def _differentiate_once(frame: Any, tensors: tuple, grads: tuple, accumulate: bool) -> tuple:
+    create_graph = torch.is_grad_enabled()
+    stop = [True]
+    wrts: list = []
+    for i, x in enumerate(tensors):
+        if not x.requires_grad or i in frame.same_as:  # a repeated argument: fed once, below
+            wrts.append(None)
+        elif create_graph and i in frame.target_of:  # NOTE [Written arguments]
+            wrts.append(Boundary.apply(stop, frame.links[i], x.detach()))
+        elif create_graph:
+            wrts.append(Boundary.apply(stop, x))
+        else:
+            wrts.append(x.detach().requires_grad_())
+    feeds = [_feed(frame, i, x, w) for i, (x, w) in enumerate(zip(tensors, wrts))]
+    for i, j in frame.same_as.items():  # NOTE [Arguments that are one tensor] (hooked.py)
+        feeds[i] = feeds[j]
+    # NOTE [Observed reads]: the nested backward stops at an alias of each non-leaf read
+    nonleaf = [p for p in frame.params if p.grad_fn is not None]
+    aliases = {id(p): Boundary.apply(stop, p) if create_graph else p.detach().requires_grad_()
+               for p in nonleaf}
+    allowed = [t for t in (*feeds, *wrts, *frame.params, *aliases.values()) if t is not None]
+    rerun, replay, made = _rerun(frame, feeds, aliases, allowed)
+    if frame.passthrough:  # NOTE [Arguments returned as outputs]: not outputs of the Function
+        rerun = tuple(o for j, o in enumerate(rerun) if j not in frame.passthrough)
+    outs, out_grads, bases = _pairs(frame, rerun, feeds, grads)
+    wrt = [w for w in wrts if w is not None] + frame.params + list(aliases.values())
+    found: list = [None] * len(wrt)
+    if outs and wrt:
+        # unwatched: its modules' parameters are all in wrt (NOTE [Observed reads],
+        # [Observed once, confirmed every call])
+        outside = reached_outside(outs, wrt, made) if frame.watched else []
+        try:
+            with _closure_stops(frame), _hooks_off(frame.params):
+                everything = wrt + outside
+                found = (_accumulated(outs, everything, out_grads, create_graph) if accumulate else
+                         list(torch.autograd.grad(outs, everything, out_grads, allow_unused=True,
+                                                  create_graph=create_graph)))
+        finally:
+            stop[0] = False
+        refuse_lost(frame.name, outside, found[len(wrt):])
+        found = found[:len(wrt)]
+    _wait_issued(replay)
+    for p in reversed(nonleaf):  # the alias's gradient goes to the tensor it stands for
+        g = found.pop()
+        k = len(found) - len(frame.params) + next(j for j, q in enumerate(frame.params) if q is p)
+        if g is not None:
+            found[k] = g if found[k] is None else found[k] + g
+    found.reverse()
+    input_grads = [None if w is None else found.pop() for w in wrts]
+    return (None, None, *input_grads, *reversed(found), *bases)
+
+
+@contextlib.contextmanager
+def _hooks_off(params: list) -> Any:
+    """Silence the gradient hooks of ``params`` while the nested backward captures there.
+
+    Their gradient goes back through the Function, where the hooks run (once).
+    """
+    saved = []
+    for p in params:
+        hooks = p._backward_hooks
+        if hooks:
+            saved.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.update(items)
+
+
+@contextlib.contextmanager
+def _closure_stops(frame: Any) -> Any:
+    """Refuse a nested backward that would run on past a tensor read through the closure.
+
+    Its gradient goes back through the Function; running on from it as well would
+    count the part it sends to the region's other reached tensors twice.
+    """
+    def refuse(grad_outputs: Any) -> None:
+        raise RecomputeError(
+            f"remat: region '{frame.name}' (use_reentrant=True) reads a tensor through its "
+            f"closure that was computed from other tensors the region reaches (its parameters); "
+            f"the reentrant implementation cannot split their gradients; read that tensor through "
+            f"an argument only, or use use_reentrant=False"
+        )
+
+    handles = [p.grad_fn.register_prehook(refuse) for p in frame.params if p.grad_fn is not None]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _rerun(frame: Any, inputs: list, aliases: dict, allowed: list
+           ) -> tuple[tuple, Any, set]:
+    """Re-run the region; return its outputs and the mode that saw its collectives.
+
+    ``aliases`` stand for the non-leaf tensors the forward read; a read of a tensor
+    that requires grad outside ``allowed`` is refused (NOTE [Observed reads]).
+    """
+    args, kwargs = frame.call_with(inputs)
+    frame.runs += 1
+    guard = _WrittenArguments(frame, inputs) if frame.written else contextlib.nullcontext()
+    replay = _collectives.replaying(frame, wait_issued=True)  # NOTE [Kept collectives]
+    substitute = Substitute(aliases) if aliases else contextlib.nullcontext()
+    # an unwatched forward read its modules' parameters only, all of them inputs; the
+    # re-run reads the modules as the forward found them (NOTE [Observed once, confirmed
+    # every call]); a gradient reaching any other tensor is still refused
+    check = CheckReads(frame.name, allowed) if frame.watched else contextlib.nullcontext()
+    with _state.recomputing(), frame.module_state_restored(frame.state), replayed_state(frame.state), \
+            frame.replay.context(), torch.enable_grad(), guard, replay, substitute, check:
+        out = frame.fn(*args, **kwargs)
+        if frame.escaped:  # NOTE [Tensors that escape a reentrant region]: the re-run's values
+            out = (*(out if isinstance(out, tuple) else (out,)), *(w[k] for w, k in frame.escaped))
+    made = check.produced if isinstance(check, CheckReads) else set()
+    return (out if isinstance(out, tuple) else (out,)), replay, made
+
+
+def _wait_issued(replay: Any) -> None:
+    """Wait the collectives the re-run issued: the nested backward never reads its outputs.
+
+    NOTE [Kept collectives]; without this a re-run output that is an all-reduce's
+    result stays unwaited.
+    """
+    if isinstance(replay, _collectives.Issued):
+        replay.wait()
+
+
+class _WrittenArguments(StateGuard):
+    """The state guard, refusing a re-run that reads an argument before writing it.
+
+    The forward changed those arguments in place, so the re-run starts from their
+    new values and the guard drops the writes (NOTE [No double state updates]):
+    exact only when nothing read an argument before its last write.
+    """
+
+    def __init__(self, frame: Any, feeds: list) -> None:
+        super().__init__()
+        self.name = frame.name
+        self.watched = {_storage_key(feeds[i]): i for i in frame.written}
+        self.read: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        seen = {_storage_key(t) for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and _storage_key(t) in self.watched}
+        if seen:
+            writes = _written_args(func) if func._schema.is_mutable or func in _UNANNOTATED else ()
+            targets = {_storage_key(t) for i, name in writes
+                       if isinstance(t := StateGuard._arg(func, i, name, args, kwargs), torch.Tensor)}
+            for key in targets & seen:
+                if self.watched[key] in self.read:
+                    raise RecomputeError(
+                        f"remat: region '{self.name}' (use_reentrant=True) reads its argument "
+                        f"{self.watched[key]} and then changes it in place ({func}); the forward "
+                        f"already changed it, so the re-run cannot see the value it read; change "
+                        f"a copy instead (x = x.clone()), or change it outside the region"
+                    )
+            if targets or _allocates(func):  # a view reads nothing
+                self.read |= {self.watched[key] for key in seen - targets}
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
