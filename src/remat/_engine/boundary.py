@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -174,8 +175,13 @@ class ModuleState:
         Each module is kept as the forward finds it when it is called (a global forward
         pre-hook, while the forward runs): the same state a re-run must find there.
         """
-        handle = torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda module, args: self.add(module))
+        thread = threading.get_ident()  # the hook is global: other threads' calls are not ours
+
+        def seen(module: torch.nn.Module, args: Any) -> None:
+            if threading.get_ident() == thread:
+                self.add(module)
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
         try:
             yield
         finally:
