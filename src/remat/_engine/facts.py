@@ -27,7 +27,11 @@ versions of the modules' buffers and tensor attributes must be the ones it found
 (a write the facts did not foresee is refused with a ``RecomputeError``, and the
 region is watched from then on). A region that was seen writing state, or reading
 a tensor that is not its argument or its modules' parameter, is watched on every
-call: it pays for what it uses, and no other region does.
+call: it pays for what it uses, and no other region does. What an unwatched call
+cannot see is a tensor outside its modules (a global, a closure) that only a later
+call's Python branch starts to write, or under ``use_reentrant=True`` to read: a
+branch on a module attribute changes the key, one on a plain value held elsewhere
+does not.
 
 An unwatched reentrant region's re-run is not watched either: the forward that was
 observed read only its modules' parameters, and every parameter of its modules is an
