@@ -342,3 +342,19 @@ def test_adapters_on_a_frozen_model_train_exactly(mode):
     marked = copy.deepcopy(base)
     remat.apply(marked, where=_Adapted, **MODES[mode])
     assert_bitwise_equal(train(marked), train(base))
+
+
+def test_a_gradient_inside_an_inner_region_of_a_selective_region_is_exact():
+    """The inner region's forward calls backward, re-running it inside the outer region's
+    recomputation too; the outer replay numbered those calls as its own (own fuzz 3503)."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 8), ForceBlock(), torch.nn.Linear(8, 8))
+    marked = copy.deepcopy(base)
+    remat.recompute_module(marked, policy=remat.save_compute_intensive)
+    remat.recompute_module(marked[1])
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    got = []
+    for model in (base, marked):
+        model(x).pow(2).sum().backward()
+        got.append([p.grad for p in model.parameters()])
+    assert_bitwise_equal(got[1], got[0])

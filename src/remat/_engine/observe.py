@@ -59,9 +59,11 @@ not an output, an argument or a view of one has escaped. One the forward bound t
 attribute of the region's modules is made an output of the region's Function, and
 the attribute is bound to that output instead: it carries its gradient as without
 the mark (the re-run hands back its own value of the attribute beside the region's
-outputs). Such a region lets go of its module after a backward that freed its graph
-(the attribute leads back to it through autograd, a cycle Python's collector cannot
-free); under ``retain_graph=True`` it keeps it for the next backward. Any other escape (a hook's
+outputs). Such a region lets go of its module after a backward that does not keep
+its graph (the attribute leads back to it through autograd, a cycle Python's collector
+cannot free); under ``retain_graph=True`` it keeps it for the next backward. Inside
+another region's forward or re-run, whose own re-run would rebuild the attribute again,
+an attribute escape is refused like any other. Any other escape (a hook's
 capture, a list) cannot be handed back, and the
 region is refused with a ``RecomputeError`` naming the fix, ``use_reentrant=False``,
 after putting back the state its forward wrote and the attributes it rebound. A

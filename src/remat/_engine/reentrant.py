@@ -261,19 +261,11 @@ class Reentrant(torch.autograd.Function):
             tensors = tuple(x.detach().requires_grad_(frame.copied.get(i, True))
                             if i in frame.views or i in frame.copied else x
                             for i, x in enumerate(tensors))
+        keep = torch._C._autograd._get_current_graph_task_keep_graph()
         found = differentiate(frame, tensors, grads)
-        if frame.escaped:  # NOTE [Tensors that escape a reentrant region]: break the cycle
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: _release_if_freed(ctx))
+        if frame.escaped and not keep:  # NOTE [Tensors that escape a reentrant region]: a graph
+            frame.release()  # not kept cannot run the region again; break the cycle
         return found
-
-
-def _release_if_freed(ctx: Any) -> None:
-    """At the end of a backward: a graph not retained cannot run the region again, so it lets
-    go of its module (NOTE [Tensors that escape a reentrant region])."""
-    try:
-        _ = ctx.saved_tensors
-    except RuntimeError:
-        ctx.frame.release()
 
 
 def _returned_copied(frame: ReentrantFrame, inputs: tuple) -> tuple:

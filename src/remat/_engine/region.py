@@ -42,6 +42,7 @@ from remat._engine.errors import RecomputeError
 from remat._engine.hooked import ForwardHooks, HookedFrame
 from remat._engine.observe import Observe, restore_state
 from remat._engine.selective import policy_context
+from remat._engine.state import is_recomputing
 from remat._vocab.policy import save_all
 from remat._vocab.spec import RegionSpec
 
@@ -189,6 +190,15 @@ def _bound(fn: Callable) -> list:
     return found
 
 
+def _inside_another_region() -> bool:
+    """True inside another region's forward or re-run: an attribute handed out as an output
+    of this region's Function there is one the enclosing region's re-run rebuilds again,
+    which the Function cannot follow; such an escape is refused like any other."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return is_recomputing() or (top is not None and isinstance(getattr(top[0], "__self__", None),
+                                                                HookedFrame))
+
+
 def _escapes(frame: RegionCore, observe: Observe, output: Any) -> list:
     """NOTE [Tensors that escape a reentrant region] (``observe.py``).
 
@@ -209,8 +219,9 @@ def _escapes(frame: RegionCore, observe: Observe, output: Any) -> list:
             if isinstance(now, torch.Tensor) and any(now is t for t in escaped):
                 attributes.append((place, key, now))
     others = [t for t in escaped if not any(t is now for _, _, now in attributes)]
-    if not others:
+    if not others and not _inside_another_region():
         return attributes
+    others = others or escaped
     restore_state(observe.state)
     for place, key, then in rebound:
         _boundary.put(place, key, then)

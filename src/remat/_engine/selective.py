@@ -179,13 +179,17 @@ class ReplayMode(TorchDispatchMode):
         super().__init__()
         self.policy, self.store = policy, store
         self.calls: dict[Any, int] = defaultdict(int)
+        self.depth = 0
 
     def __enter__(self):
         self.calls.clear()
+        self.depth = recompute_depth()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not _keeps(self.policy, func):
+        # NOTE [Re-runs inside a selective forward]: a re-run inside this re-run (an inner
+        # region's forward that calls backward) is not this re-run's calls
+        if not _keeps(self.policy, func) or recompute_depth() > self.depth:
             return func(*args, **(kwargs or {}))
         key = _counted(self.policy, func)
         index = self.calls[key]
