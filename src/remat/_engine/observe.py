@@ -62,7 +62,7 @@ the mark (the re-run hands back its own value of the attribute beside the region
 outputs). Such a region lets go of its module after a backward that does not keep
 its graph (the attribute leads back to it through autograd, a cycle Python's collector
 cannot free); under ``retain_graph=True`` it keeps it for the next backward. Inside
-another region's forward or re-run, whose own re-run would rebuild the attribute again,
+a non-reentrant region's forward, whose own re-run would rebuild the attribute again,
 an attribute escape is refused like any other. Any other escape (a hook's
 capture, a list) cannot be handed back, and the
 region is refused with a ``RecomputeError`` naming the fix, ``use_reentrant=False``,

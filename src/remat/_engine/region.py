@@ -42,7 +42,6 @@ from remat._engine.errors import RecomputeError
 from remat._engine.hooked import ForwardHooks, HookedFrame
 from remat._engine.observe import Observe, restore_state
 from remat._engine.selective import policy_context
-from remat._engine.state import is_recomputing
 from remat._vocab.policy import save_all
 from remat._vocab.spec import RegionSpec
 
@@ -191,12 +190,11 @@ def _bound(fn: Callable) -> list:
 
 
 def _inside_another_region() -> bool:
-    """True inside another region's forward or re-run: an attribute handed out as an output
-    of this region's Function there is one the enclosing region's re-run rebuilds again,
-    which the Function cannot follow; such an escape is refused like any other."""
+    """True inside a non-reentrant region's forward: an attribute handed out as an output of
+    this region's Function there is one the enclosing region's re-run rebuilds again, which
+    the Function cannot follow; such an escape is refused like any other."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return is_recomputing() or (top is not None and isinstance(getattr(top[0], "__self__", None),
-                                                                HookedFrame))
+    return top is not None and isinstance(getattr(top[0], "__self__", None), HookedFrame)
 
 
 def _escapes(frame: RegionCore, observe: Observe, output: Any) -> list:
