@@ -196,7 +196,9 @@ def test_a_region_whose_module_changed_between_calls_is_observed_again(monkeypat
         results += [step(model, True), step(model, True)]
         if model is base:
             want = results
-    assert entered.count("Block") == 2  # the first call, and the first after the change
+    # the first call, and the first after the change; a reentrant region whose modules
+    # carry a forward hook is watched on every call (NOTE [Escapes handed back by position])
+    assert entered.count("Block") == (3 if (kind, mode) == ("hook", "reentrant") else 2)
     for got, expected in zip(results, want, strict=True):
         assert_bitwise_equal(got, expected)
 

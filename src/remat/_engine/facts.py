@@ -85,6 +85,11 @@ def _global_hooks() -> tuple:
         "_global_backward_pre_hooks", "_global_forward_hooks_always_called"))
 
 
+def _forward_hooked(modules: list[torch.nn.Module]) -> bool:
+    hooks = torch.nn.modules.module
+    return bool(hooks._global_forward_hooks) or any(m._forward_hooks for m in modules)
+
+
 def key_of(frame: Any, arguments: list) -> tuple | None:
     """The key of a module region's call (NOTE [Observed once, confirmed every call]), or None."""
     state = frame.module_state
@@ -114,6 +119,8 @@ def learn(frame: Any, key: tuple | None, observe: Any) -> None:
         own = {id(p) for p in frame.module_state.parameters()}
         if any(id(t) not in own for t in observe.reads.values()):
             return  # it reads tensors other than its modules' parameters
+        if _forward_hooked(frame.module_state.modules()):
+            return  # a hook may capture on some calls only (NOTE [Escapes handed back by position])
     table = _STORE.setdefault(frame.module_state.root, {})
     if len(table) >= _CAPACITY:
         table.pop(next(iter(table)))

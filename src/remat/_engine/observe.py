@@ -152,7 +152,8 @@ class Observe(_Watch):
         # by id, with a weak reference: a dead tensor's id is reused by the next one made
         self.flowing: dict[int, weakref.ref] | None = (
             None if flowing is None else {id(t): weakref.ref(t) for t in flowing})
-        self.made: list[weakref.ref] = []
+        self.made: list[tuple[weakref.ref, tuple[int, int]]] = []  # and where: (call, output)
+        self.calls: list = []  # the operators, in order (NOTE [Escapes handed back by position])
         self.arguments = {id(t) for t in arguments}
         self.argument_storages = {_storage(t) for t in arguments} - {None}
         self.want_reads = reads
@@ -181,34 +182,36 @@ class Observe(_Watch):
         out = self._call(func, args, kwargs, tensors)
         allocates = _allocates(func)
         made = tensors_in((out,))
+        if self.flowing is not None and func not in _STOPS_GRADIENT:  # autograd's own detach
+            self.calls.append(func)  # varies with grad mode (NOTE [Escapes handed back by position])
         for t in made:
             self.produced.add(id(t))
             if allocates and (key := _storage(t)) is not None:
                 self.fresh.add(key)
         if self.flowing is not None and func not in _STOPS_GRADIENT and any(
                 t.requires_grad or self._flows(t) for t in tensors):
-            for t in made:
+            for j, t in enumerate(made):
                 if t.is_floating_point() or t.is_complex():
                     ref = weakref.ref(t)
                     self.flowing[id(t)] = ref
                     if _storage(t) in self.fresh:  # allocated here (not a buffer written by out=)
-                        self.made.append(ref)
+                        self.made.append((ref, (len(self.calls) - 1, j)))
         return out
 
     def _flows(self, t: torch.Tensor) -> bool:
         ref = self.flowing.get(id(t))
         return ref is not None and ref() is t
 
-    def escaped(self, kept: list) -> list[torch.Tensor]:
+    def escaped(self, kept: list) -> list[tuple[torch.Tensor, tuple[int, int]]]:
         """Tensors the forward made that would carry a gradient unmarked and are still alive
-        other than as ``kept`` (the outputs, the arguments) or a view of one of them.
+        other than as ``kept`` (the outputs, the arguments) or the base of one of them (a
+        view of one, held elsewhere, has escaped: it carries no gradient either), each
+        with where it was made: (the operator's index in :attr:`calls`, its output's).
 
         NOTE [Tensors that escape a reentrant region].
         """
-        storages = {_storage(t) for t in kept} - {None}
-        ids = {id(t) for t in kept}
-        return [t for ref in self.made if (t := ref()) is not None
-                and id(t) not in ids and _storage(t) not in storages]
+        ids = {id(t) for t in kept} | {id(t._base) for t in kept if t._base is not None}
+        return [(t, at) for ref, at in self.made if (t := ref()) is not None and id(t) not in ids]
 
     def _note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
         for i, name in _written_args(func):

@@ -98,6 +98,7 @@ class ReentrantFrame(RegionCore):
         self.passthrough: dict[int, int] = {}  # output position -> the argument it is
         self.returned: set[int] = set()  # storages of the outputs
         self.escaped: list[tuple[dict, str]] = []  # attributes handed out as outputs
+        self.picks: Any = None  # other escapes handed out as outputs (escapes.Picks)
         self.released = False  # let go of its module after its first backward
 
     def abandon(self) -> None:
@@ -107,21 +108,23 @@ class ReentrantFrame(RegionCore):
     def release(self) -> None:
         """Let go of the module: an attribute holding one of the Function's outputs leads
         back here through autograd, a cycle Python's collector cannot free."""
-        self.released, self.fn, self.escaped = True, None, []
+        self.released, self.fn, self.escaped, self.picks = True, None, [], None
         self.module_state = _boundary.ModuleState(self.name, [])
 
 
-def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list = ()) -> Any:
+def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list = (),
+          picks: Any = None) -> Any:
     """Finish a reentrant region's forward: what it read and wrote, then the Function.
 
     ``reads``: the tensors it read besides its arguments (NOTE [Observed reads]; its
     modules' parameters when it ran unwatched: NOTE [Observed once, confirmed every
     call]); ``state``: what it wrote (NOTE [Observed writes]); ``escaped``: ``(dict,
     key, tensor)`` for each attribute the forward bound to a tensor that would carry a
-    gradient (NOTE [Tensors that escape a reentrant region] in ``observe.py``).
+    gradient (NOTE [Tensors that escape a reentrant region] in ``observe.py``); ``picks``:
+    where the other escaped tensors were made (NOTE [Escapes handed back by position]).
     """
-    if escaped:
-        return _with_escaped(frame, reads, state, output, escaped)
+    if escaped or picks is not None:
+        return _with_escaped(frame, reads, state, output, escaped, picks)
     check_outputs(frame.name, output)
     frame.params = [t for t in reads if t.requires_grad]
     frame.state = state
@@ -142,19 +145,27 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped:
     return _like(output, whole) if isinstance(output, tuple) else whole[0]
 
 
-def _with_escaped(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list) -> Any:
-    """Escaped attributes become outputs of the Function, and the attributes its outputs.
+def _with_escaped(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list,
+                  picks: Any) -> Any:
+    """Escaped tensors become outputs of the Function, and the attributes its outputs.
 
     NOTE [Tensors that escape a reentrant region]: ``self.aux = h.pow(2).mean()`` carries
     a gradient as without the mark; the re-run hands back its own value of the attribute
-    beside the region's outputs (:func:`_rerun`).
+    beside the region's outputs (:func:`_rerun`). A tensor held elsewhere (a hook's
+    capture) is returned itself and gets its history in place (NOTE [Escapes handed back
+    by position] in ``escapes.py``).
     """
     single = not isinstance(output, tuple)
     outs = (output,) if single else tuple(output)
     frame.escaped = [(where, key) for where, key, _ in escaped]
-    result = close(frame, reads, state, (*outs, *(t for _, _, t in escaped)))
-    for (where, key, _), value in zip(escaped, result[len(outs):], strict=True):
+    held = picks.take() if picks is not None else []
+    frame.picks = picks
+    result = close(frame, reads, state, (*outs, *(t for _, _, t in escaped), *held))
+    for (where, key, _), value in zip(escaped, result[len(outs):], strict=False):
         where[key] = value
+    if any(value is not t for t, value in zip(held, result[len(outs) + len(escaped):], strict=True)):
+        raise RecomputeError(f"remat: region '{frame.name}': an escaped tensor was not given its "
+                             f"history in place (NOTE [Escapes handed back by position])")
     result = tuple(result[:len(outs)])
     return result[0] if single else _like(output, result)
 
@@ -263,8 +274,8 @@ class Reentrant(torch.autograd.Function):
                             for i, x in enumerate(tensors))
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
         found = differentiate(frame, tensors, grads)
-        if frame.escaped and not keep:  # NOTE [Tensors that escape a reentrant region]: a graph
-            frame.release()  # not kept cannot run the region again; break the cycle
+        if (frame.escaped or frame.picks) and not keep:  # NOTE [Tensors that escape a
+            frame.release()  # reentrant region]: a graph not kept cannot run it again; break the cycle
         return found
 
 

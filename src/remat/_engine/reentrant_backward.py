@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from remat._engine import collectives as _collectives
 from remat._engine import state as _state
 from remat._engine.errors import RecomputeError
+from remat._engine.escapes import Pick
 from remat._engine.modes import _UNANNOTATED, StateGuard, _allocates, _storage_key, _written_args
 from remat._engine.observe import (
     CheckReads,
@@ -241,11 +242,13 @@ def _rerun(frame: Any, inputs: list, aliases: dict, allowed: list
     # re-run reads the modules as the forward found them (NOTE [Observed once, confirmed
     # every call]); a gradient reaching any other tensor is still refused
     check = CheckReads(frame.name, allowed) if frame.watched else contextlib.nullcontext()
+    pick = Pick(frame.name, frame.picks) if frame.picks is not None else contextlib.nullcontext()
     with _state.recomputing(), frame.module_state_restored(frame.state), replayed_state(frame.state), \
-            frame.replay.context(), torch.enable_grad(), guard, replay, substitute, check:
+            frame.replay.context(), torch.enable_grad(), guard, replay, substitute, check, pick:
         out = frame.fn(*args, **kwargs)
-        if frame.escaped:  # NOTE [Tensors that escape a reentrant region]: the re-run's values
-            out = (*(out if isinstance(out, tuple) else (out,)), *(w[k] for w, k in frame.escaped))
+        if frame.escaped or frame.picks is not None:  # NOTE [Tensors that escape a reentrant
+            out = (*(out if isinstance(out, tuple) else (out,)),  # region]: the re-run's values
+                   *(w[k] for w, k in frame.escaped), *(pick.taken() if frame.picks else ()))
     made = check.produced if isinstance(check, CheckReads) else set()
     return (out if isinstance(out, tuple) else (out,)), replay, made
 

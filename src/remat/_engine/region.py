@@ -23,15 +23,14 @@ either.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from remat._engine import boundary as _boundary
 from remat._engine import collectives as _collectives
+from remat._engine import escapes as _escapes
 from remat._engine import facts as _facts
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
@@ -158,17 +157,17 @@ def close_region(handle: _Handle, output: Any) -> Any:
         except RecomputeError:
             frame.abandon()
             raise
-    escaped = []
+    escaped, picks = [], None
     if observe is not None:
         if frame.spec.use_reentrant:
-            escaped = _escapes(frame, observe, output)
-        if not escaped:
+            escaped, picks = _escapes.find(frame, observe, output)
+        if not escaped and picks is None:
             _facts.learn(frame, frame.facts_key, observe)
     frame.module_state.settle(observe.state if observe is not None else [])
     if frame.spec.use_reentrant:
         reads = frame.module_state.parameters() if observe is None else list(observe.reads.values())
         return _reentrant.close(frame, reads, observe.state if observe is not None else [], output,
-                                escaped)
+                                escaped, picks)
     return frame.close(output)
 
 
@@ -178,61 +177,6 @@ def _observer(frame: RegionCore, arguments: list, reads: bool, flowing: list | N
     if _facts.known(frame, frame.facts_key):  # NOTE [Observed once, confirmed every call]
         return None
     return Observe(frame.name, arguments, reads=reads, flowing=flowing)
-
-
-def _bound(fn: Callable) -> list:
-    """The arguments a ``functools.partial`` binds (Hugging Face binds a layer's keywords)."""
-    found = []
-    while isinstance(fn, functools.partial):
-        found += [*fn.args, *fn.keywords.values()]
-        fn = fn.func
-    return found
-
-
-def _inside_another_region() -> bool:
-    """True inside a non-reentrant region's forward: an attribute handed out as an output of
-    this region's Function there is one the enclosing region's re-run rebuilds again, which
-    the Function cannot follow; such an escape is refused like any other."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and isinstance(getattr(top[0], "__self__", None), HookedFrame)
-
-
-def _escapes(frame: RegionCore, observe: Observe, output: Any) -> list:
-    """NOTE [Tensors that escape a reentrant region] (``observe.py``).
-
-    Returns ``(dict, key, tensor)`` for each attribute of the region's modules the
-    forward bound to a tensor that escaped (they become outputs of the Function);
-    refuses any other escape, leaving the state the forward wrote and the attributes it
-    rebound as they were.
-    """
-    kept = [*_structure.tensors_held(output), *frame.arguments, *frame.aliases,
-            *_structure.tensors_held([*frame.leaves, *_bound(frame.fn)])]
-    escaped = observe.escaped([t for t in kept if isinstance(t, torch.Tensor)])
-    if not escaped:
-        return []
-    rebound, attributes = [], []
-    for entry in frame.module_state.entries:
-        for place, key, now in entry.rebound():
-            rebound.append((place, key, entry.value_then(place, key)))
-            if isinstance(now, torch.Tensor) and any(now is t for t in escaped):
-                attributes.append((place, key, now))
-    others = [t for t in escaped if not any(t is now for _, _, now in attributes)]
-    if not others and not _inside_another_region():
-        return attributes
-    others = others or escaped
-    restore_state(observe.state)
-    for place, key, then in rebound:
-        _boundary.put(place, key, then)
-    frame.abandon()
-    raise RecomputeError(
-        f"remat: region '{frame.name}' (use_reentrant=True): a tensor it computes (shape "
-        f"{list(others[0].shape)}) leaves it through a forward hook or a container it wrote "
-        f"to, not through its outputs; the reentrant implementation runs forward without grad, "
-        f"so that tensor would carry no gradient (without the mark it does: an auxiliary or "
-        f"router loss would train nothing); use use_reentrant=False, which keeps its graph, or "
-        f"return the tensor as an output or store it as an attribute of the region's module "
-        f"(torch's reentrant checkpoint drops that gradient silently)"
-    )
 
 
 def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
