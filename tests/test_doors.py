@@ -221,6 +221,36 @@ def test_a_hook_that_captures_on_a_later_call_only_is_still_watched():
     assert_bitwise_equal(grads[1], grads[0])
 
 
+class Inner(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+
+    def forward(self, x):
+        return torch.tanh(self.norm(self.fc(x)))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_capture_inside_a_marked_module_of_a_reentrant_function_region_trains(mode):
+    """The inner region opens only in the re-run (the forward runs without grad); its own
+    bookkeeping operators are not counted when the re-run finds the captured tensor."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(Inner(), torch.nn.Linear(4, 4))
+    marked = copy.deepcopy(base)
+    remat.recompute_module(marked[0], **MODES[mode])
+    grads = []
+    for model in (base, marked):
+        seen = []
+        model[0].fc.register_forward_hook(lambda m, args, out: seen.append(out))
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        for _ in range(2):
+            y = (remat.checkpoint(lambda t: model(t) * 2, x, use_reentrant=True)
+                 if model is marked else model(x) * 2)
+            (y.sum() + seen.pop().pow(2).sum()).backward()
+        grads.append([p.grad for p in model.parameters()] + [x.grad])
+    assert_bitwise_equal(grads[1], grads[0])
+
+
 def test_an_escape_whose_re_run_runs_other_operators_is_refused():
     """The re-run finds an escaped tensor by where the forward made it, and checks the
     operators before it: a re-run that branches otherwise is refused, never matched."""

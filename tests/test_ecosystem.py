@@ -337,6 +337,38 @@ def test_a_cache_written_in_place_is_refused_with_the_fix():
     assert cache.get_seq_length() == ids.shape[1]
 
 
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_a_prefix_cache_trains_with_marks_and_is_refused_by_the_switch(option):
+    """Hugging Face's switch drops the cache in training, so a continuation on a prefix
+    cache gets a mask over keys it does not have (torch's checkpoint through the switch:
+    a raw size error). ``where="blocks"`` keeps the cache and trains bitwise; remat's
+    switch refuses the call before it runs (NOTE [A prefix cache under the switch])."""
+    base = _hf_model("gpt2")
+    g = torch.Generator().manual_seed(1)
+    prefix, ids = (torch.randint(2, VOCAB, (2, n), generator=g) for n in (3, 5))
+    key = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+    def step(model):
+        model.eval()
+        with torch.no_grad():
+            past = _cache_of(model(input_ids=prefix, use_cache=True))
+        model.train()
+        torch.manual_seed(5)
+        model(input_ids=ids, labels=ids, **{key: past}, use_cache=True).loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    want = step(copy.deepcopy(base))
+    marked, switched = copy.deepcopy(base), copy.deepcopy(base)
+    remat.apply(marked, where="blocks", **OPTIONS[option])
+    assert_bitwise_equal(step(marked), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        remat.gradient_checkpointing_enable(switched, **OPTIONS[option])
+        with pytest.raises(remat.RecomputeError, match="past_key_values.*where='blocks'"):
+            step(switched)
+    assert all(p.grad is None for p in switched.parameters())
+
+
 def test_a_marked_attention_module_is_guarded_too():
     base = _hf_model("gpt2")
     marked = copy.deepcopy(base)

@@ -86,7 +86,7 @@ from remat._engine import state as _state
 from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import OpTrace, storage_of
-from remat._engine.observe import replayed_state
+from remat._engine.observe import engine_ops, replayed_state
 from remat._vocab.spec import RegionSpec
 
 _sequence_nr = torch.autograd._get_sequence_nr
@@ -208,8 +208,10 @@ class HookedFrame(RegionCore):
         keys = {storage_of(t) for t in flat} - {None}
         shared = [storage_of(t) in keys for t in inputs]
         if keys and any(shared):
-            self._save_inputs([t.detach().clone().requires_grad_(t.requires_grad) if s else t
-                               for t, s in zip(inputs, shared)])
+            with engine_ops():
+                copies = [t.detach().clone().requires_grad_(t.requires_grad) if s else t
+                          for t, s in zip(inputs, shared)]
+            self._save_inputs(copies)
 
     # -- inputs ----------------------------------------------------------------
     def _save_inputs(self, tensors: list) -> None:
@@ -217,8 +219,9 @@ class HookedFrame(RegionCore):
         if tensors:
             first: dict[int, int] = {}  # every slot is saved (an enclosing region counts them)
             self.input_of = [first.setdefault(id(t), i) for i, t in enumerate(tensors)]
-            dummy = torch.empty((0,), requires_grad=True)
-            self.saver = _SaveInputs.apply(dummy, *tensors)
+            with engine_ops():
+                dummy = torch.empty((0,), requires_grad=True)
+                self.saver = _SaveInputs.apply(dummy, *tensors)
 
     def inputs(self) -> tuple[tuple, dict]:
         leaves = list(self.leaves)

@@ -292,6 +292,18 @@ def restore_state(state: list) -> None:
 
 
 @contextlib.contextmanager
+def engine_ops() -> Iterator[None]:
+    """The engine's own operators (a region's bookkeeping tensors), unseen by the watchers:
+    they run when a region opens under grad, which a reentrant forward's inner regions do
+    in the re-run only (NOTE [Escapes handed back by position])."""
+    saved, _replaying[0] = _replaying[0], True
+    try:
+        yield
+    finally:
+        _replaying[0] = saved
+
+
+@contextlib.contextmanager
 def engine_copies() -> Iterator[None]:
     saved, _replaying[0] = _replaying[0], True
     try:

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from remat._engine.errors import RecomputeError
 from remat._front.marks import PerRun, add_call_guard, mark_from_keywords
 
 
@@ -205,6 +206,32 @@ def _layer_name(function: Any) -> str:
     return "layer"
 
 
+def _refuse_prefix(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """NOTE [A prefix cache under the switch]
+    Hugging Face's switch drops the key/value cache in training (its layers set
+    ``use_cache=False``, its models pass no cache), so a continuation trained on a
+    prefix cache (``past_key_values`` from an earlier pass) gets a mask that covers
+    prefix and new tokens with keys for the new ones only: a raw size error deep in
+    attention, or under another mask silently other attention. remat's switch keeps
+    Hugging Face's behaviour and refuses that call before it runs, naming
+    ``remat.apply(model, where="blocks")``, which keeps and guards the cache (NOTE
+    [Cache of a marked layer])."""
+    if not (model.training and torch.is_grad_enabled()) or getattr(model, "_remat_prefix_guard", None) is None:
+        return
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    length = getattr(cache, "get_seq_length", None)
+    if callable(length) and length() > 0 and any(
+            getattr(m, "gradient_checkpointing", False) and is_hf_layer(m) for m in model.modules()):
+        raise RecomputeError(
+            f"remat.gradient_checkpointing_enable: {type(model).__name__} was called in training "
+            f"with a past_key_values cache holding {length()} positions; Hugging Face's switch "
+            f"drops the cache in training (its layers set use_cache=False), so the attention mask "
+            f"would not match the keys (torch's checkpoint through the same switch fails alike); "
+            f"use remat.apply(model, where='blocks') instead, which keeps the cache and trains "
+            f"exactly, or call the model without past_key_values"
+        )
+
+
 def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **options: Any) -> list[str]:
     """Hugging Face's ``model.gradient_checkpointing_enable()``, recomputing with remat.
 
@@ -249,5 +276,7 @@ def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **o
     model._set_gradient_checkpointing(
         enable=True, gradient_checkpointing_func=LayerCheckpoint(spec), **extra
     )
+    if "_remat_prefix_guard" not in model.__dict__:  # NOTE [A prefix cache under the switch]
+        model._remat_prefix_guard = model.register_forward_pre_hook(_refuse_prefix, with_kwargs=True)
     return [n for n, m in model.named_modules()
             if getattr(m, "gradient_checkpointing", False) and is_hf_layer(m)]

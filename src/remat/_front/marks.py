@@ -354,6 +354,11 @@ class MarkedForward:
         """The marked module."""
         return self._remat_module
 
+    @property
+    def __self__(self) -> torch.nn.Module:
+        """The module, as a bound method's owner: a region over ``module.forward`` sees it."""
+        return self._remat_module
+
     def plain(self) -> Callable:
         """The forward the mark wraps."""
         module = self._remat_module
