@@ -70,9 +70,10 @@ def assert_bitwise_equal_named(a: list[tuple[str, torch.Tensor | None]],
     assert not bad, "\n".join(bad)
 
 
-def named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of each parameter's gradient, by parameter name (every parameter must have one)."""
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+def named_grads(model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """A copy of each parameter's gradient (of those ``names``), by parameter name (every
+    parameter chosen must have one)."""
+    return {n: p.grad.clone() for n, p in model.named_parameters() if names is None or n in names}
 
 
 def assert_close_within_tolerance(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:

@@ -106,14 +106,21 @@ def without_mutated_reads(forward: list[fx.Node], recompute: set[fx.Node]) -> se
     backward, reads the updated value, not the one the forward read: the compiled
     re-run of an ``output_recompute`` block that multiplies by its counter used the
     next count (eager marks replay the state instead, NOTE [Observed writes]). Such
-    nodes are kept; the recomputed nodes after them read what they kept.
+    nodes are kept; the recomputed nodes after them read what they kept. A view of
+    such an input (``x.transpose(1, 2)``) shares its memory, so the nodes reading the
+    view are kept too (a model input changed in place by a later block: the compiled
+    re-run of the block before it read the changed input, shared fuzz case 5012).
     """
     mutated = {n.args[0] for n in forward
                if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
                and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"}
     if not mutated:
         return recompute
-    return {n for n in recompute if not any(a in mutated for a in n.all_input_nodes)}
+    for n in forward:  # a view of such an input reads it too, wherever it is placed
+        if n.op == "call_function" and n.args and n.args[0] in mutated and (
+                n.target is operator.getitem or getattr(n.target, "is_view", False)):
+            mutated.add(n)
+    return {n for n in recompute if n not in mutated and not any(a in mutated for a in n.all_input_nodes)}
 
 
 def copy_into_backward(
