@@ -240,11 +240,11 @@ def test_a_capture_inside_a_marked_module_of_a_reentrant_function_region_trains(
     remat.recompute_module(marked[0], **MODES[mode])
     grads = []
     for model in (base, marked):
-        seen = []
-        model[0].fc.register_forward_hook(lambda m, args, out: seen.append(out))
+        seen: list = []
+        model[0].fc.register_forward_hook(lambda m, args, out, seen=seen: seen.append(out))
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
         for _ in range(2):
-            y = (remat.checkpoint(lambda t: model(t) * 2, x, use_reentrant=True)
+            y = (remat.checkpoint(lambda t, model=model: model(t) * 2, x, use_reentrant=True)
                  if model is marked else model(x) * 2)
             (y.sum() + seen.pop().pow(2).sum()).backward()
         grads.append([p.grad for p in model.parameters()] + [x.grad])
