@@ -361,7 +361,10 @@ class SideLoss(Block):
 
 
 def _capture(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-    module.__dict__.setdefault("captured", []).append(output)
+    """A forward hook inside a region runs again in its re-run, as with torch's checkpoint;
+    a capture counts the forward only, as the docs say (docs/sections/torch.md)."""
+    if not remat.is_recomputing():
+        module.__dict__.setdefault("captured", []).append(output)
 
 
 class InnerGrad(Block):

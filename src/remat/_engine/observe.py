@@ -55,7 +55,7 @@ loss term trains nothing, silently (torch's reentrant checkpoint does the same).
 a watched reentrant forward also follows which tensors would carry a gradient (made
 by an operator, other than ``detach``, from an argument or a read that does) and
 keeps a weak reference to each; when the region returns, one still alive that is
-not an output, an argument or a view of one has escaped. One the forward bound to an
+not an output, an argument or the base of one has escaped. One the forward bound to an
 attribute of the region's modules is made an output of the region's Function, and
 the attribute is bound to that output instead: it carries its gradient as without
 the mark (the re-run hands back its own value of the attribute beside the region's
@@ -63,11 +63,12 @@ outputs). Such a region lets go of its module after a backward that does not kee
 its graph (the attribute leads back to it through autograd, a cycle Python's collector
 cannot free); under ``retain_graph=True`` it keeps it for the next backward. Inside
 a non-reentrant region's forward, whose own re-run would rebuild the attribute again,
-an attribute escape is refused like any other. Any other escape (a hook's
-capture, a list) cannot be handed back, and the
-region is refused with a ``RecomputeError`` naming the fix, ``use_reentrant=False``,
-after putting back the state its forward wrote and the attributes it rebound. A
-tensor stored into an object the region was called with (a key/value cache passed
+an attribute escape is refused like any other. Any other escape (a hook's capture, a
+list) is returned by the Function as itself and found again in the re-run by where
+the forward made it (NOTE [Escapes handed back by position] in ``escapes.py``); a
+view, which cannot be given a history in place, is refused with a ``RecomputeError``
+naming the fix, ``use_reentrant=False``, after putting back the state its forward
+wrote and the attributes it rebound. A tensor stored into an object the region was called with (a key/value cache passed
 as ``past_key_values``) is the caller's container updated in place, as unmarked,
 and is not refused. A module region is watched until a call shows none of this
 (NOTE [Observed once, confirmed every call] in ``facts.py``); an attribute rebound
