@@ -361,10 +361,10 @@ class SideLoss(Block):
 
 
 def _capture(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-    """A forward hook inside a region runs again in its re-run, as with torch's checkpoint;
-    a capture counts the forward only, as the docs say (docs/sections/torch.md)."""
-    if not remat.is_recomputing():
-        module.__dict__.setdefault("captured", []).append(output)
+    """A forward hook inside a region runs again in its re-run, as with torch's checkpoint
+    (docs/sections/torch.md): a re-run whose stage pops outside the region leaves its
+    capture in the list, the model's own reference (cleared before the leak check)."""
+    module.__dict__.setdefault("captured", []).append(output)
 
 
 class InnerGrad(Block):
@@ -1218,6 +1218,7 @@ def _run_case(case: Case) -> Result:
         for m in marked.model.modules():  # the model's own reference to a step's tensor
             if isinstance(m, Closure):
                 m.memo = None
+            m.__dict__.pop("captured", None)
         left = _engine_clean()
         if left:
             return Result(case.seed, "leak", left, tolerated)

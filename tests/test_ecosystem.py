@@ -251,7 +251,7 @@ OPTIONS = {"reentrant": {"use_reentrant": True}, "non-reentrant": {"use_reentran
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "t5"])
 def test_hugging_face_blocks_train_bitwise_with_the_default_cache(kind, option):
     if kind == "t5" and option == "reentrant":
-        pytest.skip("test_t5_reentrant_differs_in_the_last_bits_as_torch_reentrant_does")
+        pytest.skip("test_t5_reentrant_is_within_the_stated_tolerance_as_torch_reentrant_is")
     base = _hf_model(kind)
     assert base.config.use_cache in (True, None)  # the config's default: on for decoders
     marked = copy.deepcopy(base)
@@ -263,24 +263,25 @@ def test_hugging_face_blocks_train_bitwise_with_the_default_cache(kind, option):
     assert_bitwise_equal(got, want)
 
 
-def test_t5_reentrant_differs_in_the_last_bits_as_torch_reentrant_does():
+def test_t5_reentrant_is_within_the_stated_tolerance_as_torch_reentrant_is():
     """Documented exception: T5's decoder layers all read the encoder's output, whose gradient a
-    reentrant checkpoint sums in another order; torch.utils.checkpoint's gives the same bits."""
+    reentrant region sums in another order (one gradient per input of its Function), as
+    torch.utils.checkpoint's reentrant implementation does. Whether the last bits differ
+    depends on the machine's summation (an AMD EPYC differs where this one may not), so the
+    test asserts what remat promises on every machine: the stated tolerance, and the loss
+    of the first step bitwise (no gradient has been applied yet)."""
     base = _hf_model("t5")
     marked, with_torch = copy.deepcopy(base), copy.deepcopy(base)
     remat.apply(marked, where="blocks", use_reentrant=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' deprecation of its switch's name
         with_torch.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    want, got, torch_run = _sgd(base, "t5"), _sgd(marked, "t5"), _sgd(with_torch, "t5")
+    want, got, torch_run = _sgd(base, "t5", steps=1), _sgd(marked, "t5", steps=1), _sgd(with_torch, "t5", steps=1)
     assert torch.equal(got[0], want[0])
-    # else: test it as the others (torch's reentrant checkpoint differs from unmarked alike)
-    assert any(not torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    assert any(not torch.equal(g, w) for g, w in zip(torch_run, want, strict=True))
-    # which last bits differ depends on the order autograd sums in (transformers' version):
-    # both within the same stated tolerance of the unmarked model
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch_run, want, rtol=1e-5, atol=1e-6)
+    two_steps = _sgd(copy.deepcopy(marked), "t5"), _sgd(copy.deepcopy(base), "t5")
+    torch.testing.assert_close(*two_steps, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))

@@ -26,6 +26,17 @@ object, new version) no longer holds the value the forward left; unless the regi
 it (NOTE [Observed writes] in ``observe.py``), the re-run is refused with a
 ``RecomputeError`` instead of reading the new value.
 
+NOTE [Snapshots reused while nothing changed]
+Copying every module's dictionaries at every call is Python work per module per step.
+So each module keeps its latest :class:`_Snapshot` (in ``__dict__['_remat_snapshot']``,
+which a deep copy or a pickle of the module leaves empty); a call reuses it when the
+module's ``__dict__``, ``_parameters``, ``_buffers`` and ``_modules`` hold the same
+keys and the very same objects (compared as tuples of ids, in C) and its hook counts
+are unchanged, and takes a new one otherwise. A snapshot is immutable; each call
+records the versions of its buffers and tensor attributes afresh. A snapshot's key is
+a serial number never reused, so the facts' keys (NOTE [Observed once, confirmed every
+call] in ``facts.py``) hold no object.
+
 Parameters are left to autograd and the parallel wrappers that swap them (FSDP
 re-registers its gathered parameters around each forward and backward): the
 ``_parameters``, ``_buffers`` and ``_modules`` dictionaries are compared by
@@ -61,25 +72,82 @@ def modules_of(fn: Callable) -> list[torch.nn.Module]:
     return [owner] if isinstance(owner, torch.nn.Module) else []
 
 
-class _Entry:
-    """One module's attributes as the forward found them."""
+class _Snapshot:
+    """One module's dictionaries as a forward found them: shared by every call that finds
+    them holding the same objects (NOTE [Snapshots reused while nothing changed])."""
 
-    __slots__ = ("attrs", "module", "registries", "versions")
+    __slots__ = ("attrs", "children", "hooks", "ids", "key", "module", "registries", "tensors")
+    _serial = 0
 
     def __init__(self, module: torch.nn.Module) -> None:
         d = module.__dict__
         self.module, self.attrs = module, d.copy()
         self.registries = (d["_parameters"].copy(), d["_buffers"].copy())
-        self.versions = [(k, t, t._version) for k, t in self.registries[1].items() if t is not None]
-        self.versions += [(k, t, t._version) for k, t in self.attrs.items() if type(t) is torch.Tensor]
+        self.children = d["_modules"].copy()
+        self.ids, self.hooks = _identities(d), _hook_counts(d)
+        self.tensors = [(k, t) for k, t in self.registries[1].items() if t is not None]
+        self.tensors += [(k, t) for k, t in self.attrs.items() if type(t) is torch.Tensor]
+        _Snapshot._serial += 1
+        self.key = _Snapshot._serial  # never reused, unlike an id
 
-    def key(self) -> tuple:
-        """Identities of the module, its attributes, parameters and buffers; its hook counts."""
-        a, (params, buffers) = self.attrs, self.registries
-        return (id(self.module), len(a), *a, *map(id, a.values()), len(params), *map(id, params.values()),
-                len(buffers), *map(id, buffers.values()), len(a.get("_forward_hooks", ())),
-                len(a.get("_forward_pre_hooks", ())), len(a.get("_backward_hooks", ())),
-                len(a.get("_backward_pre_hooks", ())))
+    def current(self) -> bool:
+        """Whether the module's dictionaries still hold exactly these objects (in C)."""
+        d = self.module.__dict__
+        return _identities(d) == self.ids and _hook_counts(d) == self.hooks
+
+
+def _identities(d: dict) -> tuple:
+    return (tuple(d), tuple(map(id, d.values())), tuple(d["_parameters"]),
+            tuple(map(id, d["_parameters"].values())), tuple(d["_buffers"]),
+            tuple(map(id, d["_buffers"].values())), tuple(d["_modules"]),
+            tuple(map(id, d["_modules"].values())))
+
+
+def _hook_counts(d: dict) -> tuple:
+    return (len(d.get("_forward_hooks", ())), len(d.get("_forward_pre_hooks", ())),
+            len(d.get("_backward_hooks", ())), len(d.get("_backward_pre_hooks", ())))
+
+
+class _Cached:
+    """The latest snapshot of a module, kept in its ``__dict__`` (NOTE [Snapshots reused
+    while nothing changed]); a copy or a pickle of the module starts without one."""
+
+    __slots__ = ("snapshot",)
+
+    def __init__(self) -> None:
+        self.snapshot: _Snapshot | None = None
+
+    def __deepcopy__(self, memo: dict) -> _Cached:
+        return _Cached()
+
+    def __copy__(self) -> _Cached:
+        return _Cached()
+
+    def __reduce__(self) -> tuple:
+        return (type(None), ())
+
+
+def snapshot(module: torch.nn.Module) -> _Snapshot:
+    """The module's snapshot: the cached one while it is current, else a new one."""
+    d = module.__dict__
+    cached = d.get("_remat_snapshot")
+    if type(cached) is not _Cached:
+        cached = d["_remat_snapshot"] = _Cached()
+    found = cached.snapshot
+    if found is None or not found.current():
+        found = cached.snapshot = _Snapshot(module)
+    return found
+
+
+class _Entry:
+    """One module's attributes as the forward found them (a snapshot) and the versions of
+    its buffers and tensor attributes then."""
+
+    __slots__ = ("attrs", "module", "registries", "snapshot", "versions")
+
+    def __init__(self, snap: _Snapshot) -> None:
+        self.snapshot, self.module, self.attrs, self.registries = snap, snap.module, snap.attrs, snap.registries
+        self.versions = [(k, t, t._version) for k, t in snap.tensors]
 
     def rebound(self) -> list[tuple[dict, str, Any]]:
         """``(dict, key, value now)`` for each entry rebound since the forward."""
@@ -163,10 +231,15 @@ class ModuleState:
         """Keep ``module``'s tree as it is now (its modules not kept yet)."""
         if id(module) in self.seen:
             return
-        for m in module.modules():
-            if id(m) not in self.seen:
-                self.seen.add(id(m))
-                self.entries.append(_Entry(m))
+        stack = [module]  # pre-order, as module.modules(), through the snapshots' children
+        while stack:
+            m = stack.pop()
+            if id(m) in self.seen:
+                continue
+            self.seen.add(id(m))
+            snap = snapshot(m)
+            self.entries.append(_Entry(snap))
+            stack.extend(c for c in reversed(snap.children.values()) if c is not None)
 
     @contextlib.contextmanager
     def calls_watched(self) -> Iterator[None]:
@@ -204,7 +277,7 @@ class ModuleState:
 
         NOTE [Observed once, confirmed every call] in ``facts.py``.
         """
-        return tuple(map(_Entry.key, self.entries))
+        return tuple(entry.snapshot.key for entry in self.entries)
 
     def settle(self, state: list) -> None:
         """The forward returned: what it left in place is what a re-run must find.
