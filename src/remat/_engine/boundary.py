@@ -76,7 +76,7 @@ class _Snapshot:
     """One module's dictionaries as a forward found them: shared by every call that finds
     them holding the same objects (NOTE [Snapshots reused while nothing changed])."""
 
-    __slots__ = ("attrs", "children", "hooks", "ids", "key", "module", "registries", "tensors")
+    __slots__ = ("attrs", "children", "ids", "key", "module", "params", "registries", "tensors")
     _serial = 0
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -84,27 +84,25 @@ class _Snapshot:
         self.module, self.attrs = module, d.copy()
         self.registries = (d["_parameters"].copy(), d["_buffers"].copy())
         self.children = d["_modules"].copy()
-        self.ids, self.hooks = _identities(d), _hook_counts(d)
+        self.ids = _identities(d)
         self.tensors = [(k, t) for k, t in self.registries[1].items() if t is not None]
         self.tensors += [(k, t) for k, t in self.attrs.items() if type(t) is torch.Tensor]
+        self.params = [p for p in self.registries[0].values() if p is not None]
         _Snapshot._serial += 1
         self.key = _Snapshot._serial  # never reused, unlike an id
 
     def current(self) -> bool:
         """Whether the module's dictionaries still hold exactly these objects (in C)."""
-        d = self.module.__dict__
-        return _identities(d) == self.ids and _hook_counts(d) == self.hooks
+        return _identities(self.module.__dict__) == self.ids
 
 
 def _identities(d: dict) -> tuple:
-    return (tuple(d), tuple(map(id, d.values())), tuple(d["_parameters"]),
-            tuple(map(id, d["_parameters"].values())), tuple(d["_buffers"]),
-            tuple(map(id, d["_buffers"].values())), tuple(d["_modules"]),
-            tuple(map(id, d["_modules"].values())))
-
-
-def _hook_counts(d: dict) -> tuple:
-    return (len(d.get("_forward_hooks", ())), len(d.get("_forward_pre_hooks", ())),
+    """The keys and the identities of the values of a module's ``__dict__`` and its
+    registries, and its hook counts: equal only while they hold the very same objects."""
+    p, b, m = d["_parameters"], d["_buffers"], d["_modules"]
+    return (*d, *map(id, d.values()), len(p), *p, *map(id, p.values()), len(b), *b,
+            *map(id, b.values()), len(m), *m, *map(id, m.values()),
+            len(d.get("_forward_hooks", ())), len(d.get("_forward_pre_hooks", ())),
             len(d.get("_backward_hooks", ())), len(d.get("_backward_pre_hooks", ())))
 
 
@@ -112,10 +110,12 @@ class _Cached:
     """The latest snapshot of a module, kept in its ``__dict__`` (NOTE [Snapshots reused
     while nothing changed]); a copy or a pickle of the module starts without one."""
 
-    __slots__ = ("snapshot",)
+    __slots__ = ("params", "snapshot", "tree")
 
     def __init__(self) -> None:
         self.snapshot: _Snapshot | None = None
+        self.tree: list[_Snapshot] | None = None  # the module's tree, as the last call found it
+        self.params: list[torch.nn.Parameter] = []  # the tree's parameters, each once
 
     def __deepcopy__(self, memo: dict) -> _Cached:
         return _Cached()
@@ -127,16 +127,42 @@ class _Cached:
         return (type(None), ())
 
 
-def snapshot(module: torch.nn.Module) -> _Snapshot:
-    """The module's snapshot: the cached one while it is current, else a new one."""
+def _cached(module: torch.nn.Module) -> _Cached:
     d = module.__dict__
     cached = d.get("_remat_snapshot")
     if type(cached) is not _Cached:
         cached = d["_remat_snapshot"] = _Cached()
+    return cached
+
+
+def snapshot(module: torch.nn.Module) -> _Snapshot:
+    """The module's snapshot: the cached one while it is current, else a new one."""
+    cached = _cached(module)
     found = cached.snapshot
     if found is None or not found.current():
         found = cached.snapshot = _Snapshot(module)
     return found
+
+
+def _tree(root: torch.nn.Module) -> list[_Snapshot]:
+    """The snapshots of ``root``'s modules in ``root.modules()`` order: the last call's
+    list while every one of them is current, else walked again through the children."""
+    cached = _cached(root)
+    tree = cached.tree
+    if tree is not None and all(snap.current() for snap in tree):
+        return tree
+    tree, seen, stack = [], set(), [root]
+    while stack:  # pre-order, as module.modules(), through the snapshots' children
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        snap = snapshot(m)
+        tree.append(snap)
+        stack.extend(c for c in reversed(snap.children.values()) if c is not None)
+    cached.tree = tree
+    cached.params = list({id(p): p for snap in tree for p in snap.params}.values())
+    return tree
 
 
 class _Entry:
@@ -217,13 +243,19 @@ class ModuleState:
         roots: the region's modules (:func:`modules_of`); their whole trees are kept.
     """
 
-    __slots__ = ("entries", "name", "overwritten", "root", "seen")
+    __slots__ = ("entries", "name", "overwritten", "params", "root", "seen")
 
     def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
         self.name, self.root = name, roots[0] if roots else None
         self.overwritten: list[torch.Tensor] = []  # written by the forward, not as state
         self.entries: list[_Entry] = []
         self.seen: set[int] = set()
+        self.params: list | None = None  # a single tree's, cached with it
+        if len(roots) == 1:
+            self.entries = [_Entry(snap) for snap in _tree(roots[0])]
+            self.seen = {id(entry.module) for entry in self.entries}
+            self.params = _cached(roots[0]).params
+            return
         for root in roots:
             self.add(root)
 
@@ -231,15 +263,11 @@ class ModuleState:
         """Keep ``module``'s tree as it is now (its modules not kept yet)."""
         if id(module) in self.seen:
             return
-        stack = [module]  # pre-order, as module.modules(), through the snapshots' children
-        while stack:
-            m = stack.pop()
-            if id(m) in self.seen:
-                continue
-            self.seen.add(id(m))
-            snap = snapshot(m)
-            self.entries.append(_Entry(snap))
-            stack.extend(c for c in reversed(snap.children.values()) if c is not None)
+        self.params = None
+        for snap in _tree(module):
+            if id(snap.module) not in self.seen:
+                self.seen.add(id(snap.module))
+                self.entries.append(_Entry(snap))
 
     @contextlib.contextmanager
     def calls_watched(self) -> Iterator[None]:
@@ -265,11 +293,12 @@ class ModuleState:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of the region's modules, each once, in module order."""
+        if self.params is not None:
+            return list(self.params)
         seen: dict[int, torch.nn.Parameter] = {}
         for entry in self.entries:
-            for p in entry.registries[0].values():
-                if p is not None:
-                    seen.setdefault(id(p), p)
+            for p in entry.snapshot.params:
+                seen.setdefault(id(p), p)
         return list(seen.values())
 
     def fingerprint(self) -> tuple:
@@ -297,7 +326,8 @@ class ModuleState:
 
     def _refresh(self) -> None:
         for entry in self.entries:
-            entry.versions = [(name, t, t._version) for name, t, _ in entry.versions]
+            if entry.versions:
+                entry.versions = [(name, t, t._version) for name, t, _ in entry.versions]
 
     def written(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
         """The buffers and tensor attributes changed in place since the forward began."""
@@ -328,8 +358,10 @@ class ModuleState:
             for where, key, now in entry.rebound():
                 undo.append((where, key, now))
                 put(where, key, entry.value_then(where, key))
-        with engine_copies():
-            kept = [(t, t.detach().clone()) for t in self.overwritten if t.untyped_storage().nbytes()]
+        kept = []
+        if self.overwritten:
+            with engine_copies():
+                kept = [(t, t.detach().clone()) for t in self.overwritten if t.untyped_storage().nbytes()]
         try:
             yield
         finally:
@@ -339,7 +371,8 @@ class ModuleState:
                         undo.append((where, key, entry.value_then(where, key)))
             for where, key, now in reversed(undo):
                 put(where, key, now)
-            with engine_copies():
-                for t, value in kept:
-                    t.data.copy_(value)  # no version bump, as replayed state (NOTE [Observed writes])
+            if kept:
+                with engine_copies():
+                    for t, value in kept:
+                        t.data.copy_(value)  # no version bump, as replayed state (NOTE [Observed writes])
             self._refresh()

@@ -89,22 +89,31 @@ class Replay:
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
-        """Run the enclosed code under the forward's random and autocast state."""
+        """Run the enclosed code under the forward's random and autocast state.
+
+        An autocast state equal to the one in force already is not entered again (entering
+        it would change nothing but cost a context per re-run)."""
         preserve = self.cpu_rng is not None
         devices = self.devices if self.device_rng is not None else []
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_fork_rng(devices, preserve, self.device_type))
+        with _fork_rng(devices, preserve, self.device_type):
             if preserve:
                 torch.set_rng_state(self.cpu_rng)
                 if self.device_rng is not None:
                     module = torch.get_device_module(self.device_type)
                     for index, state in zip(self.devices, self.device_rng):
                         module.set_rng_state(state, index)
-            if self.cpu_autocast is not None:
-                stack.enter_context(torch.amp.autocast("cpu", **self.cpu_autocast))
-            if self.device_autocast is not None and self.device_type != "cpu":
-                stack.enter_context(torch.amp.autocast(self.device_type, **self.device_autocast))
-            yield
+            cpu = self.cpu_autocast is not None and self.cpu_autocast != _autocast_state("cpu")
+            device = (self.device_autocast is not None and self.device_type != "cpu"
+                      and self.device_autocast != _autocast_state(self.device_type))
+            if not cpu and not device:
+                yield
+                return
+            with contextlib.ExitStack() as stack:
+                if cpu:
+                    stack.enter_context(torch.amp.autocast("cpu", **self.cpu_autocast))
+                if device:
+                    stack.enter_context(torch.amp.autocast(self.device_type, **self.device_autocast))
+                yield
 
 
 @contextlib.contextmanager
