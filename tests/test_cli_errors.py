@@ -37,6 +37,10 @@ def run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, list[str]]
     (["plan", *GPT, "--budget", "60%", "--input-dtype", "int65"],
      "argument --input-dtype: invalid choice: 'int65' (choose from 'float32'"),
     (["plan", *GPT, "--budget", "60%", "--input-shape", "8,a"], "argument --input-shape: expected sizes"),
+    (["plan", *GPT, "--budget", "60%", "--input-shape", "8,x"], "argument --input-shape: expected sizes"),
+    (["profile", *GPT, "--input-shape", "8,,2"], "argument --input-shape: expected sizes"),
+    (["plan", *GPT, "--budget", "-10%"], "argument --budget: cannot read budget '-10%'"),
+    (["plan", *GPT, "--budget", "60"], "argument --budget: budget '60' has no unit; did you mean '60%'"),
     (["plan", *GPT, "--budget", "lots"], "argument --budget: cannot read budget 'lots'"),
     (["plan", *GPT, "--budget", "-5"], "argument --budget: cannot read budget '-5'"),
     (["plan", *GPT], "give --budget"),
@@ -105,3 +109,27 @@ def test_the_remat_command_loads_a_model_from_the_working_directory(tmp_path):
     assert bad.stderr.strip().splitlines() == [
         ("remat profile: error: argument --optimizer: invalid choice: 'adagrad' "
          "(choose from 'adam', 'adamw', 'sgd', 'none')")]
+
+
+def test_token_ids_are_inferred_without_input_dtype(capsys):
+    """A model that looks its inputs up in an embedding gets int64 inputs (observed on the
+    meta device); before, float inputs gave a 47-line torch traceback."""
+    argv = [a for a in GPT if a not in ("--input-dtype", "int64")]
+    assert main(["profile", *argv, "--arg", "layers=2", "--loss", "next-token", "--repeat", "0"]) == 0
+    assert "step" in capsys.readouterr().out
+
+
+def test_the_python_api_refuses_a_model_with_nothing_to_train_and_a_unitless_budget():
+    import torch
+
+    import remat
+
+    relus = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.ReLU()) for _ in range(3)])
+    x = torch.randn(2, 3, requires_grad=True)
+    for call in (lambda: remat.profile(relus, x), lambda: remat.plan(relus, x, budget="60%")):
+        with pytest.raises(ValueError, match="no parameter that requires grad.*optimizer=None"):
+            call()
+    net = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(3)])
+    with pytest.raises(ValueError, match="budget '60' has no unit; did you mean '60%'.*'60B'"):
+        remat.plan(net, x, budget="60")
+    assert remat.profile(relus, x, optimizer=None, repeat=0).rows

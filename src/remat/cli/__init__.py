@@ -77,6 +77,21 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     return parser, dict(subparsers.choices)
 
 
+def _joined_values(argv: list[str]) -> list[str]:
+    """``--budget -10%`` as ``--budget=-10%``: argparse reads a value that starts with a dash
+    as an option ("expected one argument"); joined, the flag's own check refuses it."""
+    out = []
+    for i, item in enumerate(argv):
+        if i and argv[i - 1] in _VALUE_FLAGS and item.startswith("-") and out and out[-1] == argv[i - 1]:
+            out[-1] = f"{out[-1]}={item}"
+        else:
+            out.append(item)
+    return out
+
+
+_VALUE_FLAGS = ("--budget", "--input-shape", "--throughput")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``remat`` command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code.
 
@@ -84,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         UsageError: a mistake on the command line (exit status 2), printed on stderr first.
     """
     parser, commands = build_parser()
-    args, extras = parser.parse_known_args(argv)
+    args, extras = parser.parse_known_args(_joined_values(sys.argv[1:] if argv is None else list(argv)))
     if extras:
         commands[args.command].unknown_options(extras)
     if getattr(args, "threads", None) is not None:

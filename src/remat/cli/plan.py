@@ -27,6 +27,7 @@ from remat.cli.profile import (
     add_model_arguments,
     add_rank_arguments,
     call_factory,
+    input_dtype,
     load_factory,
     make_inputs,
     parse_kwargs,
@@ -78,8 +79,8 @@ class Setup:
         self.args = args
         self.factory = load_factory(args.factory, API)
         self.kwargs = parse_kwargs(args.arg)
-        self.dtype = getattr(torch, args.input_dtype)
         self.shapes = [parse_shape(s) for s in args.input_shape]
+        self.dtype = input_dtype(args.input_dtype, self.build, self.shapes)
         self.optimizer = None if args.optimizer == "none" else args.optimizer
         self.loss_fn = None
         self.ranks = rank_options(args, API)  # one rank of a job: the budget is the rank's

@@ -42,9 +42,9 @@ def add_model_arguments(parser: Any, example: str) -> None:
                         type=parse_shape,
                         help="shape of one positional input of the model, e.g. 8,3,32,32; "
                              "repeat it for a model of several inputs")
-    parser.add_argument("--input-dtype", default="float32", choices=DTYPES, metavar="DTYPE",
-                        help=f"dtype of the inputs: {', '.join(DTYPES)} (default float32; "
-                             "int64 for token ids)")
+    parser.add_argument("--input-dtype", default=None, choices=DTYPES, metavar="DTYPE",
+                        help=f"dtype of the inputs: {', '.join(DTYPES)} (default: int64 when the "
+                             "model looks its inputs up in an embedding, as token ids; else float32)")
     parser.add_argument("--threads", type=positive_int, metavar="N",
                         help="torch threads (default: torch's own choice)")
 
@@ -202,14 +202,46 @@ def parse_shape(text: str | tuple[int, ...]) -> tuple[int, ...]:
     """An argparse type for ``--input-shape``: ``2,3,32,32`` (or ``2x3x32x32``) into a shape."""
     if isinstance(text, tuple):
         return text
-    try:
-        shape = tuple(int(n) for n in text.replace("x", ",").split(",") if n)
-    except ValueError:
-        shape = ()
+    parts = text.replace("x", ",").split(",")
+    shape = tuple(int(n) for n in parts) if all(n.isdigit() for n in parts) else ()
     if not shape or any(n < 0 for n in shape):
         raise argparse.ArgumentTypeError(f"expected sizes separated by commas (e.g. 8,3,32,32), "
                                          f"got {text!r}")
     return shape
+
+
+class _Lookup(Exception):
+    """An input reached an embedding as its indices (raised to stop the probe there)."""
+
+
+def input_dtype(given: str | None, build: Callable, shapes: list[tuple[int, ...]]) -> torch.dtype:
+    """``--input-dtype``, or when not given what the model does with its inputs: int64 when one
+    reaches an embedding as its indices (token ids), else float32. Observed by running the
+    model once on float inputs on the meta device (no memory, no compute: a model too large
+    for this machine too) under a dispatch mode that stops at the first embedding."""
+    if given is not None:
+        return getattr(torch, given)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    with torch.device("meta"):
+        inputs = make_inputs(shapes, torch.float32)
+    ids = {id(t) for t in inputs}
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.embedding.default, torch.ops.aten._embedding_bag.default) and (
+                    len(args) > 1 and id(args[1]) in ids):
+                raise _Lookup
+            return func(*args, **(kwargs or {}))
+
+    try:
+        with torch.device("meta"), torch.no_grad(), Probe():
+            build()(*inputs)
+    except _Lookup:
+        return torch.int64
+    except Exception:  # noqa: BLE001 - a model that cannot run on meta: the measuring
+        return torch.float32  # run reports the model's own error
+    return torch.float32
 
 
 def make_inputs(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> tuple:
@@ -265,8 +297,8 @@ def _profile_one(args: argparse.Namespace, factory: Callable, kwargs: dict, mark
     import remat
     from remat.memory.profile import default_loss
 
-    dtype = getattr(torch, args.input_dtype)
     shapes = [parse_shape(s) for s in args.input_shape]
+    dtype = input_dtype(args.input_dtype, lambda: call_factory(factory, kwargs), shapes)
     loss_fn = default_loss
     if args.loss == "next-token":
         from remat.models.llama import next_token_loss as loss_fn

@@ -240,6 +240,26 @@ def _add_subtrees(rows: list) -> None:
             by_name[root].kept += row.kept_self
 
 
+def check_trainable(api: str, model: torch.nn.Module, optimizer: Any) -> None:
+    """Refuse, before any work, an optimizer step over a model with nothing to train.
+
+    Example:
+        >>> import torch
+        >>> from remat.memory.profile import check_trainable
+        >>> try:
+        ...     check_trainable("remat.profile", torch.nn.ReLU(), "adam")
+        ... except ValueError as err:
+        ...     print(str(err).split(";")[0])
+        remat.profile: ReLU has no parameter that requires grad
+    """
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"{api}: {type(model).__name__} has no parameter that requires grad; "
+                         f"an optimizer step has nothing to train: pass optimizer=None to measure "
+                         f"forward and backward only")
+
+
 def profile(model: torch.nn.Module, *example_inputs: Any, batch: dict | None = None,
             loss_fn: Callable | None = None, optimizer: OptimizerLike = "adam",
             output_recompute: bool = False, repeat: int = 3, label: str = "") -> ProfileReport:
@@ -284,6 +304,7 @@ def profile(model: torch.nn.Module, *example_inputs: Any, batch: dict | None = N
     if batch is not None and not isinstance(batch, dict):
         raise TypeError(f"remat.profile: batch must be a dict of keyword inputs, got "
                         f"{type(batch).__name__}; pass positional inputs after the model")
+    check_trainable("remat.profile", model, optimizer)
     was_training = model.training
     restore = None
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):

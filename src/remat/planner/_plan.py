@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from remat._front.marks import mark_of, marked_modules, recompute_module, unmark_module
 from remat.memory import format_bytes
 from remat.memory.internal import Step, StepFn, identical_container
-from remat.memory.profile import OptimizerLike
+from remat.memory.profile import OptimizerLike, check_trainable
 from remat.planner._budget import parse_budget
 from remat.planner._cost import (
     BlockCosts,
@@ -398,6 +398,7 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
         if marked_modules(model):
             raise ValueError(f"{API}: {type(model).__name__} already has recompute marks on "
                              f"{sorted(marked_modules(model))[:3]}; call remat.unmark(model) first")
+        check_trainable(API, model, optimizer)
         if device is None:
             param = next(model.parameters(), None)
             device = param.device.type if param is not None else "cpu"
