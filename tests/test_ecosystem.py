@@ -573,3 +573,20 @@ def test_a_model_with_its_default_cache_is_freed_after_training(marks):
             model.zero_grad(set_to_none=True)
     del model
     assert _live_tensors() - start <= 0
+
+
+def test_the_two_one_liners_keep_the_same_bytes_without_the_cache():
+    """The docs' "Which one to use": the switch turns the cache off in training, where="blocks"
+    keeps it; with use_cache=False both keep the same bytes, exactly."""
+    base = _hf_model("gpt2")
+    ids = _batch("gpt2", 0)["input_ids"]
+    marked, switched = copy.deepcopy(base), copy.deepcopy(base)
+    remat.apply(marked, where="blocks")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        remat.gradient_checkpointing_enable(switched)
+        kept = {use_cache: [remat.memory.saved_bytes(
+            lambda m=m, u=use_cache: m(input_ids=ids, labels=ids, use_cache=u).loss)
+            for m in (marked, switched)] for use_cache in (True, False)}
+    assert kept[False][0] == kept[False][1]
+    assert kept[True][0] > kept[True][1] == kept[False][1]  # the cache's bytes, where="blocks" only
