@@ -22,7 +22,6 @@ either.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -45,10 +44,36 @@ from remat._vocab.policy import save_all
 from remat._vocab.spec import RegionSpec
 
 
+class _Stack:
+    """The contexts a region's forward runs in, left in reverse order (a lean ExitStack:
+    a region enters a few on every call)."""
+
+    __slots__ = ("entered",)
+
+    def __init__(self) -> None:
+        self.entered: list = []
+
+    def enter_context(self, context: Any) -> None:
+        context.__enter__()
+        self.entered.append(context)
+
+    def close(self) -> None:
+        self.__exit__(None, None, None)
+
+    def __exit__(self, *exc_info: object) -> None:
+        entered, self.entered = self.entered, []
+        try:
+            while entered:
+                entered.pop().__exit__(*exc_info)
+        finally:
+            for context in reversed(entered):  # one raised: the others still leave
+                context.__exit__(*exc_info)
+
+
 class _Handle:
     """An open region: what close_region needs to finish it, and what to call forward with."""
 
-    def __init__(self, frame: RegionCore | None, stack: contextlib.ExitStack, args: tuple, kwargs: dict,
+    def __init__(self, frame: RegionCore | None, stack: _Stack, args: tuple, kwargs: dict,
                  observe: Observe | None = None) -> None:
         self.frame, self.stack, self.args, self.kwargs = frame, stack, args, kwargs
         self.observe = observe
@@ -78,7 +103,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         A handle for :func:`close_region`; call the forward with its ``args`` and ``kwargs``.
     """
     _outputs.pop_hook()
-    stack = contextlib.ExitStack()
+    stack = _Stack()
     if not torch.is_grad_enabled() or spec.policy == save_all:
         return _Handle(None, stack, args, kwargs)
     _refuse_functorch(name)
@@ -96,7 +121,8 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         if observe is not None:
             frame.state = observe.state  # filled as the forward runs (NOTE [Observed writes])
     try:
-        stack.enter_context(_collectives.recording(frame))  # NOTE [Kept collectives]
+        if not frame.spec.mp_comm_recompute:
+            stack.enter_context(_collectives.recording(frame))  # NOTE [Kept collectives]
         if frame.module_state.root is None:  # NOTE [Module state at the boundary]
             stack.enter_context(frame.module_state.calls_watched())
         if spec.use_reentrant:

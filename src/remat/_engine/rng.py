@@ -56,7 +56,9 @@ class DefaultDeviceType:
 def _devices_of(args: Any) -> tuple[str, list[int]]:
     """Return the accelerator type and device indices of the tensors in ``args``."""
     device_type, indices = "cpu", []
-    for leaf in pytree.tree_leaves(args):
+    leaves = args if isinstance(args, list) and all(isinstance(a, torch.Tensor) for a in args) else (
+        pytree.tree_leaves(args))  # a region's flat tensor arguments: no pytree
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta"):
             device_type = leaf.device.type
             index = leaf.device.index if leaf.device.index is not None else 0
