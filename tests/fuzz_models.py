@@ -384,6 +384,49 @@ class InnerGrad(Block):
         return h + 0.1 * dz
 
 
+class Moe(Block):
+    """A mixture of experts: a router picks the top 2 of 3 experts per token (routing that
+    depends on the data, replayed exactly or not at all); its logits leave by a forward hook
+    on the router, and the stage adds a load-balancing loss from them (Mixtral's door)."""
+
+    kind = "moe"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.router = nn.Linear(D, 3)
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+        self.router.register_forward_hook(_capture)
+
+    def forward(self, x):
+        weights, chosen = torch.softmax(self.router(x), dim=-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for k in range(2):
+            for e, expert in enumerate(self.experts):
+                mask = (chosen[..., k] == e).unsqueeze(-1).to(x.dtype)
+                out = out + mask * weights[..., k:k + 1] * expert(x)
+        return x + out
+
+    def side(self) -> torch.Tensor:
+        probs = torch.softmax(self.router.captured.pop(), dim=-1)
+        return 0.1 * probs.mean(dim=tuple(range(probs.dim() - 1))).pow(2).sum()
+
+
+class Lora(Block):
+    """A frozen base layer with a trainable low-rank adapter (LoRA without
+    enable_input_require_grads): the region's input may require no grad at all."""
+
+    kind = "lora"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.base = nn.Linear(D, D)
+        self.base.requires_grad_(False)
+        self.down, self.up = nn.Linear(D, 2, bias=False), nn.Linear(2, D, bias=False)
+
+    def forward(self, x):
+        return x + torch.tanh(self.base(x) + self.up(self.down(x)))
+
+
 def _has_transformers() -> bool:
     try:
         import transformers  # noqa: F401
@@ -423,6 +466,8 @@ BLOCKS: dict[str, BlockKind] = {
     "stateful": BlockKind(Stateful, 0.5, lambda r: {"none": r.random() < 0.5}),
     "side_loss": BlockKind(SideLoss, 0.5, lambda r: {"channel": r.choice(("attribute", "hook"))}),
     "inner_grad": BlockKind(InnerGrad, 0.3),
+    "moe": BlockKind(Moe, 0.4),
+    "lora": BlockKind(Lora, 0.4),
 }
 if _has_transformers():
     BLOCKS["hf_layer"] = BlockKind(HFLayer, 0.4, lambda r: {"cache": r.random() < 0.5})
@@ -509,7 +554,7 @@ class Stage(remat.nn.Cell):
             out = call(block, self.calls.get(i), args, kwargs)
             if block.tuple_out:
                 out = COMBINE[b["p"]["combine"]](*out)
-            if b["kind"] == "side_loss":
+            if b["kind"] in ("side_loss", "moe"):
                 out = out + block.side()  # the side channel reaches the loss outside the region
             h = WIRES[b["wire"]][0](out)
             outs.append(h)
@@ -1193,6 +1238,9 @@ def _run_case(case: Case) -> Result:
                 expected = step(base)
             except Exception as err:  # noqa: BLE001 - the unmarked model fails: not a remat case
                 return Result(case.seed, "invalid", f"{phase}: baseline raised {type(err).__name__}: {err}")
+            if any(isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all()
+                   for _, t in expected):  # diverged (a NaN is never equal to itself)
+                return Result(case.seed, "invalid", f"{phase}: the unmarked model's results are not finite")
             snap = _snapshot(marked)
             failure = None
             try:
@@ -1218,7 +1266,7 @@ def _run_case(case: Case) -> Result:
         for m in marked.model.modules():  # the model's own reference to a step's tensor
             if isinstance(m, Closure):
                 m.memo = None
-            m.__dict__.pop("captured", None)
+            m.__dict__.get("captured", []).clear()  # emptied as a user would, in place
         left = _engine_clean()
         if left:
             return Result(case.seed, "leak", left, tolerated)

@@ -298,3 +298,33 @@ def test_a_model_whose_blocks_keep_activations_is_freed_after_a_step(kind, mode)
     model(torch.randn(4, 8)).pow(2).sum().backward()
     del model
     assert _live_tensors() - start <= 0  # (another test's tensors may be freed meanwhile)
+
+
+class Memory(torch.nn.Module):
+    """Transformer-XL style: the forward keeps its hidden state for the next call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.prev = torch.nn.Linear(4, 4), None
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x) + (0 if self.prev is None else self.prev))
+        self.prev = h.detach()
+        return h
+
+
+@pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
+def test_what_a_region_learned_of_its_module_holds_no_object_the_module_let_go_of(mode):
+    """NOTE [Snapshots reused while nothing changed]: the per-module cache keeps identities
+    and weak references only; a value the module drops is freed as without remat."""
+    import gc
+    import weakref
+
+    model = remat.recompute_module(Memory(), **MODES[mode])
+    for _ in range(2):
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    kept = weakref.ref(model.prev)
+    model(torch.randn(2, 4, requires_grad=True)).sum().backward()  # its forward read `kept`
+    model.prev = None
+    gc.collect()
+    assert kept() is None

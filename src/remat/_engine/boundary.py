@@ -27,15 +27,19 @@ it (NOTE [Observed writes] in ``observe.py``), the re-run is refused with a
 ``RecomputeError`` instead of reading the new value.
 
 NOTE [Snapshots reused while nothing changed]
-Copying every module's dictionaries at every call is Python work per module per step.
-So each module keeps its latest :class:`_Snapshot` (in ``__dict__['_remat_snapshot']``,
-which a deep copy or a pickle of the module leaves empty); a call reuses it when the
-module's ``__dict__``, ``_parameters``, ``_buffers`` and ``_modules`` hold the same
-keys and the very same objects (compared as tuples of ids, in C) and its hook counts
-are unchanged, and takes a new one otherwise. A snapshot is immutable; each call
-records the versions of its buffers and tensor attributes afresh. A snapshot's key is
-a serial number never reused, so the facts' keys (NOTE [Observed once, confirmed every
-call] in ``facts.py``) hold no object.
+Walking a module tree and learning each module's tensors and key at every call is
+Python work per module per step. So each module keeps what its last region call learned
+(:class:`_Known`, in ``__dict__['_remat_snapshot']``, which a deep copy or a pickle of
+the module leaves empty): the keys and identities of its ``__dict__``, ``_parameters``,
+``_buffers`` and ``_modules`` and its hook counts, weak references to its tensors and
+children, the names of its tensor attributes; a root keeps its tree's list. A call
+reuses them while the dictionaries hold the same keys and the very same objects
+(compared as tuples of ids, in C) and every tensor seen is still alive (so no id was
+reused), and learns them anew otherwise. The cache holds no object: what a region's
+re-run needs (the shallow copies, the versions) is taken at every call and held by its
+frame only, so a value the module let go of is freed as without remat. A key is a
+serial number never reused, so the facts' keys (NOTE [Observed once, confirmed every
+call] in ``facts.py``) hold no object either.
 
 Parameters are left to autograd and the parallel wrappers that swap them (FSDP
 re-registers its gathered parameters around each forward and backward): the
@@ -47,7 +51,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,28 +79,31 @@ def modules_of(fn: Callable) -> list[torch.nn.Module]:
     return [owner] if isinstance(owner, torch.nn.Module) else []
 
 
-class _Snapshot:
-    """One module's dictionaries as a forward found them: shared by every call that finds
-    them holding the same objects (NOTE [Snapshots reused while nothing changed])."""
+class _Known:
+    """What the cache keeps of one module's dictionaries: their keys and identities, weak
+    references to their tensors and child modules, the names of its tensor attributes; no
+    object (NOTE [Snapshots reused while nothing changed])."""
 
-    __slots__ = ("attrs", "children", "ids", "key", "module", "params", "registries", "tensors")
+    __slots__ = ("children", "ids", "key", "refs", "tensor_names")
     _serial = 0
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        d = module.__dict__
-        self.module, self.attrs = module, d.copy()
-        self.registries = (d["_parameters"].copy(), d["_buffers"].copy())
-        self.children = d["_modules"].copy()
+    def __init__(self, d: dict) -> None:
         self.ids = _identities(d)
-        self.tensors = [(k, t) for k, t in self.registries[1].items() if t is not None]
-        self.tensors += [(k, t) for k, t in self.attrs.items() if type(t) is torch.Tensor]
-        self.params = [p for p in self.registries[0].values() if p is not None]
-        _Snapshot._serial += 1
-        self.key = _Snapshot._serial  # never reused, unlike an id
+        self.tensor_names = [k for k, v in d.items() if type(v) is torch.Tensor]
+        tensors = (*d["_parameters"].values(), *d["_buffers"].values(), *(d[k] for k in self.tensor_names))
+        self.refs = [weakref.ref(t) for t in tensors if t is not None]
+        self.children = [weakref.ref(c) for c in d["_modules"].values() if c is not None]
+        _Known._serial += 1
+        self.key = _Known._serial  # never reused, unlike an id
 
-    def current(self) -> bool:
-        """Whether the module's dictionaries still hold exactly these objects (in C)."""
-        return _identities(self.module.__dict__) == self.ids
+    def current(self, d: dict) -> bool:
+        """Whether the dictionaries still hold exactly these objects: the same identities
+        (in C), and every tensor still the one seen (alive: its id not reused)."""
+        return _identities(d) == self.ids and not any(map(operator.is_, map(_DEREF, self.refs), _NONE))
+
+
+_DEREF = weakref.ref.__call__  # dereference in C
+_NONE = itertools.repeat(None)  # compared by identity (``in`` would call a tensor's __eq__)
 
 
 def _identities(d: dict) -> tuple:
@@ -107,15 +117,15 @@ def _identities(d: dict) -> tuple:
 
 
 class _Cached:
-    """The latest snapshot of a module, kept in its ``__dict__`` (NOTE [Snapshots reused
-    while nothing changed]); a copy or a pickle of the module starts without one."""
+    """What a module's last region call learned of it and of its tree, kept in its
+    ``__dict__`` (NOTE [Snapshots reused while nothing changed]); a copy or a pickle of
+    the module starts without it."""
 
-    __slots__ = ("params", "snapshot", "tree")
+    __slots__ = ("known", "tree")
 
     def __init__(self) -> None:
-        self.snapshot: _Snapshot | None = None
-        self.tree: list[_Snapshot] | None = None  # the module's tree, as the last call found it
-        self.params: list[torch.nn.Parameter] = []  # the tree's parameters, each once
+        self.known: _Known | None = None
+        self.tree: list[tuple[weakref.ref, _Known]] | None = None  # root.modules(), in order
 
     def __deepcopy__(self, memo: dict) -> _Cached:
         return _Cached()
@@ -135,45 +145,48 @@ def _cached(module: torch.nn.Module) -> _Cached:
     return cached
 
 
-def snapshot(module: torch.nn.Module) -> _Snapshot:
-    """The module's snapshot: the cached one while it is current, else a new one."""
+def _known(module: torch.nn.Module) -> _Known:
+    """What is known of the module: the cached facts while current, else learned anew."""
     cached = _cached(module)
-    found = cached.snapshot
-    if found is None or not found.current():
-        found = cached.snapshot = _Snapshot(module)
+    found = cached.known
+    if found is None or not found.current(module.__dict__):
+        found = cached.known = _Known(module.__dict__)
     return found
 
 
-def _tree(root: torch.nn.Module) -> list[_Snapshot]:
-    """The snapshots of ``root``'s modules in ``root.modules()`` order: the last call's
-    list while every one of them is current, else walked again through the children."""
+def _tree(root: torch.nn.Module) -> list[tuple[torch.nn.Module, _Known]]:
+    """``root.modules()`` with what is known of each: the last call's list while every
+    module in it is alive and current, else walked again through the children."""
     cached = _cached(root)
-    tree = cached.tree
-    if tree is not None and all(snap.current() for snap in tree):
-        return tree
+    if cached.tree is not None:
+        tree = [(ref(), known) for ref, known in cached.tree]
+        if all(m is not None and known.current(m.__dict__) for m, known in tree):
+            return tree
     tree, seen, stack = [], set(), [root]
-    while stack:  # pre-order, as module.modules(), through the snapshots' children
+    while stack:  # pre-order, as module.modules()
         m = stack.pop()
         if id(m) in seen:
             continue
         seen.add(id(m))
-        snap = snapshot(m)
-        tree.append(snap)
-        stack.extend(c for c in reversed(snap.children.values()) if c is not None)
-    cached.tree = tree
-    cached.params = list({id(p): p for snap in tree for p in snap.params}.values())
+        known = _known(m)
+        tree.append((m, known))
+        stack.extend(c for ref in reversed(known.children) if (c := ref()) is not None)
+    cached.tree = [(weakref.ref(m), known) for m, known in tree]
     return tree
 
 
 class _Entry:
-    """One module's attributes as the forward found them (a snapshot) and the versions of
-    its buffers and tensor attributes then."""
+    """One module's attributes as the forward found them (shallow copies, held by the
+    region's frame only) and the versions of its buffers and tensor attributes then."""
 
-    __slots__ = ("attrs", "module", "registries", "snapshot", "versions")
+    __slots__ = ("attrs", "key", "module", "registries", "versions")
 
-    def __init__(self, snap: _Snapshot) -> None:
-        self.snapshot, self.module, self.attrs, self.registries = snap, snap.module, snap.attrs, snap.registries
-        self.versions = [(k, t, t._version) for k, t in snap.tensors]
+    def __init__(self, module: torch.nn.Module, known: _Known) -> None:
+        d = module.__dict__
+        self.module, self.attrs, self.key = module, d.copy(), known.key
+        self.registries = (d["_parameters"].copy(), d["_buffers"].copy())
+        self.versions = [(k, t, t._version) for k, t in self.registries[1].items() if t is not None]
+        self.versions += [(k, t, t._version) for k in known.tensor_names if type(t := d[k]) is torch.Tensor]
 
     def rebound(self) -> list[tuple[dict, str, Any]]:
         """``(dict, key, value now)`` for each entry rebound since the forward."""
@@ -243,18 +256,16 @@ class ModuleState:
         roots: the region's modules (:func:`modules_of`); their whole trees are kept.
     """
 
-    __slots__ = ("entries", "name", "overwritten", "params", "root", "seen")
+    __slots__ = ("entries", "name", "overwritten", "root", "seen")
 
     def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
         self.name, self.root = name, roots[0] if roots else None
         self.overwritten: list[torch.Tensor] = []  # written by the forward, not as state
         self.entries: list[_Entry] = []
         self.seen: set[int] = set()
-        self.params: list | None = None  # a single tree's, cached with it
         if len(roots) == 1:
-            self.entries = [_Entry(snap) for snap in _tree(roots[0])]
+            self.entries = [_Entry(m, known) for m, known in _tree(roots[0])]
             self.seen = {id(entry.module) for entry in self.entries}
-            self.params = _cached(roots[0]).params
             return
         for root in roots:
             self.add(root)
@@ -263,11 +274,10 @@ class ModuleState:
         """Keep ``module``'s tree as it is now (its modules not kept yet)."""
         if id(module) in self.seen:
             return
-        self.params = None
-        for snap in _tree(module):
-            if id(snap.module) not in self.seen:
-                self.seen.add(id(snap.module))
-                self.entries.append(_Entry(snap))
+        for m, known in _tree(module):
+            if id(m) not in self.seen:
+                self.seen.add(id(m))
+                self.entries.append(_Entry(m, known))
 
     @contextlib.contextmanager
     def calls_watched(self) -> Iterator[None]:
@@ -293,12 +303,11 @@ class ModuleState:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of the region's modules, each once, in module order."""
-        if self.params is not None:
-            return list(self.params)
         seen: dict[int, torch.nn.Parameter] = {}
         for entry in self.entries:
-            for p in entry.snapshot.params:
-                seen.setdefault(id(p), p)
+            for p in entry.registries[0].values():
+                if p is not None:
+                    seen.setdefault(id(p), p)
         return list(seen.values())
 
     def fingerprint(self) -> tuple:
@@ -306,7 +315,7 @@ class ModuleState:
 
         NOTE [Observed once, confirmed every call] in ``facts.py``.
         """
-        return tuple(entry.snapshot.key for entry in self.entries)
+        return tuple(entry.key for entry in self.entries)
 
     def settle(self, state: list) -> None:
         """The forward returned: what it left in place is what a re-run must find.
