@@ -3,7 +3,7 @@
 Public names are re-exported here; every other module is private. Every public
 name of ``torch.utils.checkpoint`` is one of them, with the same signature.
 
-Example:
+Examples:
     >>> import torch, remat
     >>> layer = torch.nn.Linear(4, 4)
     >>> x = torch.randn(2, 4, requires_grad=True)

@@ -1,6 +1,6 @@
 """``remat.nn.Cell``: a ``torch.nn.Module`` with MindSpore's ``recompute`` mark.
 
-Example:
+Examples:
     >>> import torch, remat
     >>> class Block(remat.nn.Cell):
     ...     def __init__(self):
@@ -33,7 +33,7 @@ class Cell(torch.nn.Module):
             always PyTorch's (the attribute path), whatever its value.
         flags: accepted for MindSpore compatibility and stored on ``self.flags``.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> class Double(remat.nn.Cell):
         ...     def construct(self, x):
@@ -82,7 +82,7 @@ class Cell(torch.nn.Module):
             TypeError: an unknown keyword, or a non-bool where a bool is expected.
             ValueError: the cell is already marked with other options.
 
-        Example:
+        Examples:
             >>> import torch, remat
             >>> cell = remat.nn.Cell()
             >>> cell.recompute(output_recompute=True)

@@ -9,7 +9,7 @@ rebuilt from the cell's kept output, as MindSpore does.
 Primitives are ``torch.nn.Module`` objects without parameters, so assigning one
 to a model attribute changes no parameter name and no ``state_dict`` key.
 
-Example:
+Examples:
     >>> import torch
     >>> from remat import ops
     >>> relu = ops.ReLU()
@@ -52,7 +52,7 @@ class Primitive(torch.nn.Module):
     Subclasses define ``forward``. A primitive holds no parameters and no
     buffers, so it never changes a model's parameter names or ``state_dict``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat.ops import Primitive
         >>> class Square(Primitive):
@@ -76,7 +76,7 @@ class Primitive(torch.nn.Module):
         Raises:
             TypeError: ``mode`` is not a bool.
 
-        Example:
+        Examples:
             >>> import remat
             >>> from remat import ops
             >>> gelu = ops.GeLU()
@@ -110,7 +110,7 @@ class Primitive(torch.nn.Module):
 class ReLU(Primitive):
     """``max(x, 0)`` elementwise.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import ops
         >>> ops.ReLU()(torch.tensor([-1.0, 3.0]))
@@ -128,7 +128,7 @@ class GeLU(Primitive):
     ``mindspore.ops.GeLU`` computes it (``torch.nn.functional.gelu(x,
     approximate="tanh")``); the erf form differs by up to about 3e-4 on a small MLP.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from remat import ops
@@ -144,7 +144,7 @@ class GeLU(Primitive):
 class Sigmoid(Primitive):
     """``1 / (1 + exp(-x))`` elementwise.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import ops
         >>> ops.Sigmoid()(torch.tensor([0.0]))
@@ -158,7 +158,7 @@ class Sigmoid(Primitive):
 class Tanh(Primitive):
     """Hyperbolic tangent elementwise.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import ops
         >>> ops.Tanh()(torch.tensor([0.0]))
@@ -179,7 +179,7 @@ class Softmax(Primitive):
     Raises:
         TypeError: ``axis`` is not an int.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import ops
         >>> ops.Softmax(axis=-1)(torch.zeros(1, 2))
@@ -207,7 +207,7 @@ class Softmax(Primitive):
 class Add(Primitive):
     """``x + y`` with broadcasting; either side may be a Python number.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import ops
         >>> ops.Add()(torch.tensor([1.0]), 2.0)
@@ -221,7 +221,7 @@ class Add(Primitive):
 class Mul(Primitive):
     """``x * y`` with broadcasting; either side may be a Python number.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import ops
         >>> ops.Mul()(torch.tensor([2.0]), torch.tensor([3.0]))
@@ -242,7 +242,7 @@ class MatMul(Primitive):
     Raises:
         TypeError: a flag is not a bool.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import ops
         >>> ops.MatMul(transpose_b=True)(torch.ones(2, 3), torch.ones(4, 3)).shape
@@ -283,7 +283,7 @@ class BiasAdd(Primitive):
         ValueError: an unknown ``data_format``, or a bias whose length is not
             the number of channels.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import ops
         >>> ops.BiasAdd()(torch.zeros(1, 2, 1, 1), torch.tensor([1.0, 2.0])).flatten()

@@ -10,7 +10,7 @@ counter; ``self.training``). Code often rebinds such an attribute in forward
 re-run that read the module as it is in backward would follow another path or read
 another value: silently wrong gradients.
 
-So when a module region opens, :class:`ModuleState` keeps a shallow copy of the
+So when a module region opens, `ModuleState` keeps a shallow copy of the
 ``__dict__`` of every module of the region's tree (a region that is a plain function,
 a lambda or a closure, keeps each module it calls, when it calls it) (the references only: a tensor
 kept this way costs nothing while its owner still holds it, and its bytes once the
@@ -29,7 +29,7 @@ it (NOTE [Observed writes] in ``observe.py``), the re-run is refused with a
 NOTE [Snapshots reused while nothing changed]
 Walking a module tree and learning each module's tensors and key at every call is
 Python work per module per step. So each module keeps what its last region call learned
-(:class:`_Known`, in ``__dict__['_remat_snapshot']``, which a deep copy or a pickle of
+(`_Known`, in ``__dict__['_remat_snapshot']``, which a deep copy or a pickle of
 the module leaves empty): the keys and identities of its ``__dict__``, ``_parameters``,
 ``_buffers`` and ``_modules`` and its hook counts, weak references to its tensors and
 children, the names of its tensor attributes; a root keeps its tree's list. A call
@@ -253,7 +253,7 @@ class ModuleState:
 
     Args:
         name: how errors name the region.
-        roots: the region's modules (:func:`modules_of`); their whole trees are kept.
+        roots: the region's modules (`modules_of`); their whole trees are kept.
     """
 
     __slots__ = ("entries", "name", "overwritten", "root", "seen")
@@ -323,7 +323,7 @@ class ModuleState:
         A buffer it overwrote without reading first (spectral norm's ``_u``, filled by an
         ``out=``) is not state to replay (NOTE [Observed writes]): the re-run writes it
         again before it reads it. But a later forward may have written it since, so its
-        value is kept around each re-run (:meth:`restored`).
+        value is kept around each re-run (`restored`).
         """
         replayed = {id(t) for t, _ in state}
         self.overwritten = [t for _, t in self._changed() if id(t) not in replayed]

@@ -10,10 +10,10 @@ instead of issuing them again, so backward issues no collective that the
 same model without recompute would not issue. With ``True`` (MindSpore's
 default) the recomputation issues them again and keeps less.
 
-While the region's forward runs, :class:`Record` (a dispatch mode) appends
+While the region's forward runs, `Record` (a dispatch mode) appends
 each collective's result to the frame's list, in order. Every re-run of the
 region (the output pass of ``output_recompute`` and the run that rebuilds the
-saved tensors, in every backward pass) runs under :class:`Replay`, which
+saved tensors, in every backward pass) runs under `Replay`, which
 answers the n-th collective of the re-run with the n-th kept result, after
 waiting for it. So a collective is issued once per step, however many times
 the region re-runs; the kept results live as long as the region's saved
@@ -21,7 +21,7 @@ inputs (until its backward is done and the graph is freed).
 
 The decision is a function of the mark and of the program only, so every rank
 takes the same one: a re-run that issues another collective than forward did
-raises :class:`~remat.RecomputeError` on every rank alike. A kept result
+raises `RecomputeError` on every rank alike. A kept result
 written in place after forward (its version counter moved) is not handed
 out: that collective is issued again, as every rank runs the same write.
 
@@ -29,7 +29,7 @@ A ``use_reentrant=True`` re-run hands its outputs only to the nested
 backward, which never reads their values: a collective whose result is a
 re-run output (a row-wise projection's all-reduce that ends a marked MLP) is
 never waited there. The re-run keeps the results of the collectives it issues
-(:func:`replaying` with ``wait_issued``) and waits them after the nested
+(`replaying` with ``wait_issued``) and waits them after the nested
 backward, so no collective is left unwaited (torch's work registry stays
 empty; gloo would report "unwaited collective calls" at exit).
 

@@ -1,7 +1,7 @@
 """What both implementations of a region share (engine).
 
 A region is a callable run with its arguments (NOTE [Regions] in ``region.py``).
-:class:`RegionCore` holds what either implementation needs to run it again: the
+`RegionCore` holds what either implementation needs to run it again: the
 callable, its arguments split into tensors and the rest, the options, the random
 and autocast state to replay. The saved-tensor hooks
 implementation (``hooked.py``) and the ``autograd.Function`` one

@@ -1,6 +1,6 @@
 """The one error a failed recomputation raises (engine).
 
-:class:`RecomputeError` is ``remat.RecomputeError`` (and ``remat.CheckpointError``,
+`RecomputeError` is ``remat.RecomputeError`` (and ``remat.CheckpointError``,
 the same class under torch's name) and a subclass of
 ``torch.utils.checkpoint.CheckpointError``, itself a ``RuntimeError``: code written
 against torch's checkpoint, ``except CheckpointError`` included, catches remat's failures
@@ -22,7 +22,7 @@ class RecomputeError(_torch_checkpoint.CheckpointError):
     tensor; pass ``debug=True`` to print the operators run in forward and in
     recomputation side by side.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> issubclass(remat.RecomputeError, torch.utils.checkpoint.CheckpointError)
         True

@@ -13,7 +13,7 @@ sees a tensor that carries its gradient as without the mark (a view cannot be gi
 one that way, and is refused). In backward the Function needs the re-run's value of
 that tensor, which no name reaches: the watched forward noted each operator it ran,
 in order, and where the escaped tensor came from (the operator's index, the
-output's). The re-run is watched by :class:`Pick`, which takes the tensor at the same
+output's). The re-run is watched by `Pick`, which takes the tensor at the same
 place and checks, operator by operator up to the last place it needs, that the re-run
 runs the operators the forward ran (``detach`` aside, which autograd issues itself
 under grad mode, as torch's selective checkpoint ignores it too): a re-run that diverges (a branch taken

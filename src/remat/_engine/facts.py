@@ -1,7 +1,7 @@
 """What a module region's observed forward taught, reused while nothing it rests on changed (engine).
 
 NOTE [Observed once, confirmed every call]
-Watching a forward (:class:`~remat._engine.observe.Observe`, a dispatch mode) costs
+Watching a forward (`Observe`, a dispatch mode) costs
 Python work on every operator, which on a launch-bound step of small tensors is
 most of the step. What it learns about a module region is a few facts: the
 region writes no tensor it neither made nor took (no state to replay), and, under
@@ -10,11 +10,11 @@ of its own modules. Those facts hold for the next call as long as the region run
 the same code on the same kind of inputs, so they are stored per module under a
 key made of everything the code could branch on that remat can see:
 
-- the region's options (:class:`~remat._vocab.spec.RegionSpec`) and autocast;
+- the region's options (`RegionSpec`) and autocast;
 - its inputs' structure: each tensor argument's shape, dtype, device and
   ``requires_grad``, and every other argument (a plain value by value, any other object
   by type);
-- its modules as the forward finds them (:class:`~remat._engine.boundary.ModuleState`):
+- its modules as the forward finds them (`ModuleState`):
   each module's identity, the identity of every attribute, parameter and buffer,
   and the number of hooks of each kind (and of the global module hooks).
 

@@ -13,7 +13,7 @@ regions. remat reads torch's switches; it never calls torch's checkpoint.
   and either wins over the region's own ``early_stop``/``debug`` option. Both
   apply to saved-tensor-hook regions only (``use_reentrant=False``); torch's
   reentrant checkpoint ignores them too.
-- A :class:`GraphExecGroup` is the group torch's autograd records for the
+- A `GraphExecGroup` is the group torch's autograd records for the
   thread, so torch's and remat's groups are one and the same: they cannot nest
   in each other, and a region under either re-runs once per group instead of
   once per backward call (NOTE [Graph tasks] in ``hooked.py``).
@@ -50,7 +50,7 @@ def set_checkpoint_early_stop(enable: bool) -> Iterator[None]:
     Raises:
         TypeError: ``enable`` is not a bool.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> runs = []
         >>> def block(x):
@@ -87,7 +87,7 @@ def set_checkpoint_debug_enabled(enabled: bool | None) -> Iterator[None]:
     Raises:
         TypeError: ``enabled`` is neither a bool nor None.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> calls = []
         >>> def block(x):
@@ -131,7 +131,7 @@ def resolve(spec: RegionSpec) -> RegionSpec:
 
 
 def current_group() -> object | None:
-    """The :class:`GraphExecGroup` (remat's or torch's) this thread is in, or None."""
+    """The `GraphExecGroup` (remat's or torch's) this thread is in, or None."""
     return torch._C._get_graph_exec_group()
 
 
@@ -143,13 +143,13 @@ class GraphExecGroup:
     group, every backward call (``backward``, ``torch.autograd.grad``) that
     needs a region re-runs it. Inside one, the calls share one re-run, so they
     must cover separate parts of the graph: two calls that need the same saved
-    tensor raise :class:`remat.CheckpointError`. Groups do not nest. Like
+    tensor raise `remat.CheckpointError`. Groups do not nest. Like
     torch's, it affects ``use_reentrant=False`` regions only.
 
     Raises:
         RuntimeError: entered inside another group (remat's or torch's).
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> runs = []
         >>> def block(x):

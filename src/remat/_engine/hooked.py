@@ -1,7 +1,7 @@
 """``use_reentrant=False``: a region whose saved tensors are held by saved-tensor hooks (engine).
 
 See NOTE [Regions] in ``region.py``. While the region runs forward, every tensor it
-saves is packed into a :class:`_Holder`; in backward the first unpack re-runs it.
+saves is packed into a `_Holder`; in backward the first unpack re-runs it.
 
 NOTE [Arguments that are one tensor]
 A region called with one tensor in several argument slots (``attn(h, h, h)``) must

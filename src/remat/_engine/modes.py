@@ -6,7 +6,7 @@ fold the batch statistics into ``running_mean`` twice and count
 ``num_batches_tracked`` twice (``torch.utils.checkpoint`` and MindSpore both
 do). remat replays the state a region writes instead (NOTE [Observed writes] in
 ``observe.py``). A reentrant region that wrote its own argument re-runs under
-:class:`StateGuard`, which lets an operator write only to tensors the
+`StateGuard`, which lets an operator write only to tensors the
 recomputation itself created. A write to any other tensor (a
 buffer, a region input) is dropped: a pure in-place or ``out=`` operator is
 skipped and returns its target unchanged; an operator that also computes new
@@ -15,7 +15,7 @@ forward already made the update; the recomputation only rebuilds values.
 
 NOTE [Debug traces]
 With ``debug=True`` a region records the operators its forward and its
-recomputation run (:class:`OpTrace`); a determinism failure prints both.
+recomputation run (`OpTrace`); a determinism failure prints both.
 """
 
 from __future__ import annotations

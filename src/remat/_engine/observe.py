@@ -6,7 +6,7 @@ inside its ``autograd.Function``'s backward. Every gradient it owes a tensor it
 did not take as an argument (a parameter, a buffer that requires grad, a tensor
 read through a closure, a keyword argument, a module attribute: whatever the
 callable is) must leave through the Function, so those tensors must be inputs of
-the Function. They are learned by watching the forward: :class:`Observe`, a
+the Function. They are learned by watching the forward: `Observe`, a
 dispatch mode, sees every tensor every operator of the region reads. A tensor
 that requires grad, that no operator of the region produced and that is not an
 argument is a read of the region. The arguments that require grad are handed to
@@ -15,19 +15,19 @@ read of the argument itself (through a closure) is told apart from a read of the
 argument, and both gradients flow.
 
 In backward the re-run must read the same tensors. Two modes watch it: one
-(:class:`Substitute`, above autograd) hands it an alias of each non-leaf tensor the
+(`Substitute`, above autograd) hands it an alias of each non-leaf tensor the
 forward read, so the nested backward stops there and the tensor's own history gets
 its gradient through the Function only (a tensor computed from the region's own
 parameters, ``self.memo = f(h)``, would otherwise send part of its gradient to
-them twice); the other (:class:`CheckReads`, below autograd) refuses a read of a
+them twice); the other (`CheckReads`, below autograd) refuses a read of a
 tensor that requires grad which the forward did not read (an attribute replaced
 between forward and backward): its value is not the one the forward used.
 What neither can see (a custom ``autograd.Function`` whose forward
 never reads a tensor it returns a gradient for) is caught in backward: the
-re-run's graph is walked before it is differentiated (:func:`reached_outside`); a
+re-run's graph is walked before it is differentiated (`reached_outside`); a
 tensor it reaches that is not an input of the Function is differentiated too, and
 if it gets a gradient (which would be lost) the region is refused with a typed
-error instead (:func:`refuse_lost`).
+error instead (`refuse_lost`).
 
 NOTE [Observed writes]
 The same mode sees every tensor the forward writes in place that it neither
@@ -108,7 +108,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def _subclass_call(tensors: list) -> bool:
     """True for an operator on a tensor subclass (``DTensor``): the operators its
     ``__torch_dispatch__`` runs on the local tensors come back through the modes; they
-    are the subclass's business, not reads of the region (:func:`_inside_subclass`)."""
+    are the subclass's business, not reads of the region (`_inside_subclass`)."""
     return any(type(t) not in _PLAIN and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
                for t in tensors)
 
@@ -207,7 +207,7 @@ class Observe(_Watch):
         """Tensors the forward made that would carry a gradient unmarked and are still alive
         other than as ``kept`` (the outputs, the arguments) or the base of one of them (a
         view of one, held elsewhere, has escaped: it carries no gradient either), each
-        with where it was made: (the operator's index in :attr:`calls`, its output's).
+        with where it was made: (the operator's index in `calls`, its output's).
 
         NOTE [Tensors that escape a reentrant region].
         """
@@ -261,7 +261,7 @@ def replayed_state(state: list) -> Iterator[None]:
     first write)`` pairs, in the order the forward wrote them. It is the forward's
     own list: a re-run inside the region's forward (a backward call there) finds
     what the forward wrote so far, and what it writes beyond that is noted by the
-    forward's :class:`Observe` and put back to the value the forward will find.
+    forward's `Observe` and put back to the value the forward will find.
     """
     if not state:
         yield
@@ -318,7 +318,7 @@ class Substitute(TorchFunctionMode):
     """Hand a re-run ``aliases[id(t)]`` wherever it passes ``t`` to torch (NOTE [Observed reads]).
 
     A custom ``autograd.Function`` is applied without a torch function; the engine's own
-    (a reentrant region nested in the re-run) asks :func:`substituted` for its inputs.
+    (a reentrant region nested in the re-run) asks `substituted` for its inputs.
     """
 
     active: ClassVar[list[Substitute]] = []
@@ -352,7 +352,7 @@ class CheckReads(_Watch):
     """Refuse a re-run reading a leaf that requires grad which the forward did not read.
 
     A tensor with a history (made by an ``autograd.Function`` the re-run calls, or
-    one from outside) is left to :func:`reached_outside`, which follows its history.
+    one from outside) is left to `reached_outside`, which follows its history.
 
     NOTE [Observed reads]. ``allowed``: the tensors the re-run may read besides those it
     produces.
@@ -396,7 +396,7 @@ def reached_outside(outs: list, wrt: list, made: set = frozenset()) -> list[torc
     operators returned; T5 makes its position bias a leaf that requires grad) is the
     region's own temporary, as in its forward: its gradient leaves the region nowhere.
     The caller differentiates them too and refuses only one that gets a gradient
-    (:func:`refuse_lost`): an edge that carries none (a parameter of an inner region's
+    (`refuse_lost`): an edge that carries none (a parameter of an inner region's
     module that its forward did not use) loses nothing.
     """
     leaf_ids = {id(t) for t in wrt if t.grad_fn is None} | made

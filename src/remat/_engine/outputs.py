@@ -5,7 +5,7 @@ A region marked ``output_recompute`` must not keep its outputs either, even
 when operators *after* it save them for backward (MindSpore's
 ``output_recompute``). When such a region closes, its output tensors are
 registered here by storage. Whoever saves one of them afterwards gets an
-:class:`OutputRef` (the region and the output's index) instead of the tensor;
+`OutputRef` (the region and the output's index) instead of the tensor;
 unpacking the reference re-runs the region and returns the rebuilt output.
 
 Who packs: the input saver of the next region (so two adjacent marked regions
@@ -18,7 +18,7 @@ output say, is saved as itself from then on, which changes memory, not
 numbers; the next region that registers outputs pushes the hook again). So no
 hook is left on the stack after a training step (``torch.func`` refuses to
 run under one). The pop happens when the engine releases the backward's final
-callbacks (:class:`_PopWhenReleased`), not in a callback. Under someone
+callbacks (`_PopWhenReleased`), not in a callback. Under someone
 else's saved-tensor hooks (CPU offload, torch.utils.checkpoint) the outputs
 are kept.
 

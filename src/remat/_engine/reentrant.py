@@ -15,22 +15,22 @@ them itself. So ``torch.autograd.grad`` and ``backward(inputs=...)`` get them,
 DDP sees each parameter's gradient arrive once, and a closure that reads a
 tensor the region also takes as an argument sends both contributions on.
 Arguments are re-run as fresh leaves; under ``create_graph=True`` they are
-re-run through :class:`_Boundary` instead, so the returned gradients stay
+re-run through `_Boundary` instead, so the returned gradients stay
 differentiable down to the real inputs (a gradient penalty), while the nested
 ``torch.autograd.grad`` still stops there. A tensor read through the closure
 cannot be stopped at: if the nested backward runs on past it (it was computed
-from the region's own parameters), the region is refused (:func:`reentrant_backward._closure_stops`).
+from the region's own parameters), the region is refused (`reentrant_backward._closure_stops`).
 Before the nested backward the re-run's graph is walked (``observe.reached_outside``):
 a path to a tensor that is not an input of the Function is refused, never lost.
 The gradient hooks of the tensors read (``param.register_hook``) are silenced
-while the nested backward captures their gradients (:func:`_hooks_off`): they run
+while the nested backward captures their gradients (`_hooks_off`): they run
 once, when the Function hands the gradient on.
 
 NOTE [Written arguments]
 An argument the forward wrote in place is re-run from a copy of its new value
 (the saved one is never written again) with the write dropped (NOTE [No double
 state updates]), which is exact unless the region read it before writing it:
-that is refused (:class:`_WrittenArguments`). When it requires grad the Function
+that is refused (`_WrittenArguments`). When it requires grad the Function
 marks it dirty and returns it, so its later readers back-propagate through the
 region as they would through the in-place operator. Autograd lets a Function
 that writes a view return nothing else, so for a view its base is marked and
@@ -39,8 +39,8 @@ base's gradient, and the base gets the rest with that slice zeroed, as autograd'
 ``CopySlices`` does for an in-place operator on a view. Under
 ``create_graph=True`` the written argument's gradient must stay differentiable
 down to its history before the write, which marking it dirty replaced: a
-:class:`_Link` taken in forward keeps that history (without memory of its own),
-and the re-run's argument is a :class:`_Boundary` over it (without it the second
+`_Link` taken in forward keeps that history (without memory of its own),
+and the re-run's argument is a `_Boundary` over it (without it the second
 backward ran into the region's own Function, endlessly).
 The gradients a region's re-run sends to one tensor are summed inside the
 nested backward before the engine adds other consumers'; so a tensor read twice
@@ -68,8 +68,8 @@ from remat._engine.structure import check_outputs
 class ReentrantFrame(RegionCore):
     """A region run as a custom ``autograd.Function`` (``use_reentrant=True``).
 
-    Its forward runs without grad on :attr:`aliases` of the arguments (NOTE
-    [Observed reads]); :func:`close` hands the output to :class:`Reentrant`.
+    Its forward runs without grad on `aliases` of the arguments (NOTE
+    [Observed reads]); `close` hands the output to `Reentrant`.
     """
 
     def __init__(self, fn: Any, args: tuple, kwargs: dict, spec: Any, name: str,
@@ -151,7 +151,7 @@ def _with_escaped(frame: ReentrantFrame, reads: list, state: list, output: Any, 
 
     NOTE [Tensors that escape a reentrant region]: ``self.aux = h.pow(2).mean()`` carries
     a gradient as without the mark; the re-run hands back its own value of the attribute
-    beside the region's outputs (:func:`_rerun`). A tensor held elsewhere (a hook's
+    beside the region's outputs (`_rerun`). A tensor held elsewhere (a hook's
     capture) is returned itself and gets its history in place (NOTE [Escapes handed back
     by position] in ``escapes.py``).
     """
@@ -176,7 +176,7 @@ def _like(output: tuple, items: tuple) -> tuple:
 
 
 def apply(frame: ReentrantFrame, output: Any, tensors: list) -> Any:
-    """Wrap a region's forward ``output`` in :class:`Reentrant`; return what the caller sees."""
+    """Wrap a region's forward ``output`` in `Reentrant`; return what the caller sees."""
     frame.dirty = [i for i in sorted(frame.written) if tensors[i].requires_grad]
     _written_targets(frame, tensors)
     if frame.dirty and torch.is_grad_enabled():  # NOTE [Written arguments]

@@ -1,10 +1,10 @@
 """The backward of a ``use_reentrant=True`` region: its re-run and nested differentiation (engine).
 
 NOTE [Reentrant gradients], NOTE [Written arguments] and NOTE [torch's reentrant
-checkpoint inside a reentrant region] (``reentrant.py``, and :func:`differentiate`
-below) say what this code obeys. :class:`Reentrant`'s backward calls
-:func:`differentiate`, which re-runs the region (:func:`_rerun`) on fresh leaves or
-:class:`Boundary` nodes and returns every gradient the Function owes.
+checkpoint inside a reentrant region] (``reentrant.py``, and `differentiate`
+below) say what this code obeys. `Reentrant`'s backward calls
+`differentiate`, which re-runs the region (`_rerun`) on fresh leaves or
+`Boundary` nodes and returns every gradient the Function owes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Boundary(torch.autograd.Function):
     """An argument of a re-run under ``create_graph=True``: the nested backward stops here.
 
     With ``value``, the argument's value is ``value`` and its gradient goes to ``x``
-    (a :class:`Link`: NOTE [Written arguments]).
+    (a `Link`: NOTE [Written arguments]).
     """
 
     @staticmethod

@@ -2,7 +2,7 @@
 
 NOTE [Regions]
 A region is a callable run with its arguments. While it runs forward, every
-tensor it saves for backward is replaced by a :class:`_Holder` and dropped; its
+tensor it saves for backward is replaced by a `_Holder` and dropped; its
 inputs are saved once, through whatever saved-tensor hooks are outside it (so a
 region nested in another keeps nothing the outer one drops). In backward, the
 first unpack of a holder re-runs the region once, under the forward's random
@@ -90,7 +90,7 @@ def _contexts(spec: RegionSpec, context_fn: Callable | None) -> tuple | None:
 
 def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
                 context_fn: Callable | None = None) -> _Handle:
-    """Start a region around the forward of ``fn(*args, **kwargs)``; finish it with :func:`close_region`.
+    """Start a region around the forward of ``fn(*args, **kwargs)``; finish it with `close_region`.
 
     Args:
         fn: what recomputation re-runs (a module, called through its hooks, or a function).
@@ -100,7 +100,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         context_fn: returns the (forward, recomputation) context pair, as in torch.
 
     Returns:
-        A handle for :func:`close_region`; call the forward with its ``args`` and ``kwargs``.
+        A handle for `close_region`; call the forward with its ``args`` and ``kwargs``.
     """
     _outputs.pop_hook()
     stack = _Stack()
@@ -162,7 +162,7 @@ def _refuse_functorch(name: str) -> None:
 
 
 def close_region(handle: _Handle, output: Any) -> Any:
-    """Finish a region opened by :func:`open_region`; return what the caller should see.
+    """Finish a region opened by `open_region`; return what the caller should see.
 
     When the forward raised (this is called from an always-call module hook),
     the region's hooks and contexts are popped and ``None`` is returned.

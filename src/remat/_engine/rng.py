@@ -1,8 +1,8 @@
 """Capture and replay the forward's random and autocast state (engine).
 
 A region's recomputation must draw the same dropout masks and run under the
-same autocast settings as its forward. :func:`capture` records both before the
-forward; :meth:`Replay.context` restores them around the recomputation and
+same autocast settings as its forward. `capture` records both before the
+forward; `Replay.context` restores them around the recomputation and
 leaves the caller's random state untouched afterwards.
 """
 
@@ -28,7 +28,7 @@ class DefaultDeviceType:
     settings (its forward may run there). The default is the current
     accelerator's type, or ``"cpu"`` without one.
 
-    Example:
+    Examples:
         >>> import remat
         >>> previous = remat.DefaultDeviceType.get_device_type()
         >>> remat.DefaultDeviceType.set_device_type("cpu")
@@ -144,7 +144,7 @@ def capture(args: Any, preserve_rng_state: bool) -> Replay:
         preserve_rng_state: record the random state (False: recomputation draws anew).
 
     Returns:
-        A :class:`Replay` whose ``context()`` restores that state.
+        A `Replay` whose ``context()`` restores that state.
     """
     device_type, devices = _devices_of(args)
     if not devices and DefaultDeviceType.get_device_type() not in ("cpu", "meta"):
@@ -182,6 +182,6 @@ def generator_states(tensors: Any) -> list[torch.Tensor]:
 
 
 def drew(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
-    """Whether any generator's state changed between two :func:`generator_states`."""
+    """Whether any generator's state changed between two `generator_states`."""
     with _disable_current_modes():
         return len(before) != len(after) or any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))

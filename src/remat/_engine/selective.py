@@ -1,9 +1,9 @@
 """Selective recompute: keep the outputs a policy chooses, rebuild the rest (engine).
 
-In forward, :class:`SaveMode` runs every operator and stores the outputs of
-those the policy saves. In recomputation, :class:`ReplayMode` hands the stored
+In forward, `SaveMode` runs every operator and stores the outputs of
+those the policy saves. In recomputation, `ReplayMode` hands the stored
 outputs back instead of running those operators again, and runs the others.
-The same pair works as the ``context_fn`` of :func:`remat.checkpoint`.
+The same pair works as the ``context_fn`` of [`remat.checkpoint`][remat.checkpoint].
 
 NOTE [Kept random operators]
 Recomputation restores the generators' state of the region's forward and draws again
@@ -26,8 +26,8 @@ and recomputation handed back the changed values: a silent wrong gradient (found
 independent fuzzer). So in forward every later output sharing a kept output's storage is
 watched too, and a change to any of them rebuilds the call.
 
-A policy is either a :class:`remat.Policy` (by operator name) or a
-:class:`CallPolicy`, which asks a function about every operator call, as
+A policy is either a [`remat.Policy`][remat.Policy] (by operator name) or a
+`CallPolicy`, which asks a function about every operator call, as
 torch's ``create_selective_checkpoint_contexts`` does; the function is asked in
 forward only, and its answers are replayed by call index in recomputation.
 """
@@ -92,7 +92,7 @@ def _keeps(policy: Policy | CallPolicy, func: Any) -> bool:
 
 
 def _counted(policy: Policy | CallPolicy, func: Any) -> Any:
-    """What calls are numbered by: the operator's name for a :class:`Policy` (NOTE [Counting
+    """What calls are numbered by: the operator's name for a `Policy` (NOTE [Counting
     calls] in ``remat/_vocab/policy.py``: any overload), the overload for a per-call policy."""
     return func if isinstance(policy, CallPolicy) else func._schema.name
 
@@ -246,16 +246,16 @@ def modes(policy: Policy | CallPolicy) -> tuple[SaveMode, ReplayMode]:
 
 
 def policy_context(policy: Policy) -> Callable[[], tuple[SaveMode, ReplayMode]]:
-    """Return a ``context_fn`` for :func:`remat.checkpoint` that applies ``policy``.
+    """Return a ``context_fn`` for [`remat.checkpoint`][remat.checkpoint] that applies ``policy``.
 
     Args:
-        policy: which operator outputs to keep, e.g. :data:`remat.save_compute_intensive`.
+        policy: which operator outputs to keep, e.g. [`remat.save_compute_intensive`][remat.save_compute_intensive].
 
     Returns:
         A function returning the (forward, recomputation) context pair, as
         ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` does.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> fc = torch.nn.Linear(8, 8)
         >>> x = torch.randn(4, 8, requires_grad=True)

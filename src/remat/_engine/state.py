@@ -1,6 +1,6 @@
 """Thread-local engine state that tools may read (layer 2).
 
-Example:
+Examples:
     >>> from remat._engine.state import is_recomputing
     >>> is_recomputing()
     False
@@ -18,7 +18,7 @@ _local = threading.local()
 def is_recomputing() -> bool:
     """Return True while remat is re-running a region to rebuild saved tensors.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> seen = []
         >>> def block(x):
@@ -66,7 +66,7 @@ def note_allocation(tensor: object) -> None:
 
 @contextlib.contextmanager
 def listening_to_allocations(listener: object) -> Iterator[None]:
-    """Call ``listener(tensor)`` for each :func:`note_allocation` in this thread while active."""
+    """Call ``listener(tensor)`` for each `note_allocation` in this thread while active."""
     listeners = getattr(_local, "allocation_listeners", None)
     if listeners is None:
         listeners = _local.allocation_listeners = []

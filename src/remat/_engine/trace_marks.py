@@ -2,17 +2,17 @@
 
 In eager mode a functional region (``remat.checkpoint``, ``remat.recompute``)
 is run by the engine with saved-tensor hooks. While ``torch.compile`` traces,
-hooks cannot work: the engine calls :func:`run_marked` instead, which runs the
+hooks cannot work: the engine calls `run_marked` instead, which runs the
 region plainly but under ``torch.fx.traceback.annotate``. Every node traced
 inside then carries ``node.meta["custom"]["remat.region"]``, which Dynamo and
 AOTAutograd copy onto the nodes of the joint forward/backward graph, where the
-graph pass (``remat._graph``) reads it back with :func:`region_of_meta`.
+graph pass (``remat._graph``) reads it back with `region_of_meta`.
 
 The annotation holds plain constants only (Dynamo cannot put a
-:class:`~remat._vocab.spec.RegionSpec` object into node metadata), so the options are
+`RegionSpec` object into node metadata), so the options are
 encoded as a tuple and decoded back.
 
-Example:
+Examples:
     >>> import torch
     >>> from remat._vocab.spec import RegionSpec
     >>> from remat._engine.trace_marks import run_marked
@@ -59,7 +59,7 @@ def encode_spec(spec: RegionSpec) -> tuple:
 
 @functools.lru_cache(maxsize=256)
 def decode_spec(encoded: tuple) -> RegionSpec:
-    """Rebuild the :class:`RegionSpec` encoded by :func:`encode_spec`."""
+    """Rebuild the `RegionSpec` encoded by `encode_spec`."""
     output_recompute, keep_outputs, preserve_rng_state, encoded_policy = encoded
     policy = None
     if encoded_policy is not None:
@@ -94,7 +94,7 @@ def run_marked(
     Returns:
         Whatever ``fn`` returns.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat._vocab.spec import RegionSpec
         >>> from remat._engine.trace_marks import run_marked

@@ -15,7 +15,7 @@ NOTE [Finding blocks]
    are stages (containers, or classes named ``*Stage*``: timm's ConvNeXt), the
    blocks repeated inside them are taken instead.
 
-Example:
+Examples:
     >>> import torch
     >>> from remat._front.blocks import find_blocks
     >>> block = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())

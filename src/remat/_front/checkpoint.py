@@ -52,11 +52,11 @@ __all__ = [
 
 
 def noop_context_fn() -> tuple[ContextManager, ContextManager]:
-    """The default ``context_fn`` of :func:`checkpoint`: two contexts that do nothing.
+    """The default ``context_fn`` of `checkpoint`: two contexts that do nothing.
 
     torch's ``noop_context_fn`` counts as the default too.
 
-    Example:
+    Examples:
         >>> import remat
         >>> forward, recompute = remat.noop_context_fn()
         >>> with forward, recompute:
@@ -102,14 +102,14 @@ def checkpoint(
             hooks. Must be passed explicitly (a warning, then True, as in torch).
         context_fn: returns the (forward, recomputation) context pair; accepts
             ``torch.utils.checkpoint.create_selective_checkpoint_contexts(...)`` and
-            :func:`remat.policy_context`. Only with ``use_reentrant=False``.
+            `remat.policy_context`. Only with ``use_reentrant=False``.
         determinism_check: ``"default"`` (shape, dtype, device of rebuilt tensors
             checked) or ``"none"``.
         debug: record the operators run in forward and recomputation; print both
-            if the check fails. :func:`set_checkpoint_debug_enabled` (remat's or
+            if the check fails. `set_checkpoint_debug_enabled` (remat's or
             torch's) overrides it.
         early_stop: stop re-running once the last needed tensor is rebuilt.
-            :func:`set_checkpoint_early_stop` (remat's or torch's) overrides it.
+            `set_checkpoint_early_stop` (remat's or torch's) overrides it.
         **kwargs: ``preserve_rng_state`` (default True) and keyword arguments of ``function``.
 
     Returns:
@@ -123,7 +123,7 @@ def checkpoint(
         remat.CheckpointError: a rebuilt tensor differs from the saved one (also a
             ``torch.utils.checkpoint.CheckpointError``; the message has torch's key sentence).
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
         >>> x = torch.randn(4, 8, requires_grad=True)
@@ -188,13 +188,13 @@ def checkpoint_sequential(
         functions: a ``torch.nn.Sequential`` or a list of modules or functions.
         segments: number of chunks.
         input: the tensor fed to the first function.
-        use_reentrant: as for :func:`checkpoint` (warns if not passed).
+        use_reentrant: as for `checkpoint` (warns if not passed).
         **kwargs: ``preserve_rng_state`` only.
 
     Returns:
         The output of the last function.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
         >>> x = torch.randn(2, 4, requires_grad=True)
@@ -242,7 +242,7 @@ class CheckpointFunction:
     Older code calls ``CheckpointFunction.apply(run_function, preserve_rng_state,
     *args)`` directly; this class takes the same call.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> layer = torch.nn.Linear(4, 4)
         >>> x = torch.randn(2, 4, requires_grad=True)
@@ -251,7 +251,7 @@ class CheckpointFunction:
 
     @staticmethod
     def apply(run_function: Callable, preserve_rng_state: bool, *args: Any) -> Any:
-        """Run ``run_function(*args)`` as a reentrant region; see :func:`checkpoint`."""
+        """Run ``run_function(*args)`` as a reentrant region; see `checkpoint`."""
         return checkpoint(run_function, *args, use_reentrant=True,
                           preserve_rng_state=preserve_rng_state)
 
@@ -264,7 +264,7 @@ def detach_variable(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     Raises:
         RuntimeError: ``inputs`` is not a tuple (torch's error).
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> x = torch.ones(2, requires_grad=True) * 2
         >>> d, n = remat.detach_variable((x, 3))
@@ -287,7 +287,7 @@ def check_backward_validity(inputs: Iterable[Any]) -> None:
 
     Same as ``torch.utils.checkpoint.check_backward_validity``.
 
-    Example:
+    Examples:
         >>> import warnings, torch, remat
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
@@ -307,7 +307,7 @@ def get_device_states(*args: Any) -> tuple[list[int], list[torch.Tensor]]:
     Same as ``torch.utils.checkpoint.get_device_states``; CPU and meta tensors
     have no device state, so CPU-only arguments give two empty lists.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> remat.get_device_states(torch.ones(2), [torch.zeros(1)])
         ([], [])
@@ -329,16 +329,16 @@ def get_device_states(*args: Any) -> tuple[list[int], list[torch.Tensor]]:
 
 def set_device_states(devices: list[int], states: list[torch.Tensor], *,
                       device_type: str | None = None) -> None:
-    """Set the random state of each accelerator in ``devices`` (from :func:`get_device_states`).
+    """Set the random state of each accelerator in ``devices`` (from `get_device_states`).
 
     Same as ``torch.utils.checkpoint.set_device_states``.
 
     Args:
         devices: device indices.
         states: their random states, in the same order.
-        device_type: the accelerator type; default :meth:`DefaultDeviceType.get_device_type`.
+        device_type: the accelerator type; default `DefaultDeviceType.get_device_type`.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> remat.set_device_states(*remat.get_device_states(torch.ones(2)))
     """

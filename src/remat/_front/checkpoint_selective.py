@@ -21,9 +21,10 @@ from remat._engine import selective as _selective
 from remat._vocab.errors import check_bool
 from remat._vocab.policy import Policy
 
-#: Operators a policy function is never asked about: torch's ``SAC_IGNORED_OPS``
-#: and the aliases remat's engine inserts (``detach``, ``alias``, ``lift_fresh`` ...).
 SAC_IGNORED_OPS: set = _selective.IGNORED_OPS
+"""Operators a policy function is never asked about (a set of about 20 ``torch.ops`` overloads):
+torch's ``SAC_IGNORED_OPS`` and the aliases remat's engine inserts (``detach``,
+``alias``, ``lift_fresh`` ...)."""
 
 
 class CheckpointPolicy(enum.Enum):
@@ -36,7 +37,7 @@ class CheckpointPolicy(enum.Enum):
     hashes alike, so a policy function may return either enum to either
     library's ``create_selective_checkpoint_contexts``.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> remat.CheckpointPolicy.MUST_SAVE == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
         True
@@ -75,7 +76,7 @@ class SelectiveCheckpointContext(_torch_checkpoint.SelectiveCheckpointContext):
         is_recompute: always False (kept for torch's signature).
         op_output: the output of the operator being decided on.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> ctx = remat.SelectiveCheckpointContext(is_recompute=False, op_output=torch.ones(2))
         >>> ctx.is_recompute, ctx.op_output.shape
@@ -128,17 +129,17 @@ def create_selective_checkpoint_contexts(
 
     Same signature as ``torch.utils.checkpoint.create_selective_checkpoint_contexts``;
     pass it as ``context_fn`` (through ``functools.partial``) to
-    :func:`remat.checkpoint` (or to torch's checkpoint). The policy function is
-    called in forward for every operator (but :data:`remat.SAC_IGNORED_OPS`) as
-    ``policy_fn(ctx, op, *args, **kwargs)`` with a :class:`SelectiveCheckpointContext`.
+    [`remat.checkpoint`][remat.checkpoint] (or to torch's checkpoint). The policy function is
+    called in forward for every operator (but [`remat.SAC_IGNORED_OPS`][remat.SAC_IGNORED_OPS]) as
+    ``policy_fn(ctx, op, *args, **kwargs)`` with a `SelectiveCheckpointContext`.
     Outputs of views and in-place operators are rebuilt whatever it says, and a
     kept output changed in place after forward is rebuilt rather than reported.
 
     Args:
-        policy_fn_or_list: a policy function returning a :class:`CheckpointPolicy`
+        policy_fn_or_list: a policy function returning a `CheckpointPolicy`
             (remat's or torch's) or a bool; a list of ``OpOverload`` s to keep
             (``torch.ops.aten.mm.default``; everything else is rebuilt); or a
-            :class:`remat.Policy` such as :data:`remat.save_compute_intensive`.
+            [`remat.Policy`][remat.Policy] such as [`remat.save_compute_intensive`][remat.save_compute_intensive].
         allow_cache_entry_mutation: accepted for torch's signature; remat rebuilds
             a kept output that was changed in place, so nothing is refused either way.
 
@@ -149,7 +150,7 @@ def create_selective_checkpoint_contexts(
         ValueError: a list entry that is not an ``OpOverload``.
         TypeError: anything else than a function, a list or a ``remat.Policy``.
 
-    Example:
+    Examples:
         >>> import functools, torch, remat
         >>> def policy_fn(ctx, op, *args, **kwargs):
         ...     if op == torch.ops.aten.mm.default:
@@ -188,7 +189,7 @@ def adopt_torch_contexts(context_fn: Callable) -> Callable:
     ``functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
     policy_fn)`` passed as ``context_fn`` keeps torch's limits (a second backward, an
     in-place write to a kept output, both refused); remat reads its policy function and
-    builds :func:`create_selective_checkpoint_contexts` from it instead, so it keeps
+    builds `create_selective_checkpoint_contexts` from it instead, so it keeps
     the same operators and runs both. Any other pair is used as it is.
     """
     def contexts() -> tuple:

@@ -6,7 +6,7 @@ modules and applies them on the joint graph. Any other backend would silently
 keep every activation the marks were meant to drop, so the first such trace
 warns and points to ``remat.compile``.
 
-Example:
+Examples:
     >>> from remat._front.compile_check import note_traced
     >>> note_traced()  # outside a trace: nothing to check
     True

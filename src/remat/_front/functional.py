@@ -38,7 +38,7 @@ def recompute(block: Any, *args: Any, use_reentrant: bool = True, output_recompu
         TypeError: ``block`` is not a module while ``use_reentrant=True``; a
             keyword that must be a bool is not.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> conv = torch.nn.Conv2d(2, 2, 2, bias=False)
         >>> x = torch.ones(2, 2, 2, 2, requires_grad=True)

@@ -32,7 +32,7 @@ transformers is never imported here: its public classes (``Cache``,
 ``GradientCheckpointingLayer``) are looked up in ``sys.modules``, where they are
 whenever a model or a cache of theirs exists.
 
-Example:
+Examples:
     >>> import torch
     >>> from remat._front.hf import guard_cache
     >>> guard_cache(torch.nn.Linear(2, 2), (), {"cache": object()}) is None  # no transformers cache
@@ -125,7 +125,7 @@ def _not_copyable(cache: Any) -> str | None:
 
 
 def guard_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """The arguments a marked module's region records, each ``Cache`` a :class:`CacheRun`.
+    """The arguments a marked module's region records, each ``Cache`` a `CacheRun`.
 
     See NOTE [Cache of a marked layer].
 
@@ -178,7 +178,7 @@ class LayerCheckpoint:
     the way it calls ``torch.utils.checkpoint.checkpoint``.
 
     Args:
-        spec: the region options (see :func:`remat.recompute_module`).
+        spec: the region options (see [`remat.recompute_module`][remat.recompute_module]).
     """
 
     __slots__ = ("spec",)
@@ -244,7 +244,7 @@ def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **o
         model: a transformers ``PreTrainedModel`` that supports gradient checkpointing.
         every: checkpoint every ``every``-th layer (Hugging Face's ``every_n_layers``).
         **options: ``use_reentrant`` (default False), ``output_recompute``, ``policy``,
-            ``early_stop``, ``preserve_rng_state`` as for :func:`remat.recompute_module`.
+            ``early_stop``, ``preserve_rng_state`` as for [`remat.recompute_module`][remat.recompute_module].
 
     Returns:
         The qualified names of the layers that recompute.
@@ -252,7 +252,7 @@ def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **o
     Raises:
         TypeError: ``model`` has no ``gradient_checkpointing_enable``; a bad option.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> try:  # with a transformers model: remat.gradient_checkpointing_enable(model)
         ...     remat.gradient_checkpointing_enable(torch.nn.Linear(2, 2))

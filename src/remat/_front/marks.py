@@ -1,7 +1,7 @@
 """Marks on modules: ``recompute_module``, ``apply``, ``unmark`` (front end).
 
-A mark is a :class:`~remat._vocab.spec.RegionSpec` stored on the module as
-``module._remat_spec`` plus a :class:`MarkedForward` set as the module's
+A mark is a `RegionSpec` stored on the module as
+``module._remat_spec`` plus a `MarkedForward` set as the module's
 ``forward`` attribute (NOTE [Hooks of a marked module]). So a mark changes no
 parameter name, is invisible to ``state_dict``, and survives ``copy.deepcopy``,
 ``model.to(...)`` and pickling. While ``torch.compile`` traces the model the
@@ -59,7 +59,7 @@ def mark_from_keywords(api: str, kwargs: dict, *, keep_outputs: bool) -> RegionS
 def mark_of(module: torch.nn.Module) -> RegionSpec | None:
     """Return the recompute options marked on ``module``, or None when it is not marked.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> fc = remat.recompute_module(torch.nn.Linear(2, 2))
         >>> remat.mark_of(fc).keep_outputs
@@ -121,7 +121,7 @@ def recompute_module(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         TypeError: ``module`` is not a module, an unknown keyword, a non-bool flag.
         ValueError: ``module`` is already marked with other options.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
         >>> _ = remat.recompute_module(mlp)
@@ -187,7 +187,7 @@ def apply(model: torch.nn.Module, where: Where = "blocks", *, every: int = 1,
             a module type, a list of types or names, or a predicate ``(name, module) -> bool``.
         every: mark only every ``every``-th selected module (the 1st, the ``every+1``-th,
             ...), as Hugging Face's ``every_n_layers``; 1 marks all.
-        **kwargs: the options of :func:`recompute_module`.
+        **kwargs: the options of `recompute_module`.
 
     Returns:
         The qualified names of the modules marked, in ``named_modules`` order.
@@ -197,7 +197,7 @@ def apply(model: torch.nn.Module, where: Where = "blocks", *, every: int = 1,
         ValueError: nothing matches ``where``, ``every < 1``, or a module is marked
             with other options already (nothing is marked then).
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
         >>> remat.apply(model, where=torch.nn.Linear)
@@ -251,7 +251,7 @@ def apply(model: torch.nn.Module, where: Where = "blocks", *, every: int = 1,
 def unmark(model: torch.nn.Module) -> list[str]:
     """Remove every recompute mark in ``model`` and its submodules; return their names.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> fc = remat.recompute_module(torch.nn.Linear(2, 2))
         >>> remat.unmark(fc)
@@ -263,7 +263,7 @@ def unmark(model: torch.nn.Module) -> list[str]:
 def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
     """Return ``{qualified name: options}`` of every marked module in ``model``.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
         >>> _ = remat.apply(model, where=torch.nn.ReLU, output_recompute=True)
@@ -277,7 +277,7 @@ def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
 #
 # NOTE [Hooks of a marked module]
 # The region of a marked module covers its ``forward`` only: the mark sets a
-# :class:`MarkedForward` as the module's ``forward`` attribute, which torch calls
+# `MarkedForward` as the module's ``forward`` attribute, which torch calls
 # after every forward pre-hook and before every forward hook. So hooks (a pre-hook
 # rewriting the input, ``torch.nn.utils.prune``'s mask, the old ``weight_norm``, a
 # forward hook counting calls) run once, outside the region, whenever they were
@@ -290,12 +290,12 @@ def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
 
 # NOTE [Call guards]
 # An adapter for a library whose modules carry state across calls (Hugging Face's
-# key/value cache, ``_front/hf.py``) registers a guard with :func:`add_call_guard`. Before a
+# key/value cache, ``_front/hf.py``) registers a guard with `add_call_guard`. Before a
 # marked module's region starts, each guard may return new ``(args, kwargs)`` for the
-# region to record, in which an argument may be a :class:`PerRun`: each run of the
+# region to record, in which an argument may be a `PerRun`: each run of the
 # region (forward, then each recomputation) calls its ``take()`` for the value that run
 # gets. An adapter for a library that wraps modules (FSDP2's units, ``parallel/_fsdp.py``)
-# registers a run context with :func:`add_run_context` instead: each run of a marked
+# registers a run context with `add_run_context` instead: each run of a marked
 # module's forward (forward and every recomputation) runs inside ``context(module, spec)``.
 # So the mark's core knows no library, and no library is imported by it.
 

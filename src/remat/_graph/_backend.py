@@ -31,9 +31,9 @@ class RematBackend:
         roots: objects holding the modules whose marks apply (modules, functions).
 
     Attributes:
-        reports: one :class:`~remat._graph._partition.GraphReport` per graph compiled.
+        reports: one `GraphReport` per graph compiled.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> from remat._graph._backend import RematBackend
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())

@@ -4,7 +4,7 @@ The benchmark prepares a model (marks, or ``torch.utils.checkpoint`` wrappers
 on the same blocks: only the benchmark calls ``torch.utils.checkpoint``), then
 asks here for its compiled step. ``remat.memory.track`` is a
 ``TorchDispatchMode``, under which Dynamo runs frames eagerly; compiled steps
-are measured with :func:`allocation_peak`, from the allocator's own events.
+are measured with `allocation_peak`, from the allocator's own events.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from remat._graph._compile import compile as remat_compile
 
-#: ``compiler`` values of :func:`compile_configuration`.
+#: ``compiler`` values of `compile_configuration`.
 COMPILERS = ("remat", "torch")
 
 
@@ -29,7 +29,7 @@ def compile_configuration(
         model: the model, marked (for ``"remat"``) or with blocks wrapped in
             ``torch.utils.checkpoint`` (for ``"torch"``); compile a fresh copy per
             configuration, as compiled code is cached per model.
-        compiler: ``"remat"``: :func:`remat.compile` (remat's partitioner: marked
+        compiler: ``"remat"``: [`remat.compile`][remat.compile] (remat's partitioner: marked
             nodes copied into backward, nothing else recomputed); ``"torch"``:
             ``torch.compile`` (its min-cut partitioner, which honours
             ``torch.utils.checkpoint`` regions and may recompute cheap operators).
@@ -41,7 +41,7 @@ def compile_configuration(
     Raises:
         ValueError: an unknown ``compiler``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat._graph._compare import compile_configuration
         >>> net = torch.nn.Linear(4, 2)
@@ -69,7 +69,7 @@ def allocation_peak(step: Callable[[], Any]) -> int:
     Returns:
         The largest increase of allocated bytes during ``step``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat._graph._compare import allocation_peak
         >>> allocation_peak(lambda: torch.ones(1024).sum()) >= 4096

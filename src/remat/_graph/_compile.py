@@ -27,13 +27,13 @@ def compile(
 ) -> Compiled:
     """``torch.compile`` with remat's recompute pass on the joint graph: the marks as set.
 
-    The graph pass behind :func:`remat.compile` (which adds planning for a budget, one
+    The graph pass behind [`remat.compile`][remat.compile] (which adds planning for a budget, one
     layer up, and documents the arguments): marked forward operators are not saved for
     backward, their copies run in backward before the gradients that need them, unmarked
     operators are never recomputed.
 
     Args:
-        model_or_fn, backend, save_graphs, fullgraph, dynamic: as for :func:`remat.compile`.
+        model_or_fn, backend, save_graphs, fullgraph, dynamic: as for [`remat.compile`][remat.compile].
 
     Returns:
         The compiled module or function. Its ``remat_reports`` attribute lists one
@@ -43,7 +43,7 @@ def compile(
         ValueError: an unknown ``backend``.
         TypeError: ``model_or_fn`` is not callable.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> from remat._graph._compile import compile as graph_compile
         >>> relu = torch.nn.ReLU()
@@ -114,7 +114,7 @@ def compile_cached(fn: Callable[..., Any], *, save_graphs: str | None = None) ->
     Returns:
         The compiled callable (the same object for the same ``fn`` and folder).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat._graph._compile import compile_cached
         >>> def f(x):

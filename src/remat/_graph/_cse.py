@@ -36,7 +36,7 @@ def eliminate_common_subexpressions(graph: fx.Graph, nodes: list[fx.Node]) -> in
     Returns:
         The number of nodes removed.
 
-    Example:
+    Examples:
         >>> import torch, torch.fx as fx
         >>> g = fx.Graph(); x = g.placeholder("x")
         >>> a = g.call_function(torch.ops.aten.relu.default, (x,))

@@ -128,14 +128,14 @@ def format_graph(
         graph: the graph to show.
         title: first comment line.
         origins: ``seq_nr -> (forward node, module path)`` naming backward nodes'
-            forward counterparts (see :func:`forward_origins`); built from
+            forward counterparts (see `forward_origins`); built from
             ``graph`` when omitted.
         input_names: ``placeholder name -> label`` (parameter names of primals).
 
     Returns:
         The dump text.
 
-    Example:
+    Examples:
         >>> import torch, torch.fx as fx
         >>> gm = fx.symbolic_trace(lambda x: torch.relu(x))
         >>> print(format_graph(gm.graph).splitlines()[-1])

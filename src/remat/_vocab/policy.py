@@ -3,7 +3,7 @@
 A policy is a small frozen value that answers one question for each operator a
 region runs: *save* its output (keep it for backward) or *recompute* it. Policies
 look at the operator's name (``"aten::mm"``, ``"aten::relu"``), and a per-call
-policy (:func:`save_calls`) also at the call's place among the region's calls of
+policy (`save_calls`) also at the call's place among the region's calls of
 that name (``"aten::mm#1"``: its second matrix product), so this module imports no
 torch and a policy can be printed, hashed, compared and read back from its name.
 
@@ -18,7 +18,7 @@ agree for every operator that has no in-place form in the region's code (matrix
 products, convolutions, attention: the calls a plan keys); functionalization turns an
 in-place ``add_`` into an ``add`` the graph counts and the eager engine does not.
 
-Example:
+Examples:
     >>> from remat import save_compute_intensive
     >>> save_compute_intensive.saves("aten::mm"), save_compute_intensive.saves("aten::relu")
     (True, False)
@@ -67,7 +67,7 @@ class Policy:
         save_ops: operator names (without overload) whose outputs are kept.
         save_everything: keep every operator's output (nothing is recomputed).
 
-    Example:
+    Examples:
         >>> from remat import Policy
         >>> p = Policy("keep_matmuls", save_ops=frozenset({"aten::mm"}))
         >>> p.saves("aten::mm.default"), p.saves("aten::gelu")
@@ -83,7 +83,7 @@ class Policy:
 
     def saves(self, op_name: str) -> bool:
         """Return True when some call of operator ``op_name`` may be kept (all of them,
-        unless the policy keys calls: then ask :meth:`saves_call`)."""
+        unless the policy keys calls: then ask `saves_call`)."""
         base = op_base_name(op_name)
         return self.save_everything or base in self.save_ops or base in self._called
 
@@ -108,9 +108,9 @@ def save_only(*op_names: str) -> Policy:
         *op_names: aten operator names, e.g. ``"aten::mm"`` (an overload suffix is ignored).
 
     Returns:
-        A :class:`Policy`.
+        A `Policy`.
 
-    Example:
+    Examples:
         >>> from remat import save_only
         >>> save_only("aten::mm", "aten::convolution")
         save_only('aten::mm', 'aten::convolution')
@@ -143,20 +143,20 @@ def parse_call_key(key: str, api: str = "remat.save_calls") -> tuple[str, int]:
 
 def save_calls(*keys: str) -> Policy:
     """Return a policy that keeps the outputs of the operator calls ``keys`` and
-    recomputes all else: the per-operator choices of :func:`remat.plan`.
+    recomputes all else: the per-operator choices of `remat.plan`.
 
     Args:
         *keys: call keys ``"aten::mm#1"``: the second ``aten::mm`` call of the region
             (NOTE [Counting calls]); any order, each once.
 
     Returns:
-        A :class:`Policy` whose name lists the keys in order (``Policy.name`` reads back
-        through :func:`policy_from_name`).
+        A `Policy` whose name lists the keys in order (``Policy.name`` reads back
+        through `policy_from_name`).
 
     Raises:
         ValueError: a malformed or repeated key.
 
-    Example:
+    Examples:
         >>> from remat import save_calls
         >>> p = save_calls("aten::mm#1", "aten::addmm#0")
         >>> p, p.saves_call("aten::mm", 1), p.saves_call("aten::mm", 0)
@@ -173,7 +173,7 @@ def save_calls(*keys: str) -> Policy:
 def policy_from_name(name: str) -> Policy:
     """The policy a name printed by a policy stands for (a plan's JSON holds names).
 
-    Example:
+    Examples:
         >>> from remat._vocab.policy import policy_from_name, save_calls
         >>> policy_from_name(repr(save_calls("aten::mm#2"))) == save_calls("aten::mm#2")
         True
@@ -190,9 +190,9 @@ def policy_from_name(name: str) -> Policy:
                      f"save_all, recompute_all, save_compute_intensive, save_only(...), save_calls(...)")
 
 
-#: Keep every operator's output: the region behaves as if unmarked (a baseline).
 save_all = Policy("save_all", save_everything=True)
-#: Keep nothing inside the region: every saved tensor is rebuilt (plain recompute).
+"""Keep every operator's output: the region behaves as if unmarked (a baseline)."""
 recompute_all = Policy("recompute_all")
-#: Keep the outputs of matmuls, convolutions and attention; recompute pointwise ops.
+"""Keep nothing inside the region: every saved tensor is rebuilt (plain recompute)."""
 save_compute_intensive = Policy("save_compute_intensive", save_ops=COMPUTE_INTENSIVE_OPS)
+"""Keep the outputs of matmuls, convolutions and attention; recompute pointwise operators."""

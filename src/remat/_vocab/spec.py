@@ -1,6 +1,6 @@
 """What a mark asks for: the options of one recompute region (layer 1, no torch).
 
-A :class:`RegionSpec` is plain, frozen data. Marks on modules store one; the
+A `RegionSpec` is plain, frozen data. Marks on modules store one; the
 engine reads one; the graph pass reads the same one. Nothing else carries
 recompute options.
 """
@@ -40,7 +40,7 @@ class RegionSpec:
             forward (False); None (not passed) leaves the sharding's own
             choice alone (FSDP2's ``reshard_after_forward``).
 
-    Example:
+    Examples:
         >>> from remat._vocab.spec import RegionSpec
         >>> RegionSpec(output_recompute=True).output_recompute
         True

@@ -6,7 +6,7 @@ mistake on the command line into one line on stderr and exit status 2, as pip,
 ruff and torchrun do: a bad value names the flag and the values it accepts, a
 misspelled option shows the subcommand's usage and the nearest option.
 
-Example:
+Examples:
     $ remat --help
     $ remat plan my_model:make --input-shape 8,128 --budget 60%
 """

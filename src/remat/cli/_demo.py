@@ -5,7 +5,7 @@ configuration; the table compares what each configuration keeps for backward,
 its peak memory, its step time, and its final loss, which recompute must not
 change.
 
-Example:
+Examples:
     >>> from remat.cli._demo import DemoConfig, run_demo
     >>> result = run_demo(DemoConfig(steps=2, batch_size=2, model="tiny", out_dir=None),
     ...                   progress=False)
@@ -43,7 +43,7 @@ PLANNER_SHARES = (0.85, 0.9, 0.95, 1.0)
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Options of :func:`run_demo`.
+    """Options of `run_demo`.
 
     Args:
         steps: training steps per configuration.
@@ -55,7 +55,7 @@ class DemoConfig:
             (two small stages, for smoke tests).
         seed: seed of the weights (the batches are the same in every configuration).
         lr: Adam learning rate.
-        planner: add a row planned by :func:`remat.plan` for a budget below the tutorial
+        planner: add a row planned by `remat.plan` for a budget below the tutorial
             marks' peak.
     """
 
@@ -72,7 +72,7 @@ class DemoConfig:
 
 def build_model(name: str, options: dict | remat.Plan | None) -> torch.nn.Module:
     """Build the demo's model, marked as MindSpore's recompute tutorial marks it when
-    ``options`` is a dict (``Cell.recompute`` options), or as a :class:`remat.Plan` says."""
+    ``options`` is a dict (``Cell.recompute`` options), or as a `remat.Plan` says."""
     if name == "resnet50":
         net = resnet50(class_num=10)
     elif name == "tiny":
@@ -87,10 +87,10 @@ def build_model(name: str, options: dict | remat.Plan | None) -> torch.nn.Module
 
 
 def make_plan(config: DemoConfig, data: Any) -> tuple[remat.Plan, int]:
-    """Plan the demo's model for the lowest of :data:`PLANNER_SHARES` of the tutorial marks' peak
+    """Plan the demo's model for the lowest of `PLANNER_SHARES` of the tutorial marks' peak
     that fits; return the plan and that peak.
 
-    The plan's step is the demo's own (:func:`train_configuration`'s ``forward_backward``):
+    The plan's step is the demo's own (`train_configuration`'s ``forward_backward``):
     load a batch, forward, cross-entropy, backward, without the optimizer step; the tutorial
     marks' peak is measured on the same step, so the plan's row is measured as planned.
     """
@@ -223,7 +223,7 @@ def train_configuration(
 
 
 def run_demo(config: DemoConfig, *, progress: bool = True) -> dict:
-    """Train every configuration of :data:`CONFIGURATIONS`; print and return the results.
+    """Train every configuration of `CONFIGURATIONS`; print and return the results.
 
     Args:
         config: the options.

@@ -3,7 +3,7 @@
 The harness is not part of the installed package: it lives in ``benchmarks/bench.py``
 of a clone of the repository, which this command loads (``make bench`` runs it).
 
-Example:
+Examples:
     $ OMP_NUM_THREADS=1 remat bench --quick --pairs 2 --trials 1
 """
 
@@ -26,7 +26,7 @@ MISSING = ("remat bench: the benchmark harness is not installed with remat; it l
 
 
 def load_harness(folder: pathlib.Path | None = None) -> ModuleType | None:
-    """Import ``benchmarks.bench`` from ``folder`` (default :data:`BENCHMARKS`); ``None`` without it."""
+    """Import ``benchmarks.bench`` from ``folder`` (default `BENCHMARKS`); ``None`` without it."""
     folder = BENCHMARKS if folder is None else folder
     if not (folder / "bench.py").is_file():
         return None

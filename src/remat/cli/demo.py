@@ -1,6 +1,6 @@
 """``remat demo``: train ResNet-50 on CIFAR-10 with and without recompute, and compare.
 
-Example:
+Examples:
     $ remat demo --steps 12 --batch-size 16
 """
 

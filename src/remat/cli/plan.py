@@ -1,6 +1,6 @@
 """``remat plan``: choose what to recompute for a memory budget, and measure the plan.
 
-Example:
+Examples:
     $ remat plan remat.models.gpt:gpt --arg layers=8 --input-shape 8,256 --input-dtype int64 \\
           --loss next-token --budget 60% --json plan.json --plot pareto.png
     $ remat plan remat.models.llama:llama --arg layers=4 --input-shape 1,512 --input-dtype int64 \\
@@ -168,7 +168,7 @@ class Setup:
 
 
 def mark_strategy(model: torch.nn.Module, name: str, blocks: list[str] | None = None) -> None:
-    """Mark ``model`` as anchor ``name`` of :data:`STRATEGIES` on the planner's blocks."""
+    """Mark ``model`` as anchor ``name`` of `STRATEGIES` on the planner's blocks."""
     import remat
     from remat.planner.internal import find_blocks  # the blocks remat.apply(where="blocks") marks
 
@@ -244,7 +244,7 @@ class _Measured:
 
 
 def _options_arg(text: str | None) -> tuple[str, ...]:
-    """``--options``: comma-separated families of :data:`remat.planner.OPTIONS`."""
+    """``--options``: comma-separated families of `remat.planner.OPTIONS`."""
     if text is None:
         return OPTIONS
     options = tuple(o.strip() for o in text.split(",") if o.strip())
@@ -256,7 +256,7 @@ def _options_arg(text: str | None) -> tuple[str, ...]:
 
 
 def _budget_arg(text: str) -> str:
-    """``--budget`` (an argparse type), checked as :func:`remat.planner.parse_budget` reads it."""
+    """``--budget`` (an argparse type), checked as `remat.planner.parse_budget` reads it."""
     try:
         parse_budget(text, api=API)
     except (TypeError, ValueError) as err:

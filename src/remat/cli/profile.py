@@ -1,6 +1,6 @@
 """``remat profile``: the per-module memory table of a model, before and after marks.
 
-Example:
+Examples:
     $ remat profile remat.models.resnet:resnet50 --input-shape 8,3,32,32 --marks blocks \\
           --json profile.json --plot timeline.png
     $ remat profile remat.models.llama:llama --arg layers=2 --input-shape 1,128 \\
@@ -84,7 +84,7 @@ def fully_shard_blocks(model: torch.nn.Module, mesh: Any) -> None:
 
 
 def tensor_parallel(model: torch.nn.Module, mesh: Any) -> None:
-    """``--parallelize tp``: :func:`remat.models.llama.tensor_parallel` (Llama models only)."""
+    """``--parallelize tp``: `remat.models.llama.tensor_parallel` (Llama models only)."""
     from remat.models.llama import Llama
     from remat.models.llama import tensor_parallel as shard
 
@@ -194,7 +194,7 @@ def keyword_argument(text: str) -> tuple[str, Any]:
 
 
 def parse_kwargs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-    """The factory's keyword arguments from ``--arg`` items (parsed by :func:`keyword_argument`)."""
+    """The factory's keyword arguments from ``--arg`` items (parsed by `keyword_argument`)."""
     return dict(item if isinstance(item, tuple) else keyword_argument(item) for item in items)
 
 

@@ -1,6 +1,6 @@
 """Data sets for the demo and the benchmark (layer 4: tools).
 
-Example:
+Examples:
     >>> from remat.data import load_cifar10
     >>> len(load_cifar10(None, size=16))
     16

@@ -3,11 +3,11 @@
 The binary release (``cifar-10-batches-bin``) holds ``data_batch_1.bin`` ...
 ``data_batch_5.bin`` and ``test_batch.bin``; each record is one label byte then
 3,072 pixel bytes (1,024 red, 1,024 green, 1,024 blue: a 3x32x32 CHW image).
-Without a directory, :func:`synthetic_cifar10` builds a deterministic data set
+Without a directory, `synthetic_cifar10` builds a deterministic data set
 of the same shape in which every class adds its own smooth colour pattern to
 the noise, so a network learns it within a few dozen steps.
 
-Example:
+Examples:
     >>> from remat.data import load_cifar10
     >>> data = load_cifar10(None, size=64)
     >>> images, labels = data.batch(0, 8)
@@ -35,7 +35,7 @@ STD = (0.2470, 0.2435, 0.2616)
 class ImageSet:
     """Images (uint8, N x 3 x 32 x 32) and their labels (int64, N).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat.data import ImageSet
         >>> data = ImageSet(torch.zeros(4, 3, 32, 32, dtype=torch.uint8), torch.arange(4))
@@ -111,7 +111,7 @@ def synthetic_cifar10(size: int = 2048, seed: int = 0) -> ImageSet:
     Returns:
         The images and labels.
 
-    Example:
+    Examples:
         >>> from remat.data import synthetic_cifar10
         >>> bool((synthetic_cifar10(8).images == synthetic_cifar10(8).images).all())
         True

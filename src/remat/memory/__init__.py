@@ -1,6 +1,6 @@
 """``remat.memory``: measure what autograd keeps and what a step allocates.
 
-Example:
+Examples:
     >>> import torch, remat
     >>> fc = torch.nn.Linear(64, 64)
     >>> x = torch.randn(32, 64)

@@ -12,7 +12,7 @@ step's thread: when the step has dropped the tensor first (an all-reduce result
 added into the residual stream and gone a few operators later; the clone of its
 input a reduce-scatter scatters from), the worker's drop frees the block and the
 profiler never sees that free, so the block would count as alive to the end of
-the step. While measuring, :func:`allocator_peak` therefore lets the worker go
+the step. While measuring, `allocator_peak` therefore lets the worker go
 first: after a ``wait_tensor`` it yields the processor (at most 50
 milliseconds, on a busy machine) until the work's references to the result are gone. And it keeps a
 reference to each tensor a work may still hold last (a functional collective's
@@ -111,7 +111,7 @@ def allocator_peak(step: Callable[[], Any]) -> int:
     Returns:
         The largest increase of bytes allocated by the calling thread during ``step``.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> remat.memory.allocator_peak(lambda: torch.ones(1024).sum()) >= 4096
         True

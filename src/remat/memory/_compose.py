@@ -78,9 +78,9 @@ def truncated(container: torch.nn.Module, count: int) -> Iterator[None]:
 def compose_report(model: torch.nn.Module, container: torch.nn.Module,
                    run: Callable[[Callable[[int, str, str], None]], Any]) -> Any | None:
     """The report of ``run`` on the whole model, composed from its runs with the container cut
-    to :data:`SHORT` and :data:`LONG` blocks (NOTE [Composing an estimate]); ``run(watch)``
+    to `SHORT` and `LONG` blocks (NOTE [Composing an estimate]); ``run(watch)``
     runs one step under the tracker with ``watch`` as its ``on_change`` and returns the
-    :class:`~remat.memory.ProfileReport`. None when the composition does not hold."""
+    `ProfileReport`. None when the composition does not hold."""
     where = next(name for name, m in model.named_modules() if m is container)
     prefix = f"{where}." if where else ""
     keys = list(container._modules)

@@ -36,8 +36,8 @@ def plot_timeline(runs: Sequence[Any], path: str, *, title: str = "Memory over o
                   labels: Sequence[str] = ()) -> str:
     """Draw live memory over the step for each run and write a PNG to ``path``.
 
-    Each run is a :class:`~remat.memory.ProfileReport` (from ``remat.profile`` or
-    ``remat.estimate``) or a :class:`~remat.memory.MemoryTracker`. The x axis is
+    Each run is a `ProfileReport` (from ``remat.profile`` or
+    ``remat.estimate``) or a `MemoryTracker`. The x axis is
     progress through the step (allocation events, scaled to 0..1 so runs of
     different length line up); the y axis is the footprint (baseline plus live
     allocations) in MiB. A strip under the plot shades each run's phases:
@@ -55,7 +55,7 @@ def plot_timeline(runs: Sequence[Any], path: str, *, title: str = "Memory over o
     Raises:
         ImportError: matplotlib is not installed (``pip install remat[cli]``).
 
-    Example:
+    Examples:
         >>> import torch, remat, tempfile, os
         >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
         >>> report = remat.profile(net, torch.randn(4, 8), repeat=0)

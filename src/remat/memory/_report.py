@@ -1,7 +1,7 @@
 """The per-module memory report: rows, table, JSON, comparison (layer 4: tools, no torch).
 
-A :class:`ProfileReport` is plain data produced by :func:`remat.profile` and
-:func:`remat.estimate`. Its ``kept_self`` figures add up: the sum over all
+A `ProfileReport` is plain data produced by [`remat.profile`][remat.profile] and
+[`remat.estimate`][remat.estimate]. Its ``kept_self`` figures add up: the sum over all
 rows plus ``outside_kept`` equals ``total_kept``.
 """
 
@@ -53,9 +53,36 @@ class ModuleRow:
 
 @dataclass
 class ProfileReport:
-    """Memory and time of one training step, per module; see :func:`remat.profile`.
+    """Memory and time of one training step, per module; see [`remat.profile`][remat.profile].
 
-    Example:
+    Attributes:
+        label: the name given (``label=``), printed in the title.
+        device: where the step ran (``"cpu"``, ``"cuda"``; an estimate's device).
+        estimated: True for [`remat.estimate`][remat.estimate]'s report (fake tensors).
+        rows: one [`ModuleRow`][remat.memory.ModuleRow] per module, in call order.
+        total_kept: bytes kept for backward at the end of the forward, by every module.
+        outside_kept: of those, bytes kept by operators outside every module.
+        peak_bytes: the step's peak footprint (parameters, gradients, optimizer state and
+            activations).
+        peak_increase: the peak above the footprint before the step.
+        peak_phase: the phase the peak falls in (``"forward"``, ``"backward"``, ...).
+        baseline_bytes: the footprint before the step.
+        param_bytes: bytes of the parameters.
+        grad_bytes: bytes of the gradients.
+        optimizer_bytes: bytes of the optimizer state.
+        peak_by_phase: bytes allocated during the step and alive at the peak, per phase that
+            allocated them.
+        peak_by_module: the same bytes per module.
+        step_ms: the median step time, forward and backward (None: not timed).
+        seconds: seconds the measurement took.
+        timeline: ``(bytes, phase)`` after each allocation and free of the step, in order.
+        phase_peaks: the highest footprint reached in each phase.
+        rank: under ``torch.distributed``, the rank measured (None: one process).
+        world_size: the ranks in the job; every byte figure is the rank's.
+        composed: non-empty when the estimate was composed from short models of identical
+            blocks (then ``timeline``, ``peak_by_phase`` and ``peak_by_module`` are empty).
+
+    Examples:
         >>> import torch, remat
         >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
         >>> report = remat.profile(net, torch.randn(4, 8))
@@ -83,11 +110,11 @@ class ProfileReport:
     timeline: list = field(default_factory=list)
     #: the highest footprint (bytes) reached in each phase (``"forward"``, ``"backward"``, ...)
     phase_peaks: dict = field(default_factory=dict)
-    #: under ``torch.distributed`` (a real group, or :func:`remat.estimate`'s fake one): the
+    #: under ``torch.distributed`` (a real group, or [`remat.estimate`][remat.estimate]'s fake one): the
     #: rank measured and the ranks in the job; every byte figure is this rank's (None: one process)
     rank: int | None = None
     world_size: int | None = None
-    #: non-empty when :func:`remat.estimate` composed the report from short models of identical
+    #: non-empty when [`remat.estimate`][remat.estimate] composed the report from short models of identical
     #: blocks (``compose=True``, NOTE [Composing an estimate] in ``remat/memory/_compose.py``):
     #: then ``timeline``, ``peak_by_phase`` and ``peak_by_module`` are empty
     composed: str = ""
@@ -120,7 +147,7 @@ class ProfileReport:
 
     @classmethod
     def from_json(cls, text: str) -> ProfileReport:
-        """Rebuild a report from :meth:`to_json` output."""
+        """Rebuild a report from `to_json` output."""
         data = json.loads(text)
         data["rows"] = [ModuleRow(**r) for r in data["rows"]]
         data["timeline"] = [tuple(p) for p in data["timeline"]]
@@ -238,5 +265,5 @@ def _render_rich(report: ProfileReport, rows: list) -> str:
 
 
 def as_dict(report: ProfileReport) -> dict[str, Any]:
-    """The report as plain data (what :meth:`ProfileReport.to_json` writes)."""
+    """The report as plain data (what `ProfileReport.to_json` writes)."""
     return dataclasses.asdict(report)

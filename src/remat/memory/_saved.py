@@ -60,7 +60,7 @@ def saved_bytes(step: Callable[[], Any]) -> int:
     Returns:
         The number of bytes.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> w = torch.randn(256, 256, requires_grad=True)
         >>> x = torch.randn(64, 256)

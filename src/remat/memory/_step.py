@@ -8,14 +8,14 @@ NOTE [The step users run]
    ``loss_fn(model(x)).backward()`` frees them before backward, and a peak measured
    on it is lower than the loop's by the outputs' bytes (for an 8B Llama step, the
    logits alone are 7.8 GiB).
-2. So the standard :class:`Step` keeps the model's outputs and the loss alive until
-   the caller drops what :meth:`Step.run` returned, after the optimizer's step.
+2. So the standard `Step` keeps the model's outputs and the loss alive until
+   the caller drops what `Step.run` returned, after the optimizer's step.
 3. A ``custom`` step, ``step(model, batch) -> loss``, is the loop's own body (gradient
    accumulation, several losses, an output freed early on purpose): it keeps what its
    code keeps. It calls ``loss.backward()`` itself, or returns a loss whose backward
    the step then runs (seen by the parameters' gradients: none created or changed).
 4. What autograd keeps for backward is read when the first backward operator runs
-   (:class:`AtBackward`, a dispatch mode), so it needs no split of the step into a
+   (`AtBackward`, a dispatch mode), so it needs no split of the step into a
    forward and a backward: with gradient accumulation it is the first micro-batch's.
 """
 
@@ -52,7 +52,7 @@ class Step:
     Args:
         inputs: the model's positional inputs (standard step).
         batch: the model's keyword inputs (standard step), or what ``custom`` is given.
-        loss_fn: ``loss_fn(output) -> scalar`` (standard step); default :func:`default_loss`.
+        loss_fn: ``loss_fn(output) -> scalar`` (standard step); default `default_loss`.
         custom: ``custom(model, batch) -> loss``, the user's loop body; None: the standard step.
         api: the public function that owns the step, named in errors.
     """
@@ -90,7 +90,7 @@ def _gradients(model: torch.nn.Module) -> list:
 class AtBackward(TorchDispatchMode):
     """Call ``read()`` once, when the first operator of a backward runs; keep its value.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat.memory._step import AtBackward
         >>> x = torch.randn(4, requires_grad=True)

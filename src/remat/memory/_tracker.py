@@ -1,6 +1,6 @@
 """``remat.memory.track``: exact live-storage bytes over a step (layer 4: tools).
 
-A :class:`MemoryTracker` is a ``TorchDispatchMode`` that looks at the result of
+A `MemoryTracker` is a ``TorchDispatchMode`` that looks at the result of
 every operator. Each new untyped storage is counted once, when it first
 appears as an output, and uncounted when its storage object dies (a weak
 reference finalizer on the storage). Views and in-place results share their
@@ -11,7 +11,7 @@ Each allocation is attributed to the innermost module running when it was made
 (global forward hooks keep the module stack; in backward, the module whose
 forward created the autograd node being run) and to a phase: ``forward``,
 ``backward`` (inside an autograd graph task), ``recompute``
-(:func:`remat.is_recomputing`), or a label given with :meth:`MemoryTracker.phase`.
+(`remat.is_recomputing`), or a label given with `MemoryTracker.phase`.
 
 It works alike on CPU, CUDA and fake tensors (``FakeTensorMode``: enter
 ``track()`` *inside* the fake mode). Allocations that bypass the dispatcher
@@ -24,7 +24,7 @@ to the subclass first, so the tracker sees the local operators it runs and
 counts a DTensor by its local shard, not by its global size. The fake tensors
 of global shape DTensor's sharding propagation makes are not memory: in a real
 run they belong to no fake mode the tracker counts, and in a fake run
-(:func:`remat.estimate` with ``world_size``) they would be the run's own fake
+([`remat.estimate`][remat.estimate] with ``world_size``) they would be the run's own fake
 tensors, so the tracker looks away while DTensor propagates. FSDP2 allocates and
 frees a unit's gathered parameters by resizing their storages, outside the
 dispatcher: while tracking, its ``alloc_storage``/``free_storage`` report
@@ -123,7 +123,7 @@ class PeakReport:
 
 
 class MemoryTracker(TorchDispatchMode):
-    """Record live storage bytes of every operator run while active; see :func:`track`."""
+    """Record live storage bytes of every operator run while active; see `track`."""
 
     def __init__(self, model: torch.nn.Module | None = None, baseline: Iterable[Any] = ()) -> None:
         super().__init__()
@@ -593,10 +593,10 @@ def track(model: torch.nn.Module | None = None, *, baseline: Iterable[Any] = ())
             added to the baseline when first seen.
 
     Returns:
-        A :class:`MemoryTracker` to use as a context manager; read ``peak_bytes``,
+        A `MemoryTracker` to use as a context manager; read ``peak_bytes``,
         ``peak_increase``, ``baseline_bytes``, ``peak()``, ``timeline`` after it.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> fc = torch.nn.Linear(256, 256)
         >>> x = torch.randn(64, 256, requires_grad=True)

@@ -3,7 +3,7 @@
 The model is built inside ``FakeTensorMode``: every tensor has a shape, dtype
 and device but no data, so a 7B-parameter model costs nothing to build. The
 step (forward, loss, backward, optimizer step) then runs under
-:func:`remat.memory.track` exactly as :func:`remat.profile` runs it, and the
+`remat.memory.track` exactly as [`remat.profile`][remat.profile] runs it, and the
 tracker's bytes are those a real run on the same device's kernels allocates.
 A CPU build of torch cannot fake CUDA tensors: estimates made here reflect
 CPU kernels (the report's ``device`` says so).
@@ -78,8 +78,8 @@ def build_model(model: Any) -> torch.nn.Module:
 
 def apply_marks(model: torch.nn.Module, marks: Marks, api: str = API) -> None:
     """Mark ``model`` as ``marks`` says: ``"blocks"`` (the model's ``mark_blocks()`` if it
-    has one, else :func:`remat.apply`'s ``where="blocks"``), class names, globs or module
-    types for :func:`remat.apply`, or a function ``marks(model)``."""
+    has one, else [`remat.apply`][remat.apply]'s ``where="blocks"``), class names, globs or module
+    types for [`remat.apply`][remat.apply], or a function ``marks(model)``."""
     if marks is None:
         return
     if marks == "blocks" and callable(getattr(model, "mark_blocks", None)):
@@ -257,7 +257,7 @@ def estimate(model: Any, *example_inputs: Any, batch: dict | None = None,
 
     Args:
         model: a factory returning the model (class, function, ``functools.partial``),
-            or a :class:`~remat.models.llama.LlamaConfig` / GPT config.
+            or a `LlamaConfig` / GPT config.
         *example_inputs: tensors (copied as fake tensors), shapes (random inputs in ``dtype``),
             or one function returning the inputs (called under the fake mode).
         batch: keyword inputs, ``model(*inputs, **batch)``: tensors or shapes, as above
@@ -286,7 +286,7 @@ def estimate(model: Any, *example_inputs: Any, batch: dict | None = None,
             (``world_size``), the whole model is traced.
 
     Returns:
-        A :class:`~remat.memory.ProfileReport` (``estimated=True``, no times):
+        A `ProfileReport` (``estimated=True``, no times):
         ``peak_bytes`` is the step's peak, parameters and optimizer state included;
         with ``world_size``, what rank ``rank`` holds (``report.rank``, ``report.world_size``).
 
@@ -296,7 +296,7 @@ def estimate(model: Any, *example_inputs: Any, batch: dict | None = None,
             ``rank`` outside ``[0, world_size)``.
         RuntimeError: ``world_size`` where a process group is already initialized.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> make = lambda: torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU())
         >>> report = remat.estimate(make, (4096, 1024))

@@ -1,6 +1,6 @@
 """What the other packages of remat (the planner, the CLI) use from ``remat.memory``.
 
-Not public API: users import :mod:`remat.memory`. A name here is a deliberate promise
+Not public API: users import `remat.memory`. A name here is a deliberate promise
 between packages, so that no module reaches into another package's private modules
 (``tests/test_layers.py`` fails on such an import).
 """

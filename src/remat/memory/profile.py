@@ -1,10 +1,10 @@
 """``remat.profile``: what each module keeps for backward and what recomputing it costs.
 
 One training step (forward, loss, backward, optionally an optimizer step) runs
-under :func:`remat.memory.track`. When backward starts, every storage still
+under `remat.memory.track`. When backward starts, every storage still
 alive that the step allocated is what autograd keeps; it is charged to the
 module whose operators allocated it. Separate untracked runs time each
-module's forward, the price of recomputing it. :func:`remat.estimate` runs the
+module's forward, the price of recomputing it. [`remat.estimate`][remat.estimate] runs the
 same measurement on fake tensors.
 """
 
@@ -123,8 +123,8 @@ def measure(model: torch.nn.Module, inputs: tuple, *, batch: dict | None = None,
             step: Step | None = None, watch: Callable[[int, str, str], None] | None = None) -> ProfileReport:
     """Run one training step of ``model`` on ``inputs`` under the tracker; return the report.
 
-    Shared by :func:`profile` (real tensors, ``repeat`` timed runs) and
-    :func:`remat.estimate` (fake tensors, no timing). ``optimizer_step=False`` leaves
+    Shared by `profile` (real tensors, ``repeat`` timed runs) and
+    [`remat.estimate`][remat.estimate] (fake tensors, no timing). ``optimizer_step=False`` leaves
     out the optimizer's step (its state still counts): the planner, which knows that
     phase's peak, verifies a plan's forward and backward only. ``step`` runs that
     step instead of ``loss_fn(model(*inputs, **batch)).backward()``: what it returns stays
@@ -243,7 +243,7 @@ def _add_subtrees(rows: list) -> None:
 def check_trainable(api: str, model: torch.nn.Module, optimizer: Any) -> None:
     """Refuse, before any work, an optimizer step over a model with nothing to train.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat.memory.profile import check_trainable
         >>> try:
@@ -272,7 +272,7 @@ def profile(model: torch.nn.Module, *example_inputs: Any, batch: dict | None = N
             Face batch: ``{"input_ids": ..., "attention_mask": ..., "labels": ...}``).
         loss_fn: ``loss_fn(output) -> scalar``; default: the output's ``loss`` if it has
             one, else the sum of the floating outputs.
-        optimizer: ``"adam"`` (default, as :func:`remat.estimate`), ``"adamw"``, ``"sgd"``,
+        optimizer: ``"adam"`` (default, as [`remat.estimate`][remat.estimate]), ``"adamw"``, ``"sgd"``,
             None (no optimizer step), an optimizer over ``model``'s parameters, or
             ``callable(params) -> optimizer``. Its state is created first (one step on
             zero gradients) so the measured step is a steady one, and the step is tracked
@@ -284,12 +284,12 @@ def profile(model: torch.nn.Module, *example_inputs: Any, batch: dict | None = N
         label: the report's name, e.g. ``"before"``; default: the model's class name.
 
     Returns:
-        A :class:`~remat.memory.ProfileReport`; ``print(report)`` shows the table.
+        A `ProfileReport`; ``print(report)`` shows the table.
 
     Raises:
         TypeError: the model returns no floating tensor and no ``loss_fn`` is given.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
         >>> report = remat.profile(net, torch.randn(8, 16), repeat=1)

@@ -4,7 +4,7 @@
 model has ``recompute_blocks()`` (the blocks its recompute recipe marks) and
 ``mark_blocks(**options)`` (apply the recipe with ``Cell.recompute`` options).
 
-Example:
+Examples:
     >>> from remat.models import resnet50
     >>> len(resnet50(recompute=True).recompute_blocks())
     12

@@ -1,12 +1,12 @@
-"""A GPT-2-style decoder written with :class:`remat.nn.Cell` (layer 4: tools).
+"""A GPT-2-style decoder written with `remat.nn.Cell` (layer 4: tools).
 
 Pre-LayerNorm blocks, causal self-attention through
 ``torch.nn.functional.scaled_dot_product_attention``, a GELU MLP of four times
 the width, tied input and output embeddings. The recompute recipe for a
-transformer marks every decoder block; :meth:`GPT.mark_blocks` applies it and
-:meth:`GPT.recompute_blocks` lists the blocks.
+transformer marks every decoder block; `GPT.mark_blocks` applies it and
+`GPT.recompute_blocks` lists the blocks.
 
-Example:
+Examples:
     >>> import torch
     >>> from remat.models import GPT, GPTConfig
     >>> model = GPT(GPTConfig(layers=2, width=32, heads=4, seq_len=16, vocab=64))
@@ -30,7 +30,7 @@ __all__ = ["GPT", "DecoderBlock", "GPTConfig", "gpt"]
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Size of a :class:`GPT`.
+    """Size of a `GPT`.
 
     Args:
         layers: number of decoder blocks.
@@ -39,7 +39,7 @@ class GPTConfig:
         seq_len: longest sequence (size of the position table).
         vocab: vocabulary size.
 
-    Example:
+    Examples:
         >>> from remat.models import GPTConfig
         >>> GPTConfig(layers=2, width=32, heads=4).head_dim
         8
@@ -84,7 +84,7 @@ class CausalSelfAttention(Cell):
 class DecoderBlock(Cell):
     """Pre-LN decoder block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat.models import DecoderBlock, GPTConfig
         >>> DecoderBlock(GPTConfig(width=16, heads=2))(torch.randn(1, 4, 16)).shape
@@ -111,7 +111,7 @@ class GPT(Cell):
     Args:
         config: the sizes.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat.models import GPT, GPTConfig
         >>> net = GPT(GPTConfig(layers=1, width=16, heads=2, seq_len=8, vocab=32))
@@ -149,7 +149,7 @@ class GPT(Cell):
     def mark_blocks(self, **options: Any) -> list[nn.Module]:
         """Mark every decoder block with ``block.recompute(**options)``; return them.
 
-        Example:
+        Examples:
             >>> import remat
             >>> from remat.models import gpt
             >>> net = gpt(layers=2, width=16, heads=2, seq_len=8, vocab=32)
@@ -163,7 +163,7 @@ class GPT(Cell):
 
 
 def gpt(*, recompute: bool = False, recompute_options: Any = None, **sizes: Any) -> GPT:
-    """Build a :class:`GPT` from keyword sizes (those of :class:`GPTConfig`).
+    """Build a `GPT` from keyword sizes (those of `GPTConfig`).
 
     Args:
         recompute: mark every decoder block.
@@ -173,7 +173,7 @@ def gpt(*, recompute: bool = False, recompute_options: Any = None, **sizes: Any)
     Returns:
         The model.
 
-    Example:
+    Examples:
         >>> from remat.models import gpt
         >>> gpt(layers=1, width=16, heads=2, seq_len=8, vocab=32).config.layers
         1

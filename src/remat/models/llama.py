@@ -2,11 +2,11 @@
 
 RMSNorm, rotary position embeddings, causal attention through
 ``scaled_dot_product_attention`` with optional grouped key/value heads, a
-SwiGLU MLP, untied output head. :func:`llama_7b` gives the 7B configuration;
-build it under ``FakeTensorMode`` (as :func:`remat.estimate` does) to measure a
+SwiGLU MLP, untied output head. `llama_7b` gives the 7B configuration;
+build it under ``FakeTensorMode`` (as [`remat.estimate`][remat.estimate] does) to measure a
 step without allocating it.
 
-Example:
+Examples:
     >>> import torch
     >>> from remat.models.llama import Llama, LlamaConfig
     >>> net = Llama(LlamaConfig(layers=2, width=32, heads=4, hidden=64, vocab=64))
@@ -30,7 +30,7 @@ __all__ = ["Llama", "LlamaBlock", "LlamaConfig", "llama", "llama_7b", "next_toke
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Size of a :class:`Llama`.
+    """Size of a `Llama`.
 
     Args:
         layers: decoder blocks.
@@ -42,7 +42,7 @@ class LlamaConfig:
         norm_eps: RMSNorm epsilon.
         rope_theta: base of the rotary frequencies.
 
-    Example:
+    Examples:
         >>> from remat.models.llama import llama_7b
         >>> llama_7b().hidden
         11008
@@ -108,7 +108,7 @@ class Attention(Cell):
 
     def construct(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        # -1 heads: under tensor parallelism (:func:`tensor_parallel`) a rank holds a share of them
+        # -1 heads: under tensor parallelism (`tensor_parallel`) a rank holds a share of them
         q = self.q(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -154,7 +154,7 @@ class Llama(Cell):
     Args:
         config: the sizes.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat.models.llama import Llama, LlamaConfig
         >>> net = Llama(LlamaConfig(layers=1, width=16, heads=2, hidden=32, vocab=32))
@@ -193,9 +193,9 @@ class Llama(Cell):
 
 def llama(config: LlamaConfig | None = None, *, dtype: torch.dtype = torch.float32,
           recompute: bool = False, **sizes: Any) -> Llama:
-    """Build a :class:`Llama` from a config or keyword sizes, in ``dtype``.
+    """Build a `Llama` from a config or keyword sizes, in ``dtype``.
 
-    Example:
+    Examples:
         >>> from remat.models.llama import llama
         >>> llama(layers=1, width=16, heads=2, hidden=32, vocab=32).config.layers
         1
@@ -217,17 +217,17 @@ def tensor_parallel(model: Llama, mesh: Any) -> Llama:
     The embedding, the norms and the head are replicated. Mark blocks before calling it.
 
     Args:
-        model: a :class:`Llama` whose heads and key/value heads the mesh's size divides.
+        model: a `Llama` whose heads and key/value heads the mesh's size divides.
         mesh: a 1-D ``DeviceMesh``.
 
     Returns:
         ``model``, sharded in place.
 
     Raises:
-        TypeError: ``model`` is not a :class:`Llama`.
+        TypeError: ``model`` is not a `Llama`.
         ValueError: the mesh's size does not divide the heads, key/value heads or hidden width.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> from remat.models.llama import LlamaConfig, tensor_parallel
         >>> config = LlamaConfig(layers=2, width=32, heads=4, hidden=64, vocab=64)

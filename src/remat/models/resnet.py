@@ -1,14 +1,14 @@
-"""The ResNet-50 of MindSpore's recompute tutorial, with :class:`remat.nn.Cell` (layer 4: tools).
+"""The ResNet-50 of MindSpore's recompute tutorial, with `remat.nn.Cell` (layer 4: tools).
 
 The layout is torchvision's (7x7 stem, max pool, bottleneck blocks with the
 stride on the 3x3 convolution, a projection shortcut on the first block of each
 stage, average pool, one linear layer), so ``resnet50(class_num=10)`` has
 23,528,522 parameters. The tutorial's recompute recipe marks every residual block
-but the first of each stage with ``Cell.recompute()``; :meth:`ResNet.mark_blocks`
-applies it and :meth:`ResNet.recompute_blocks` lists those blocks, so that a
+but the first of each stage with ``Cell.recompute()``; `ResNet.mark_blocks`
+applies it and `ResNet.recompute_blocks` lists those blocks, so that a
 benchmark can wrap the very same blocks with another tool.
 
-Example:
+Examples:
     >>> import torch
     >>> from remat.models import resnet50
     >>> model = resnet50(class_num=10, recompute=True)
@@ -43,7 +43,7 @@ class ResidualBlock(Cell):
         out_channel: channels of the output (four times the bottleneck width).
         stride: stride of the 3x3 convolution and of the projection shortcut.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat.models import ResidualBlock
         >>> ResidualBlock(64, 256)(torch.randn(1, 64, 8, 8)).shape
@@ -85,7 +85,7 @@ class ResNet(Cell):
         strides: stride of each stage, e.g. ``[1, 2, 2, 2]``.
         num_classes: size of the last linear layer.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat.models import ResNet, ResidualBlock
         >>> net = ResNet(ResidualBlock, [1, 1], [8, 32], [32, 64], [1, 2], 10)
@@ -137,7 +137,7 @@ class ResNet(Cell):
     def recompute_blocks(self) -> list[nn.Module]:
         """Return the blocks the recompute tutorial marks: every block but the first of each stage.
 
-        Example:
+        Examples:
             >>> from remat.models import resnet50
             >>> len(resnet50().recompute_blocks())
             12
@@ -145,7 +145,7 @@ class ResNet(Cell):
         return [block for layer in self.layers for block in list(layer)[1:]]
 
     def mark_blocks(self, **options: Any) -> list[nn.Module]:
-        """Apply the tutorial's marks: ``block.recompute(**options)`` on :meth:`recompute_blocks`.
+        """Apply the tutorial's marks: ``block.recompute(**options)`` on `recompute_blocks`.
 
         Args:
             **options: keywords of ``Cell.recompute`` (``output_recompute``,
@@ -154,7 +154,7 @@ class ResNet(Cell):
         Returns:
             The blocks marked.
 
-        Example:
+        Examples:
             >>> import remat
             >>> from remat.models import resnet50
             >>> net = resnet50()
@@ -185,13 +185,13 @@ def resnet(
         layer_nums: blocks per stage (four stages are customary, any number works).
         width: stem channels and bottleneck width of the first stage.
         class_num: number of classes.
-        recompute: apply the recompute tutorial's marks (see :meth:`ResNet.mark_blocks`).
+        recompute: apply the recompute tutorial's marks (see `ResNet.mark_blocks`).
         **options: keywords of ``Cell.recompute`` used when ``recompute`` is True.
 
     Returns:
         The network (in training mode, freshly initialised from torch's RNG).
 
-    Example:
+    Examples:
         >>> from remat.models import resnet
         >>> tiny = resnet((1, 2), width=4, class_num=3)
         >>> len(tiny.recompute_blocks())
@@ -218,7 +218,7 @@ def resnet50(class_num: int = 10, *, recompute: bool = False, **options: Any) ->
     Returns:
         The network; it takes 32x32 (CIFAR-10) or 224x224 (ImageNet) images alike.
 
-    Example:
+    Examples:
         >>> from remat.models import resnet50
         >>> sum(p.numel() for p in resnet50(10).parameters())
         23528522

@@ -2,10 +2,10 @@
 
 Each encoder block's output is used twice: by the next encoder block (after
 pooling) and, through a skip connection, by the decoder block of the same
-resolution. The planner (:func:`remat.plan`) sees that graph and solves it
+resolution. The planner (`remat.plan`) sees that graph and solves it
 with the MILP; the tests and the benchmark use it as their non-chain model.
 
-Example:
+Examples:
     >>> import torch
     >>> from remat.models.unet import unet
     >>> unet(channels=(4, 8))(torch.randn(1, 3, 16, 16)).shape
@@ -37,7 +37,7 @@ class EncoderBlock(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """Upsample by 2, concatenate the skip tensor, then an :class:`EncoderBlock`'s convolutions."""
+    """Upsample by 2, concatenate the skip tensor, then an `EncoderBlock`'s convolutions."""
 
     def __init__(self, cin: int, skip: int, cout: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -83,9 +83,9 @@ class UNet(nn.Module):
 
 def unet(channels: Sequence[int] = (16, 32, 64), *, in_channels: int = 3, out_channels: int = 3,
          dropout: float = 0.0) -> UNet:
-    """Build a :class:`UNet` (see its arguments).
+    """Build a `UNet` (see its arguments).
 
-    Example:
+    Examples:
         >>> from remat.models.unet import unet
         >>> len(unet(channels=(4, 8, 16)).down)
         3

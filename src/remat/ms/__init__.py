@@ -8,7 +8,7 @@ names and defaults, results are ``torch.Tensor`` objects, and the recompute
 marks (``Cell.recompute()``, ``Primitive.recompute()``, ``recompute(block, x)``)
 are remat's.
 
-Example:
+Examples:
     >>> import numpy as np
     >>> import remat.ms as mindspore
     >>> from remat.ms import nn, ops

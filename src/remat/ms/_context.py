@@ -1,11 +1,11 @@
 """``set_context``, ``get_context``, ``set_seed`` and the execution modes.
 
 The context is a small record of what the program asked for. ``mode`` decides
-how :func:`_prepare` runs a function: ``PYNATIVE_MODE`` runs it eagerly;
+how `_prepare` runs a function: ``PYNATIVE_MODE`` runs it eagerly;
 ``GRAPH_MODE`` hands the function to ``remat.compile`` (once per function), so
 the marks are applied by the graph pass and ``save_graphs`` writes its dumps.
 
-Example:
+Examples:
     >>> import remat.ms as mindspore
     >>> mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
     >>> mindspore.get_context("mode") == mindspore.PYNATIVE_MODE
@@ -52,7 +52,7 @@ def set_context(**kwargs: Any) -> None:
         TypeError: an unknown keyword (the accepted ones are named).
         ValueError: an unknown mode or device target.
 
-    Example:
+    Examples:
         >>> import remat.ms as mindspore
         >>> mindspore.set_context(mode=mindspore.PYNATIVE_MODE, save_graphs=False)
     """
@@ -80,12 +80,12 @@ def set_context(**kwargs: Any) -> None:
 
 
 def get_context(key: str) -> Any:
-    """Return one option recorded by :func:`set_context`.
+    """Return one option recorded by `set_context`.
 
     Raises:
         ValueError: an unknown key (the accepted ones are named).
 
-    Example:
+    Examples:
         >>> import remat.ms as mindspore
         >>> mindspore.get_context("device_target")
         'CPU'
@@ -103,7 +103,7 @@ def set_seed(seed: int) -> None:
     Raises:
         TypeError: ``seed`` is not a non-negative int.
 
-    Example:
+    Examples:
         >>> import torch, remat.ms as mindspore
         >>> mindspore.set_seed(1); a = torch.rand(1)
         >>> mindspore.set_seed(1); bool(torch.rand(1) == a)

@@ -15,10 +15,10 @@ What is returned:
 - ``value_and_grad``: ``(value, gradients)``, ``value`` being the function's
   whole output (``(loss, aux...)`` with ``has_aux``).
 
-Values and gradients are detached :class:`remat.ms.Tensor` objects (they print
+Values and gradients are detached `remat.ms.Tensor` objects (they print
 as MindSpore prints). A gradient that does not depend on the output is zeros.
 
-Example:
+Examples:
     >>> import torch
     >>> from remat.ms import Tensor, grad
     >>> print(grad(lambda x: (x * x).sum())(Tensor([1.0, 2.0])))
@@ -147,7 +147,7 @@ def grad(
         TypeError: ``fn`` not callable, a bad ``grad_position``/``weights``/``has_aux``.
         ValueError: ``grad_position`` and ``weights`` both None.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import ms
         >>> fc = torch.nn.Linear(2, 1)
@@ -184,7 +184,7 @@ def value_and_grad(
         TypeError: ``fn`` not callable, a bad ``grad_position``/``weights``/``has_aux``.
         ValueError: ``grad_position`` and ``weights`` both None.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import ms
         >>> loss, g = ms.value_and_grad(lambda x: (3 * x).sum())(torch.ones(2))

@@ -7,7 +7,7 @@ MindSpore looks names up case-insensitively, with or without underscores
 N(0, 0.01) cut at two sigma, ``he_uniform``/``he_normal`` use fan-in and
 leaky-relu gain with slope 0, ``xavier_*`` use gain 1.
 
-Example:
+Examples:
     >>> import torch
     >>> from remat.ms._init import initialize
     >>> w = torch.empty(2, 3)

@@ -9,7 +9,7 @@ the subclass does not propagate: any torch operation on it returns a plain
 ``remat.ms.value_and_grad`` are of the same subclass, so they print as MindSpore's
 documentation shows.
 
-Example:
+Examples:
     >>> import numpy as np
     >>> from remat.ms import Tensor, float32
     >>> t = Tensor(np.ones([2]), dtype=float32)
@@ -85,7 +85,7 @@ class Tensor(torch.Tensor):
     Raises:
         TypeError: ``input_data`` is None or ``dtype`` is not a dtype.
 
-    Example:
+    Examples:
         >>> from remat.ms import Tensor, int32
         >>> Tensor([1, 2], dtype=int32)
         Tensor(shape=[2], dtype=Int32, value= [1 2])
@@ -136,7 +136,7 @@ class Tensor(torch.Tensor):
 
 
 def as_ms_tensor(value: Any) -> Any:
-    """Return a tensor as a :class:`Tensor` sharing its storage, detached; other values unchanged."""
+    """Return a tensor as a `Tensor` sharing its storage, detached; other values unchanged."""
     if torch.is_tensor(value):
         return value.detach().as_subclass(Tensor)
     if isinstance(value, (tuple, list)):
@@ -145,5 +145,5 @@ def as_ms_tensor(value: Any) -> Any:
 
 
 def as_plain(value: Any) -> Any:
-    """Return a :class:`Tensor` as a plain ``torch.Tensor`` (same storage and graph)."""
+    """Return a `Tensor` as a plain ``torch.Tensor`` (same storage and graph)."""
     return value.as_subclass(torch.Tensor) if isinstance(value, Tensor) else value

@@ -2,10 +2,10 @@
 
 Every layer is both the ``torch.nn`` layer it wraps (``Dense`` is a
 ``torch.nn.Linear``, ``Conv2d`` a ``torch.nn.Conv2d``, ...) and a
-:class:`remat.nn.Cell`, so it has ``.recompute()``. Parameter names stay
+`remat.nn.Cell`, so it has ``.recompute()``. Parameter names stay
 PyTorch's (``weight``, ``bias``), and layers return ``torch.Tensor``.
 
-Example:
+Examples:
     >>> import torch
     >>> import remat.ms.nn as nn
     >>> fc = nn.Dense(4, 2, weight_init="ones", bias_init="zeros")
@@ -56,7 +56,7 @@ class SequentialCell(torch.nn.Sequential, Cell):
     Args:
         *args: cells, or one list of cells, or one ``OrderedDict`` of named cells.
 
-    Example:
+    Examples:
         >>> import torch, remat.ms.nn as nn
         >>> seq = nn.SequentialCell([nn.Dense(2, 2), nn.ReLU()])
         >>> seq(torch.ones(1, 2)).shape
@@ -101,7 +101,7 @@ class Dense(torch.nn.Linear, Cell):
     Raises:
         ValueError: an unknown initializer or activation name.
 
-    Example:
+    Examples:
         >>> import torch, remat.ms.nn as nn
         >>> nn.Dense(12, 24, activation="relu")(torch.randn(2, 12)).shape
         torch.Size([2, 24])
@@ -136,7 +136,7 @@ def _pair(api: str, name: str, value: Any) -> tuple[int, int]:
 def same_padding(size: int, kernel: int, stride: int, dilation: int) -> tuple[int, int]:
     """MindSpore's 'same' padding of one spatial dim: ``(before, after)``, the smaller before.
 
-    Example:
+    Examples:
         >>> from remat.ms.nn import same_padding
         >>> same_padding(2, 2, 1, 1), same_padding(7, 3, 2, 1)
         ((0, 1), (1, 1))
@@ -164,7 +164,7 @@ class Conv2d(torch.nn.Conv2d, Cell):
         ValueError: a bad ``pad_mode``, ``padding`` without ``pad_mode='pad'``,
             an unknown initializer, or ``data_format`` other than 'NCHW'.
 
-    Example:
+    Examples:
         >>> import torch, remat.ms.nn as nn
         >>> conv = nn.Conv2d(2, 2, 2, has_bias=False, weight_init="ones")
         >>> conv(torch.ones(1, 2, 2, 2)).shape
@@ -242,7 +242,7 @@ class BatchNorm2d(torch.nn.BatchNorm2d, Cell):
     Raises:
         ValueError: ``momentum`` outside [0, 1], an unknown initializer.
 
-    Example:
+    Examples:
         >>> import torch, remat.ms.nn as nn
         >>> bn = nn.BatchNorm2d(3)
         >>> bn.momentum  # torch's
@@ -295,7 +295,7 @@ class Dropout(torch.nn.Dropout, Cell):
     Raises:
         ValueError: a probability outside its range.
 
-    Example:
+    Examples:
         >>> import remat.ms.nn as nn
         >>> nn.Dropout(keep_prob=0.9).p, nn.Dropout(p=0.25).p
         (0.1, 0.25)

@@ -1,10 +1,10 @@
 """``remat.ms.ops``: MindSpore's operator namespace on torch.
 
-The primitives of :mod:`remat.ops` (``ReLU()``, ``Softmax(axis)``, ``MatMul()``,
+The primitives of `remat.ops` (``ReLU()``, ``Softmax(axis)``, ``MatMul()``,
 ... each with ``.recompute()``) and the differentiation functions ``grad`` and
 ``value_and_grad``.
 
-Example:
+Examples:
     >>> import torch
     >>> from remat.ms import ops
     >>> relu = ops.ReLU()

@@ -27,7 +27,7 @@ def _issues(func: Any) -> bool:
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Count the collectives issued while active, by phase and operator; see :func:`count_collectives`."""
+    """Count the collectives issued while active, by phase and operator; see `count_collectives`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -53,7 +53,7 @@ class CollectiveCounter(TorchDispatchMode):
 
     @property
     def recompute(self) -> Counter:
-        """Collectives issued by recomputation (a part of :attr:`backward`)."""
+        """Collectives issued by recomputation (a part of `backward`)."""
         return self.by_phase["recompute"]
 
     def reset(self) -> None:
@@ -79,11 +79,11 @@ def count_collectives() -> CollectiveCounter:
     a collective.
 
     Returns:
-        A :class:`CollectiveCounter` to use as a context manager; read
+        A `CollectiveCounter` to use as a context manager; read
         ``forward``, ``backward`` and ``recompute`` (``Counter`` objects keyed
         by operator name) after it.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> with remat.parallel.count_collectives() as counts:
         ...     torch.ones(2, requires_grad=True).sin().sum().backward()

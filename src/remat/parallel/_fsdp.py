@@ -32,7 +32,7 @@ and its own backward has not begun: units are gathered one at a time, and a
 unit is gathered once more when its own backward comes. A re-run calls the
 marked module's ``forward`` without the module's hooks (NOTE [Hooks of a marked
 module]), FSDP's among them, so when the marked module is itself a unit,
-:func:`gathered_for_rerun` gathers it for the re-run and frees it after, as its
+`gathered_for_rerun` gathers it for the re-run and frees it after, as its
 hooks would.
 """
 

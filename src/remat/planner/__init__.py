@@ -1,8 +1,8 @@
-"""``remat.planner``: the planner behind :func:`remat.plan`, choosing what to recompute for a
+"""``remat.planner``: the planner behind `remat.plan`, choosing what to recompute for a
 memory budget (layer 4). The function is ``remat.plan``; this package holds its vocabulary
 (``remat.planner.OPTIONS``, ``BLOCK_OPTIONS``) and its data (``Plan``, ``Decision``).
 
-Example:
+Examples:
     >>> import torch, remat
     >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
     ...                             torch.nn.Linear(256, 64)) for _ in range(4)])

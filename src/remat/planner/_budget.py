@@ -40,7 +40,7 @@ def parse_budget(budget: Any, api: str = API) -> tuple[float, bool]:
         TypeError: not an int, float or string.
         ValueError: a string that is not a budget, a fraction outside (0, 1], a non-positive size.
 
-    Example:
+    Examples:
         >>> from remat.planner import parse_budget
         >>> parse_budget("0.6"), parse_budget("60%"), parse_budget("2GiB")
         ((0.6, True), (0.6, True), (2147483648.0, False))

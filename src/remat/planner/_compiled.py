@@ -9,12 +9,12 @@ The compiled plan measures the compiled step instead:
 1. the options are the eager planner's families, per block (whole-block marks, children,
    per-operator ``ops:`` options: NOTE [Options per operator] in ``_cost.py``), from one
    traced and one tracked unmarked eager step. More children are offered than the eager
-   planner measures (each dropping :data:`WIDE_SHARE` of the block's kept bytes, up to
-   :data:`WIDE_LIMIT`; and the single-operator children, norms and activations, together):
+   planner measures (each dropping `WIDE_SHARE` of the block's kept bytes, up to
+   `WIDE_LIMIT`; and the single-operator children, norms and activations, together):
    an option costs a compile here, and in graph mode such a child is rebuilt alone, cheaply;
 2. each option is compiled with every block that has it marked alike, and so is the
    unmarked model; each compiled step's peak comes from the allocator's own events
-   (:func:`remat._graph.internal.allocation_peak`: the tracker cannot see into compiled
+   (`remat._graph.internal.allocation_peak`: the tracker cannot see into compiled
    code), its time from interleaved rounds (the median);
 3. the model is separable: block ``i`` under option ``o`` saves ``(P_keep - P_o) / n_o`` of
    the peak (``n_o`` the blocks that run marked in option ``o``'s run) for ``W_o / n_o``
@@ -25,7 +25,7 @@ The compiled plan measures the compiled step instead:
    far this model's products and pointwise operators are from the roofline). A timer's
    noise on one option moves the factors a little and every option with them, so it rarely
    reorders them. The least-time choice saving enough is the multiple-choice knapsack
-   :func:`remat.planner.solve_savings`;
+   `remat.planner.solve_savings`;
 4. the choice is compiled and measured; while its peak exceeds the budget, the next best
    choice is taken with the excess added to what must be saved; after six misses, the
    fastest option marking every block alike whose own compiled run fits is taken.
@@ -104,8 +104,8 @@ def plan_compiled(model: torch.nn.Module, *example_inputs: Any, budget: float | 
                   loss_fn: Callable | None = None, step: StepFn | None = None,
                   options: Sequence[str] = OPTIONS, backend: str = "aot_eager", rounds: int = 5,
                   blocks: Any = None, progress: Callable[[str], None] | None = None) -> Plan:
-    """A :class:`remat.Plan` whose peak is held by the step compiled with ``remat.compile``
-    (NOTE [Planning a compiled step]); the arguments as :func:`remat.compile`'s."""
+    """A `remat.Plan` whose peak is held by the step compiled with ``remat.compile``
+    (NOTE [Planning a compiled step]); the arguments as [`remat.compile`][remat.compile]'s."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{API}: budget= plans a torch.nn.Module, got {type(model).__name__}; "
                         f"compile a function without budget=, or pass the model")
@@ -366,7 +366,7 @@ def compile(model_or_fn: Any, *, backend: str = "aot_eager", save_graphs: str | 
     backward graph right before the gradient operators that need them. Unmarked
     operators are never recomputed.
 
-    With ``budget``, the model must be unmarked: each option of :func:`remat.plan` (whole
+    With ``budget``, the model must be unmarked: each option of `remat.plan` (whole
     blocks, children, per-operator ``ops:`` options) is compiled and its step measured
     (peak from the allocator's events, time in interleaved rounds), the fastest choice
     whose compiled peak fits is chosen, measured again, and its marks set on the model
@@ -386,19 +386,19 @@ def compile(model_or_fn: Any, *, backend: str = "aot_eager", save_graphs: str | 
         dynamic: passed to ``torch.compile``.
         budget: the compiled step's peak: bytes (int, ``"6GiB"``) counting the parameters,
             buffers and inputs alive when it starts, or a fraction of the unmarked compiled
-            step's (``0.6``, ``"60%"``), read as :func:`remat.planner.parse_budget` reads it.
+            step's (``0.6``, ``"60%"``), read as `remat.planner.parse_budget` reads it.
         example_inputs: the model's positional inputs for the measured steps (with ``budget``).
-        batch: its keyword inputs, or ``step``'s batch, as for :func:`remat.plan`.
-        loss_fn: ``loss_fn(output) -> scalar``, as for :func:`remat.plan`.
-        step: ``step(model, batch) -> loss``, the loop's body, as for :func:`remat.plan`.
-        options: the option families, as for :func:`remat.plan`.
+        batch: its keyword inputs, or ``step``'s batch, as for `remat.plan`.
+        loss_fn: ``loss_fn(output) -> scalar``, as for `remat.plan`.
+        step: ``step(model, batch) -> loss``, the loop's body, as for `remat.plan`.
+        options: the option families, as for `remat.plan`.
         rounds: interleaved timing rounds of the compiled options.
         progress: called with a short message at each planning stage.
 
     Returns:
         The compiled module or function. Its ``remat_reports`` attribute lists one
         report per compiled graph (copied nodes, saved activation bytes, dump files);
-        with ``budget``, ``remat_plan`` is the :class:`remat.Plan` applied.
+        with ``budget``, ``remat_plan`` is the `remat.Plan` applied.
 
     Raises:
         ValueError: an unknown ``backend``; with ``budget``, a model already marked, a
@@ -407,7 +407,7 @@ def compile(model_or_fn: Any, *, backend: str = "aot_eager", save_graphs: str | 
             ``budget`` for a function, or without inputs.
         remat.BudgetError: no compiled plan measured within ``budget``.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
         >>> _ = remat.recompute_module(net[1], output_recompute=True)

@@ -1,6 +1,6 @@
 """The planner's cost model: what each block keeps and costs under each option (layer 4).
 
-Memory comes from the tracker (:func:`remat.memory.profile.measure`, on real or
+Memory comes from the tracker (`remat.memory.profile.measure`, on real or
 fake tensors): one step with no marks and one step per option with every block
 marked alike give each block's kept bytes under each option. Time per block is
 its measured forward time, or on fake tensors a roofline estimate (FLOPs over
@@ -13,7 +13,7 @@ NOTE [Planning a rank]
 A plan for one rank of a job (``world_size=``, ``parallelize=``) cannot mark a
 model in place and measure it: marks go on before ``parallelize``, which
 shards the model (NOTE [Estimating a rank]). So every run of the cost model,
-and every verification, builds a fresh model with a :class:`Builder`: build,
+and every verification, builds a fresh model with a `Builder`: build,
 truncate a container of identical blocks when composing, mark, parallelize.
 The model the blocks are found in is an unsharded one, never run. Bytes are
 this rank's: parameters and gradients by their local shard.
@@ -28,8 +28,8 @@ its input, and adjacent ones merge into a chain. So a plan keeps the block's inp
 and the children's boundaries, and re-runs only the children, not the whole block.
 
 Which children: those that run once per step and whose mark would drop, by the
-unmarked run's figures, at least :data:`CHILD_SHARE` of the block's kept bytes (a cell: what it keeps
-beyond its output; an operator: what it keeps), the :data:`MAX_CHILDREN` largest; not
+unmarked run's figures, at least `CHILD_SHARE` of the block's kept bytes (a cell: what it keeps
+beyond its output; an operator: what it keeps), the `MAX_CHILDREN` largest; not
 an operator whose output is the block's own (it would be rebuilt in the next block's
 backward, where an FSDP2 unit has resharded its parameters). Each gets an option
 alone, and all of them one together. Like every option, each is measured by one run
@@ -43,18 +43,18 @@ columns; a block lacks the others.
 NOTE [Options per operator]
 Between ``recompute`` (keep nothing inside a block) and ``selective`` (keep every
 matrix product, convolution and attention) lie the per-operator options, family
-``ops``: the block marked with :func:`remat.save_calls`, keeping the outputs of the
+``ops``: the block marked with [`remat.save_calls`][remat.save_calls], keeping the outputs of the
 calls named (``"ops:aten::addmm#3+aten::mm#0"``, NOTE [Counting calls] in
 ``remat/_vocab/policy.py``) and rebuilding the rest. The candidates are a block's
-calls of :data:`remat._vocab.policy.COMPUTE_INTENSIVE_OPS` whose output backward reads (a
+calls of `remat._vocab.policy.COMPUTE_INTENSIVE_OPS` whose output backward reads (a
 saved-tensor hook of the unmarked traced run sees it saved), numbered by that run as the
 engine numbers them; ranked by roofline cost per byte of output
 (FLOPs and bytes moved: the same ranking run after run, whatever the timer says) and
-cut at :data:`OPS_SHARES` of their number and all of them, as torch's knapsack would keep
+cut at `OPS_SHARES` of their number and all of them, as torch's knapsack would keep
 the dearest per byte first. Each option is then measured like every other: one tracked run with every
 block that has it marked alike (bytes kept, peak) and its timed step (calibration); its
 forward time is the block's less that of the calls kept (a re-run runs all the others).
-Each level also keeps the block's reductions with a small result (:data:`REDUCTIONS`, such
+Each level also keeps the block's reductions with a small result (`REDUCTIONS`, such
 as an RMSNorm's mean, an eighth of its input or less) and one option keeps only those:
 next to no memory, and what depends on them (a norm's square, its reduction) is not rebuilt.
 Reductions have no in-place forms, so the eager engine and the graph pass number them alike.
@@ -67,9 +67,9 @@ rebuilt by re-running the product. The min-cut options keep, of every call of th
 the fewest bytes from which backward rebuilds all it reads while re-running only what
 it may: the traced unmarked run records each call (``_Ops.nodes``: its output bytes, the
 calls of the same block it reads, storage by storage), and which outputs the block's own
-backward reads (the saved-tensor hook, while the block runs); :func:`remat.planner._solve.
+backward reads (the saved-tensor hook, while the block runs); `remat.planner._solve.
 min_cut_keep` then solves the cut with the block's small reductions and a share
-(:data:`CUT_SHARES`) of its products, convolutions and attentions, dearest per byte first,
+(`CUT_SHARES`) of its products, convolutions and attentions, dearest per byte first,
 banned from re-running. Its cut nearest the backward keeps a rotary embedding's output
 rather than the product before it, and a residual sum rather than the product it adds:
 the same bytes, less to re-run. This is what torch's min-cut partitioner does for a whole
@@ -92,8 +92,8 @@ though each is measured as fast as the other (on the README's GPT: three plans i
 runs). So the options are ranked by times that do not move: the same model's operators
 costed by FLOPs and bytes (the roofline the fake-tensor planner uses, from the warm-up
 trace, which the timed trace needed anyway), plus the engine's share of each call, which
-FLOPs and bytes miss and which dominates small tensors (:data:`RERUN_CALL_S` per call
-re-run, :data:`POLICY_CALL_S` per call under a per-call policy: without it, ``selective``
+FLOPs and bytes miss and which dominates small tensors (`RERUN_CALL_S` per call
+re-run, `POLICY_CALL_S` per call under a per-call policy: without it, ``selective``
 looked cheap and the README's GPT got a plan whose predictions missed by up to half),
 under the rules every time follows here (an ``output`` block or an operator mark re-runs
 twice). The solver chooses on those
@@ -157,11 +157,11 @@ SMALL = 8
 def ops_options(calls: Mapping[str, tuple[float, float]], small: Sequence[str] = ()) -> list[str]:
     """The ``ops:`` options of one block from its candidate calls ``{key: (rank cost, bytes)}``
     in call order (NOTE [Options per operator]): the calls whose outputs are dearest to
-    rebuild per byte kept, the most expensive first, cut at :data:`OPS_SHARES` of their number,
+    rebuild per byte kept, the most expensive first, cut at `OPS_SHARES` of their number,
     and all of them (unlike ``selective``, none whose output backward does not read); each with
     the ``small`` results (reductions such as a norm's mean) kept too, and those alone.
 
-    Example:
+    Examples:
         >>> ops_options({"aten::mm#0": (1.0, 4), "aten::mm#1": (8.0, 4), "aten::bmm#0": (2.0, 8),
         ...              "aten::mm#2": (0.5, 4)})
         ['ops:aten::mm#1', 'ops:aten::mm#0+aten::mm#1', 'ops:aten::bmm#0+aten::mm#0+aten::mm#1', 'ops:aten::bmm#0+aten::mm#0+aten::mm#1+aten::mm#2']
@@ -191,13 +191,13 @@ def cut_options(nodes: Mapping[str, tuple[int, Sequence[str]]], needed: Iterable
         nodes: the block's calls in call order, ``{key: (output bytes, keys of the calls read)}``.
         needed: the calls whose output the block's backward reads.
         intensive: its matrix products, convolutions and attentions, ``{key: (roofline cost,
-            output bytes)}``: at each level of :data:`CUT_SHARES` the dearest per byte are banned.
+            output bytes)}``: at each level of `CUT_SHARES` the dearest per byte are banned.
         small: its reductions with a small result, always banned (kept when needed).
         fixed: calls no option may keep (a value written into in place, the write itself, an
             operator whose functional form the graph pass counts apart); a level that can only
             be cut by keeping one gives no option.
 
-    Example:
+    Examples:
         >>> nodes = {"aten::mm#0": (8, []), "aten::mul#0": (8, ["aten::mm#0"]),
         ...          "aten::add#0": (8, ["aten::mul#0"]), "aten::mm#1": (8, ["aten::add#0"])}
         >>> cut_options(nodes, ["aten::add#0", "aten::mm#1"], {"aten::mm#0": (2.0, 8), "aten::mm#1": (1.0, 8)})
@@ -276,7 +276,7 @@ BANDWIDTH = {"cpu": 2e10, "cuda": 2e12}
 @dataclass(frozen=True)
 class Ranking:
     """Per block, times from FLOPs and bytes that rank the options on real tensors (NOTE
-    [Plans timing noise cannot flip]): as :class:`BlockCosts`' fields of the same names."""
+    [Plans timing noise cannot flip]): as `BlockCosts`' fields of the same names."""
 
     forward_s: list[float]
     selective_s: list[float]
@@ -307,7 +307,7 @@ class BlockCosts:
     optimizer_peak: int | None = None
     option_step_s: dict = field(default_factory=dict)
     time_scale: list = field(default_factory=list)
-    #: the columns of ``kept``: :data:`BLOCK_OPTIONS`, then options inside blocks
+    #: the columns of ``kept``: `BLOCK_OPTIONS`, then options inside blocks
     options: list = field(default_factory=lambda: list(BLOCK_OPTIONS))
     #: per block, the forward seconds of each option inside blocks (``options[4:]``)
     child_s: list = field(default_factory=list)
@@ -319,7 +319,7 @@ class BlockCosts:
 
     def problem(self, *, ranking: bool = False) -> Problem:
         """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks;
-        with ``ranking``, its times are :attr:`ranking`'s, not calibrated (NOTE [Plans timing
+        with ``ranking``, its times are `ranking`'s, not calibrated (NOTE [Plans timing
         noise cannot flip])."""
         n = len(self.names)
         later = [sum(self.grad_bytes[i + 1 if self.calls == 1 else 0:]) for i in range(n)]
@@ -343,7 +343,7 @@ class BlockCosts:
         # the gradients' temporaries). One factor per family, fitted to all its options at once
         # (least squares): whole blocks (``recompute``, the largest and steadiest of the timed
         # differences), re-runs of children, per-call policies (``ops:``), ``selective`` and
-        # ``output`` (:func:`_family`). A timer's noise on one option moves its family's
+        # ``output`` (`_family`). A timer's noise on one option moves its family's
         # factor a little, and every option of the family with it, so it cannot make one
         # option look cheaper than another of its kind: the plan is the same run after run.
         # Children are a family apart from whole blocks: their marks cost more per second of
@@ -668,14 +668,14 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list:
 
 @dataclass
 class Trace:
-    """What one traced step tells about the blocks (:func:`trace`), in the order they run.
+    """What one traced step tells about the blocks (`trace`), in the order they run.
 
     Args:
         blocks: ``(name, module)`` in call order.
-        index: each block's position in the list given to :func:`trace`.
+        index: each block's position in the list given to `trace`.
         chain: per block, whether its output feeds only the next block (or it is the last).
         leaving: per block name, the children whose output is the block's.
-        ops: the operator costs per block and per child (:class:`_Ops`).
+        ops: the operator costs per block and per child (`_Ops`).
         calls: how many times the step runs each block (micro-batches of gradient accumulation).
     """
 
@@ -693,7 +693,7 @@ class Trace:
 
 @dataclass
 class Runs:
-    """The tracked runs of :func:`measure_options`: one step per option, blocks marked alike."""
+    """The tracked runs of `measure_options`: one step per option, blocks marked alike."""
 
     reports: dict  # option -> ProfileReport
     inner: dict[str, list[str]]  # block name -> its options inside the block
@@ -942,7 +942,7 @@ def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, lis
     """Per block: the seconds a re-run of it costs, those of its selective policy's re-run, and
     those of each option inside it (``runs.columns``), averaged over each group of identical
     blocks. With ``roofline``: the trace's operators costed by FLOPs and bytes (with
-    ``per_call``, plus the engine's share per call: :data:`RERUN_CALL_S`, :data:`POLICY_CALL_S`);
+    ``per_call``, plus the engine's share per call: `RERUN_CALL_S`, `POLICY_CALL_S`);
     else the unmarked run's measured forward times (the trace's operator times share them out)."""
     names, blocks, calls, ops = traced.names, traced.blocks, traced.calls, traced.ops
     keep = {r.name: r for r in runs.reports["keep"].rows}
@@ -995,8 +995,8 @@ def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, lis
 
 
 def measure_costs(model: torch.nn.Module, blocks: list, settings: Settings) -> BlockCosts:
-    """Measure every block under every option: :func:`trace`, :func:`measure_options`,
-    :func:`assemble`; see the module docstring.
+    """Measure every block under every option: `trace`, `measure_options`,
+    `assemble`; see the module docstring.
 
     With ``settings.build`` (a rank's plan, NOTE [Planning a rank]) each run is of a fresh
     model from it; ``model`` only names the blocks."""

@@ -4,8 +4,8 @@ The cost model (``_cost.py``) measures every block under every option, the
 solver (``_solve.py``) picks the options of least extra time whose predicted
 peak fits, and the plan is then measured: when the tracker's peak exceeds the
 budget, the solver runs again on a budget lowered by the excess. A
-:class:`Plan` is data; :meth:`Plan.apply` sets the marks through
-:func:`remat.recompute_module`.
+`Plan` is data; `Plan.apply` sets the marks through
+[`remat.recompute_module`][remat.recompute_module].
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ API = "remat.plan"
 
 @dataclass(frozen=True)
 class Decision:
-    """One block's option in a :class:`Plan`.
+    """One block's option in a `Plan`.
 
     Args:
         name: the block's qualified module name.
@@ -66,10 +66,29 @@ class Decision:
 class Plan:
     """What to recompute, block by block, with its predicted peak and overhead.
 
-    Made by :func:`plan`; frozen data that prints as a table and round-trips
-    through :meth:`to_json` / :meth:`from_json`.
+    Made by `plan`; frozen data that prints as a table and round-trips
+    through `to_json` / `from_json`.
 
-    Example:
+    Attributes:
+        decisions: one [`Decision`][remat.planner.Decision] per block, in model order.
+        budget_bytes: the peak asked for, in bytes (a fractional budget resolved against
+            ``no_recompute_peak_bytes``).
+        predicted_peak_bytes: the step's peak the solver predicts for this plan.
+        predicted_extra_s: the solver's predicted extra seconds per step.
+        step_s: the measured seconds of one step without recompute (None: not timed).
+        no_recompute_peak_bytes: the step's peak with no mark.
+        floor_bytes: the smallest peak any plan reaches (every block at its lowest option).
+        measured_peak_bytes: the peak measured with the plan applied (None: not verified).
+        solver: which solver chose it (``"dp"``, ``"milp"``).
+        solve_s: seconds the solver took.
+        timing: how the options' times were found: ``"measured"`` (real tensors) or
+            ``"roofline"`` (fake tensors: FLOPs and bytes moved).
+        measured_extra_s: the plan's extra seconds per step, timed against the unmarked step
+            in interleaved rounds (None: not timed).
+        rank: the rank planned, for a rank's plan (``world_size=``); else None.
+        world_size: the ranks in that job; every byte figure is the rank's (None: one process).
+
+    Examples:
         >>> import torch, remat
         >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
         ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
@@ -119,7 +138,7 @@ class Plan:
 
     def apply(self, model: torch.nn.Module) -> list[str]:
         """Mark ``model``'s blocks (or, for ``children:`` options, their children) as this
-        plan says, through :func:`remat.recompute_module`; return the names marked.
+        plan says, through [`remat.recompute_module`][remat.recompute_module]; return the names marked.
 
         Args:
             model: a model with the planned block names (the planned one or a copy).
@@ -145,12 +164,12 @@ class Plan:
         return [name for name, _, _ in chosen]
 
     def to_json(self) -> str:
-        """The plan as JSON text (:meth:`from_json` reads it back)."""
+        """The plan as JSON text (`from_json` reads it back)."""
         return json.dumps({"remat_plan": 1, **asdict(self)}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Read a plan written by :meth:`to_json`."""
+        """Read a plan written by `to_json`."""
         data = json.loads(text)
         if data.pop("remat_plan", None) != 1:
             raise ValueError("remat.Plan.from_json: not a remat plan (no 'remat_plan': 1 field)")
@@ -191,7 +210,7 @@ class Plan:
         """Predicted against measured peak (and step time when known), as a few lines.
 
         Args:
-            measured: a :class:`~remat.memory.ProfileReport` (``remat.profile`` or
+            measured: a `ProfileReport` (``remat.profile`` or
                 ``remat.estimate`` of the marked model), a tracker, or peak bytes;
                 default: the peak measured when the plan was made. An ``overhead``
                 attribute (measured extra time over the unmarked step, 0.1 = 10%) is
@@ -241,7 +260,7 @@ def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = Non
 
     The plan has the least predicted extra time among those whose predicted step
     peak (parameters, gradients, optimizer state, activations, temporaries, as
-    :func:`remat.memory.track` counts them) fits ``budget``; with ``verify`` the
+    `remat.memory.track` counts them) fits ``budget``; with ``verify`` the
     plan is then run once under the tracker and re-solved until the measured
     peak fits too.
 
@@ -254,13 +273,13 @@ def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = Non
     Args:
         model: a ``torch.nn.Module`` (profiled on real tensors, not changed), or a
             factory / ``LlamaConfig`` / ``GPTConfig`` (planned on fake tensors, as
-            :func:`remat.estimate` runs it; times from FLOPs and bytes moved).
+            [`remat.estimate`][remat.estimate] runs it; times from FLOPs and bytes moved).
         *example_inputs: the model's inputs (tensors; shapes or a function for factories).
         budget: peak bytes (int), a fraction in (0, 1] of the no-recompute peak (float),
             or a string: ``"60%"`` or ``"0.6"`` (a fraction), ``"6GiB"``, ``"512MB"`` (bytes),
-            read as ``remat plan --budget`` reads it (:func:`remat.planner.parse_budget`).
+            read as ``remat plan --budget`` reads it (`remat.planner.parse_budget`).
         batch: the model's keyword inputs, ``model(*example_inputs, **batch)`` (a Hugging
-            Face batch: ``{"input_ids": ..., "labels": ...}``), as for :func:`remat.profile`;
+            Face batch: ``{"input_ids": ..., "labels": ...}``), as for [`remat.profile`][remat.profile];
             with ``step``, whatever ``step`` takes as its batch.
         loss_fn: ``loss_fn(output) -> scalar``; default: the output's ``loss`` if it has
             one, else the sum of the floating outputs.
@@ -269,7 +288,7 @@ def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = Non
             verification alike. It runs the forward and calls ``loss.backward()`` (or returns
             the loss and the planner calls it). ``batch`` is ``batch=``, or the one example
             input, or the example inputs as a tuple. Not with ``loss_fn``.
-        optimizer: as for :func:`remat.profile` (default ``"adam"``; its state counts).
+        optimizer: as for [`remat.profile`][remat.profile] (default ``"adam"``; its state counts).
         blocks: the modules to plan: names, or a module type; default: the blocks that
             ``remat.apply(model, where="blocks")`` marks (Hugging Face decoder layers, the
             repeated children of a ``ModuleList`` / ``Sequential``).
@@ -296,13 +315,13 @@ def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = Non
             and compose the costs of all (and with ``verify=True`` the plan's peak; ``False``:
             measure every block, verify on the whole model).
         world_size: plan one rank of a job of this many ranks (a factory only): the budget is
-            that rank's, and every run is :func:`remat.estimate`'s for the rank (NOTE
+            that rank's, and every run is [`remat.estimate`][remat.estimate]'s for the rank (NOTE
             [Planning a rank]): the model is built, its blocks marked, then handed to ``parallelize``.
-        parallelize: ``parallelize(model, mesh)``, as for :func:`remat.estimate`.
+        parallelize: ``parallelize(model, mesh)``, as for [`remat.estimate`][remat.estimate].
         rank: the rank planned (default 0).
 
     Returns:
-        A :class:`Plan`; a rank's plan has ``rank`` and ``world_size`` set. Apply it to the
+        remat.Plan: the plan; a rank's plan has ``rank`` and ``world_size`` set. Apply it to the
         model before sharding it, as marks always are.
 
     Raises:
@@ -315,7 +334,7 @@ def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = Non
             ``world_size`` for a built model or without ``parallelize``, ``step`` with ``loss_fn``.
         RuntimeError: ``world_size`` where a process group is already initialized.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
         ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
@@ -358,18 +377,18 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
           repeat: int = 3, progress: Callable[[str], None] | None = None, floors: bool = False,
           compose: bool = True, world_size: int | None = None,
           parallelize: Callable | None = None, rank: int | None = None) -> list[Plan | BudgetError]:
-    """:func:`remat.plan` for several budgets, measuring the blocks once.
+    """`remat.plan` for several budgets, measuring the blocks once.
 
     Args:
-        budgets: the budgets, each as :func:`remat.plan`'s ``budget``.
-        floors: a budget below the floor gives its :class:`remat.BudgetError` in the list
+        budgets: the budgets, each as `remat.plan`'s ``budget``.
+        floors: a budget below the floor gives its [`remat.BudgetError`][remat.BudgetError] in the list
             (else it is raised).
-        model, example_inputs, others: as for :func:`remat.plan`.
+        model, example_inputs, others: as for `remat.plan`.
 
     Returns:
-        One :class:`Plan` (or ``BudgetError``) per budget, in order.
+        list[remat.Plan]: one plan (or ``BudgetError``) per budget, in order.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
         ...                             torch.nn.Linear(256, 64)) for _ in range(4)])
@@ -460,7 +479,7 @@ def _check_step(inputs: tuple, batch: Any, loss_fn: Callable | None, step: StepF
 
 
 def _step(inputs: tuple, batch: Any, loss_fn: Callable | None, step: StepFn | None) -> Step:
-    """The step to measure (NOTE [The step users run]) from :func:`plan`'s arguments."""
+    """The step to measure (NOTE [The step users run]) from `plan`'s arguments."""
     if step is None:
         return Step(inputs=tuple(inputs), batch=batch, loss_fn=loss_fn, api=API)
     given = batch if batch is not None else inputs[0] if len(inputs) == 1 else tuple(inputs)
@@ -577,7 +596,7 @@ TIMED_ROUNDS = 4
 def _timed_extra(model: torch.nn.Module, costs: BlockCosts, choices: Sequence[str],
                  settings: Settings) -> float:
     """The plan's extra seconds per step (forward and backward): the plan and the unmarked
-    step timed in :data:`TIMED_ROUNDS` x ``repeat`` interleaved rounds, the median of the
+    step timed in `TIMED_ROUNDS` x ``repeat`` interleaved rounds, the median of the
     rounds' ratios times the unmarked step's median; the model's state put back after."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     uniform = {"keep": {}, "plan": dict(zip(costs.names, choices))}

@@ -1,7 +1,7 @@
 """What a plan may choose and how it is measured: the marks of each option, and the
 planner's settings as one frozen value (layer 4).
 
-Example:
+Examples:
     >>> import torch
     >>> from remat.planner._settings import marks_of
     >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
@@ -117,18 +117,18 @@ class Builder:
 
 @dataclass(frozen=True, eq=False)
 class Settings:
-    """How :func:`remat.plan` measures and solves, as one value handed down (the
-    arguments of :func:`remat.plan` of the same names).
+    """How `remat.plan` measures and solves, as one value handed down (the
+    arguments of `remat.plan` of the same names).
 
     Args:
         step: the training step measured (NOTE [The step users run]).
         optimizer: whose state counts, and whose step's peak.
-        blocks: the modules to plan (names or types); None: :func:`remat._front.blocks.find_blocks`.
+        blocks: the modules to plan (names or types); None: `remat._front.blocks.find_blocks`.
         options: the option families allowed (``"keep"`` first).
         fake: the model and inputs are fake tensors (times from the roofline).
         device: the device whose roofline times a fake-tensor plan.
-        throughput: FLOP/s of that device (None: :data:`THROUGHPUT` of ``_cost``).
-        bandwidth: bytes/s of that device (None: :data:`BANDWIDTH` of ``_cost``).
+        throughput: FLOP/s of that device (None: `THROUGHPUT` of ``_cost``).
+        bandwidth: bytes/s of that device (None: `BANDWIDTH` of ``_cost``).
         verify: measure each plan and re-solve while it exceeds its budget (``"full"``: on the
             whole model, never composed from short ones).
         solver: ``"auto"``, ``"dp"`` or ``"milp"``.

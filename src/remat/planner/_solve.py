@@ -31,7 +31,7 @@ to the solvers they are columns like ``recompute``: bytes kept, bytes held in th
 block's backward, extra time. ``Problem.options`` names the columns; a block without
 the children of a column has ``kept`` None there.
 
-Example:
+Examples:
     >>> from remat.planner._solve import Problem, solve
     >>> p = Problem(kept=[[8, 2, 4, 0]] * 3, time=[[0, 3, 1, 4]] * 3, rebuilt=[8] * 3,
     ...             fixed=[0] * 3, output=[2] * 3, end=0)
@@ -50,7 +50,7 @@ import time as _time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-#: the options that mark a whole block: the first four columns of every :class:`Problem`
+#: the options that mark a whole block: the first four columns of every `Problem`
 BLOCK_OPTIONS = ("keep", "recompute", "selective", "output")
 KEEP, RECOMPUTE, SELECTIVE, OUTPUT = range(4)
 #: the family of options that mark children of a block, named ``"children:<child>+<child>"``
@@ -69,7 +69,7 @@ class BudgetError(ValueError):
         budget_bytes: the budget asked for.
         floor_bytes: the smallest peak any plan reaches.
 
-    Example:
+    Examples:
         >>> import remat
         >>> err = remat.BudgetError("too small", budget_bytes=10, floor_bytes=20)
         >>> isinstance(err, ValueError), err.floor_bytes
@@ -102,7 +102,7 @@ class Problem:
             backward rebuilds it: it is re-run whole (default: ``output[i]``).
         tail: bytes alive besides the blocks' in the backward of what follows the last
             block, where a chain ending at the last block is rebuilt (None: at the end of forward).
-        options: the name of each column of ``kept`` and ``time``: :data:`BLOCK_OPTIONS`, then
+        options: the name of each column of ``kept`` and ``time``: `BLOCK_OPTIONS`, then
             options inside blocks (``"children:attn"``).
     """
 
@@ -537,7 +537,7 @@ def solve_savings(saving: Sequence[Sequence[float | None]], time: Sequence[Seque
     Returns:
         One option number per block, or None when no choice saves ``need``.
 
-    Example:
+    Examples:
         >>> solve_savings([[0, 4, 6], [0, 4, 6]], [[0, 1, 3], [0, 1, 3]], need=8)
         (1, 1)
         >>> solve_savings([[0, 4, 6], [0, 4, 6]], [[0, 1, 3], [0, 1, 3]], need=10)
@@ -600,7 +600,7 @@ def min_cut_keep(weights: Sequence[int], inputs: Sequence[Sequence[int]], requir
     Returns:
         The indices of the kept nodes, ascending.
 
-    Example:
+    Examples:
         >>> # a matrix product (0) feeds a cheap operator (1) whose output backward reads,
         >>> # and so does another product's (2): keep 0 (4 bytes), not 1 (8 bytes); keep 2
         >>> min_cut_keep([4, 8, 2], [[], [0], [1]], required=[1, 2], banned=[0, 2])

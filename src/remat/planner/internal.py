@@ -1,6 +1,6 @@
 """What the CLI and the benchmarks use from ``remat.planner`` beyond its public names.
 
-Not public API: users import :mod:`remat.planner`. A name here is a deliberate promise
+Not public API: users import `remat.planner`. A name here is a deliberate promise
 between packages, so that no module reaches into another package's private modules
 (``tests/test_layers.py`` fails on such an import).
 """
