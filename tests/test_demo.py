@@ -57,3 +57,37 @@ def test_demo_command_line(tmp_path, capsys):
     assert "tutorial marks + output_recompute" in out and "identical" in out
     assert "seed marks" not in out and "seed 003" not in out  # MindSpore's tutorial, by its name
     assert (tmp_path / "demo.json").exists()
+
+
+def test_demo_times_every_configuration_in_interleaved_rotated_rounds(monkeypatch):
+    """Steps are timed after training, one per configuration per round, in an order rotated
+    every round (the sequential timing showed recompute faster than no recompute on a
+    loaded machine); each row has its ratio to no recompute, median and quartiles."""
+    import remat.cli._demo as demo
+
+    calls, built = [], []
+    original = demo.build_model
+
+    def recorded(name, options):
+        model = original(name, options)
+        tag = len(built)
+        built.append(tag)
+        model.register_forward_pre_hook(lambda m, args: calls.append(tag))
+        calls.append(None)  # a model built
+        return model
+
+    monkeypatch.setattr(demo, "build_model", recorded)
+    config = DemoConfig(steps=1, batch_size=2, model="tiny", out_dir=None, device="cpu",
+                        planner=False, rounds=3)
+    rows = run_demo(config, progress=False)["rows"]
+    n = len(rows)
+    last_build = len(calls) - 1 - calls[::-1].index(None)
+    timed = calls[last_build + 1:]  # the timing phase: built after every training run
+    tags = built[-n:]
+    assert timed[:n] == tags  # one warm-up step each
+    rounds = [timed[n + r * n: n + (r + 1) * n] for r in range(3)]
+    assert rounds == [tags[r:] + tags[:r] for r in range(3)]  # rotated every round
+    assert rows[0]["step_s_ratio"] == 1.0 and rows[0]["step_s_ratio_iqr"] == (1.0, 1.0)
+    for row in rows:
+        low, high = row["step_s_ratio_iqr"]
+        assert low <= row["step_s_ratio"] <= high and row["median_step_s"] > 0

@@ -32,6 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=default.seed, help="seed of the weights")
     parser.add_argument("--no-planner", action="store_true",
                         help="leave out the remat.plan row (planned below the block marks' peak)")
+    parser.add_argument("--rounds", type=int, default=default.rounds,
+                        help=f"interleaved timing rounds after training (default {default.rounds}; "
+                             "0: no timing)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared CPU more threads wait on "
                              "each other and run many times slower)")
@@ -45,6 +48,7 @@ def _run(args: argparse.Namespace) -> int:
     config = DemoConfig(
         steps=args.steps, batch_size=args.batch_size, data_dir=args.data, out_dir=args.out,
         device=args.device, model=args.model, seed=args.seed, planner=not args.no_planner,
+        rounds=args.rounds,
     )
     result = run_demo(config, progress=True)
     return 0 if result["losses_identical"] else 1

@@ -11,7 +11,9 @@ from typing import Any
 
 PHASE_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "recompute": "#55a868",
                 "optimizer": "#8172b3"}
-LINE_COLORS = ("#222222", "#c44e52", "#1f77b4", "#937860")
+#: one colour and one dash pattern per configuration: told apart in colour and in grey
+LINE_COLORS = ("#222222", "#c44e52", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")
+LINE_STYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 1)), (0, (8, 2)))
 
 
 def _series(item: Any) -> tuple[str, list, int]:
@@ -78,11 +80,11 @@ def plot_timeline(runs: Sequence[Any], path: str, *, title: str = "Memory over o
                              gridspec_kw={"height_ratios": [8] + [0.6] * len(series)})
     main = axes[0]
     for i, (name, timeline, base) in enumerate(series):
-        color = LINE_COLORS[i % len(LINE_COLORS)]
+        color, style = LINE_COLORS[i % len(LINE_COLORS)], LINE_STYLES[i % len(LINE_STYLES)]
         count = max(len(timeline) - 1, 1)
         xs = [j / count for j in range(len(timeline))]
         ys = [(base + b) / 2**20 for b, _ in timeline]
-        main.plot(xs, ys, color=color, lw=1.4, label=f"{name} (peak {max(ys):,.1f} MiB)")
+        main.plot(xs, ys, color=color, ls=style, lw=1.4, label=f"{name} (peak {max(ys):,.1f} MiB)")
         top = max(range(len(ys)), key=ys.__getitem__)
         main.plot([xs[top]], [ys[top]], marker="v", color=color, ms=8)
         if len(series) == 1:  # with several lines the legend gives each peak
@@ -97,10 +99,14 @@ def plot_timeline(runs: Sequence[Any], path: str, *, title: str = "Memory over o
     main.set_title(title)
     main.grid(alpha=0.3)
     handles, names = main.get_legend_handles_labels()
-    handles += [Patch(color=c, label=p) for p, c in PHASE_COLORS.items()]
-    main.legend(handles, names + list(PHASE_COLORS), loc="lower right", fontsize=8, ncol=2)
+    shown = [p for p in PHASE_COLORS if any(phase == p for _, tl, _ in series for _, phase in tl)]
+    handles += [Patch(color=PHASE_COLORS[p], label=p) for p in shown]  # only phases a strip shows
+    # outside the axes, right of them: it covers no curve
+    main.legend(handles, names + shown, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+                borderaxespad=0)
     axes[-1].set_xlabel("progress through the step (allocation and free events)")
     axes[-1].set_xlim(0, 1)
+    fig.set_size_inches(13, fig.get_size_inches()[1])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
