@@ -61,11 +61,11 @@ def parse_budget(budget: Any, api: str = API) -> tuple[float, bool]:
         return _fraction(value / 100, budget, api)
     if unit == "" and value <= 1:
         return _fraction(value, budget, api)
+    if unit == "" and value != int(value):
+        raise ValueError(f"{api}: budget {budget!r} is neither a fraction in (0, 1] nor whole bytes; {_HOW}")
     if unit == "" and value <= 100:  # "60": a share in percent, or really 60 bytes?
         raise ValueError(f"{api}: budget {budget!r} has no unit; did you mean '{match.group(1)}%' "
                          f"(of the no-recompute peak) or '{match.group(1)}B' (bytes)? {_HOW}")
-    if unit == "" and value != int(value):
-        raise ValueError(f"{api}: budget {budget!r} is neither a fraction in (0, 1] nor whole bytes; {_HOW}")
     return _bytes(value * UNITS[unit or "B"], budget, api)
 
 
