@@ -132,3 +132,15 @@ def _unresolved_links(site: pathlib.Path) -> list[str]:
             if not target.is_file() or (anchor and target in pages and anchor not in pages[target]):
                 bad.append(f"{page.relative_to(site)} -> {link}")
     return bad
+
+
+#: the pages for developers: the design notes, and torch's differences (which quote them)
+DEVELOPER_PAGES = {"docs/design.md", "docs/torch.md"}
+
+
+@pytest.mark.parametrize("page", sorted(set(PAGES) - DEVELOPER_PAGES))
+def test_user_pages_point_to_no_design_note(page):
+    """Design notes ("NOTE [...]" in the code) are listed on the design page; a user page says
+    what a rule does, in its own words."""
+    text = (ROOT / page).read_text()
+    assert re.findall(r"NOTE\s+\[[^\]]+\]", text) == []
