@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any, Self
 
 import torch
 from torch.utils import _pytree as pytree
@@ -20,6 +21,36 @@ from remat._engine import boundary as _boundary
 from remat._engine import facts as _facts
 from remat._engine import rng as _rng
 from remat._vocab.spec import RegionSpec
+
+
+class Contexts:
+    """The contexts a region's forward or re-run runs in, left in reverse order (a lean
+    ``ExitStack``: a region enters several on every call and every re-run)."""
+
+    __slots__ = ("entered",)
+
+    def __init__(self) -> None:
+        self.entered: list = []
+
+    def enter_context(self, context: Any) -> Any:
+        value = context.__enter__()
+        self.entered.append(context)
+        return value
+
+    def __enter__(self) -> Self:
+        return self
+
+    def close(self) -> None:
+        self.__exit__(None, None, None)
+
+    def __exit__(self, *exc_info: object) -> None:
+        entered, self.entered = self.entered, []
+        try:
+            while entered:
+                entered.pop().__exit__(*exc_info)
+        finally:
+            for context in reversed(entered):  # one raised: the others still leave
+                context.__exit__(*exc_info)
 
 
 class RegionCore:

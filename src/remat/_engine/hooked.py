@@ -70,7 +70,6 @@ autograd's own error.
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 import weakref
 from collections.abc import Callable
@@ -83,7 +82,7 @@ from remat._engine import collectives as _collectives
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
 from remat._engine import state as _state
-from remat._engine.core import RegionCore
+from remat._engine.core import Contexts, RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import OpTrace, storage_of
 from remat._engine.observe import engine_ops, replayed_state
@@ -415,14 +414,16 @@ class HookedFrame(RegionCore):
             if self._last_needed() >= 0:  # some saved tensors will be rebuilt later
                 self.cached_inputs[gid] = (args, kwargs)
         mismatches: list[str] = []
-        with contextlib.ExitStack() as stack:
+        with Contexts() as stack:
             stack.enter_context(_state.recomputing())
             stack.enter_context(self.module_state_restored(self.state))  # NOTE [Module state at the boundary]
-            stack.enter_context(replayed_state(self.state))  # outside every mode (NOTE [Observed writes])
+            if self.state:
+                stack.enter_context(replayed_state(self.state))  # outside every mode (NOTE [Observed writes])
             stack.enter_context(self.replay.context())
             stack.enter_context(torch.enable_grad())
             stack.enter_context(_RecomputeHooks(self, gid, stop_at, mismatches, store))
-            stack.enter_context(_collectives.replaying(self))  # NOTE [Kept collectives]
+            if self.kept_collectives is not None:
+                stack.enter_context(_collectives.replaying(self))  # NOTE [Kept collectives]
             if self.contexts is not None:
                 stack.enter_context(self.contexts[1])
             if self.trace is not None:

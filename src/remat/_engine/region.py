@@ -35,7 +35,7 @@ from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
 from remat._engine import reentrant as _reentrant
 from remat._engine import structure as _structure
-from remat._engine.core import RegionCore
+from remat._engine.core import Contexts, RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.hooked import ForwardHooks, HookedFrame
 from remat._engine.observe import Observe, restore_state
@@ -44,36 +44,10 @@ from remat._vocab.policy import save_all
 from remat._vocab.spec import RegionSpec
 
 
-class _Stack:
-    """The contexts a region's forward runs in, left in reverse order (a lean ExitStack:
-    a region enters a few on every call)."""
-
-    __slots__ = ("entered",)
-
-    def __init__(self) -> None:
-        self.entered: list = []
-
-    def enter_context(self, context: Any) -> None:
-        context.__enter__()
-        self.entered.append(context)
-
-    def close(self) -> None:
-        self.__exit__(None, None, None)
-
-    def __exit__(self, *exc_info: object) -> None:
-        entered, self.entered = self.entered, []
-        try:
-            while entered:
-                entered.pop().__exit__(*exc_info)
-        finally:
-            for context in reversed(entered):  # one raised: the others still leave
-                context.__exit__(*exc_info)
-
-
 class _Handle:
     """An open region: what close_region needs to finish it, and what to call forward with."""
 
-    def __init__(self, frame: RegionCore | None, stack: _Stack, args: tuple, kwargs: dict,
+    def __init__(self, frame: RegionCore | None, stack: Contexts, args: tuple, kwargs: dict,
                  observe: Observe | None = None) -> None:
         self.frame, self.stack, self.args, self.kwargs = frame, stack, args, kwargs
         self.observe = observe
@@ -103,7 +77,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         A handle for `close_region`; call the forward with its ``args`` and ``kwargs``.
     """
     _outputs.pop_hook()
-    stack = _Stack()
+    stack = Contexts()
     if not torch.is_grad_enabled() or spec.policy == save_all:
         return _Handle(None, stack, args, kwargs)
     _refuse_functorch(name)

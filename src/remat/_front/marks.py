@@ -296,11 +296,13 @@ def marked_modules(model: torch.nn.Module) -> dict[str, RegionSpec]:
 # region (forward, then each recomputation) calls its ``take()`` for the value that run
 # gets. An adapter for a library that wraps modules (FSDP2's units, ``parallel/_fsdp.py``)
 # registers a run context with `add_run_context` instead: each run of a marked
-# module's forward (forward and every recomputation) runs inside ``context(module, spec)``.
-# So the mark's core knows no library, and no library is imported by it.
+# module's forward (forward and every recomputation) runs inside ``context(module, spec)``,
+# or as it is when that returns None (the library has nothing to do: none of its modules
+# exists in this process). So the mark's core knows no library, and no library is imported
+# by it.
 
 CallGuard = Callable[[torch.nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
-RunContext = Callable[[torch.nn.Module, RegionSpec], contextlib.AbstractContextManager]
+RunContext = Callable[[torch.nn.Module, RegionSpec], "contextlib.AbstractContextManager | None"]
 _CALL_GUARDS: list[CallGuard] = []
 _RUN_CONTEXTS: list[RunContext] = []
 
@@ -391,7 +393,10 @@ def _replay(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     spec = mark_of(module)
     if not _RUN_CONTEXTS or spec is None:
         return forward(*args, **kwargs)
+    contexts = [c for c in (context(module, spec) for context in _RUN_CONTEXTS) if c is not None]
+    if not contexts:
+        return forward(*args, **kwargs)
     with contextlib.ExitStack() as stack:  # NOTE [Call guards]
-        for context in _RUN_CONTEXTS:
-            stack.enter_context(context(module, spec))
+        for context in contexts:
+            stack.enter_context(context)
         return forward(*args, **kwargs)

@@ -112,12 +112,15 @@ def _reshard_after_output_pass(unit: Any, args: Any, output: Any) -> None:
         unit.reshard()
 
 
-def run_context(module: torch.nn.Module, spec: RegionSpec) -> contextlib.AbstractContextManager:
-    """Around each run of a marked module: its units' resharding set, a re-run gathered.
+def run_context(module: torch.nn.Module, spec: RegionSpec) -> contextlib.AbstractContextManager | None:
+    """Around each run of a marked module: its units' resharding set, a re-run gathered;
+    None while nothing in this process was sharded (no FSDP module exists).
 
     Registered with the marks (NOTE [Call guards] in ``_front/marks.py``); NOTE [Sharded
     parameters under a mark], NOTE [Output pass over FSDP units].
     """
+    if sys.modules.get("torch.distributed.fsdp") is None:
+        return None
     apply_to_units(module, spec)
     return gathered_for_rerun(module)
 
