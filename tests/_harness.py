@@ -153,12 +153,12 @@ def unpack(data: bytes) -> object:
 
 
 def _rank_entry(rank: int, port: int, body: Callable, pg_timeout: float, inbox: object,
-                results: object) -> None:
+                results: object, world: int = WORLD) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=pg_timeout))
     try:
         result = body(rank) if inbox is None else body(rank, inbox)
@@ -172,8 +172,10 @@ def _rank_entry(rank: int, port: int, body: Callable, pg_timeout: float, inbox: 
 
 
 def spawn_two_ranks(body: Callable, *, deadline: float, pg_timeout: float = 30,
-                    feed: Callable[[], object] | None = None) -> tuple[dict, list[int | None]]:
-    """Run ``body(rank)`` on 2 gloo ranks on loopback; return ``({rank: result}, exit codes)``.
+                    feed: Callable[[], object] | None = None, world: int = WORLD
+                    ) -> tuple[dict, list[int | None]]:
+    """Run ``body(rank)`` on 2 (or ``world``) gloo ranks on loopback; return ``({rank:
+    result}, exit codes)``.
 
     ``body`` is a module-level function (the ranks are spawned, so it is pickled by name); a
     rank that raises returns ``{"error": traceback}`` and exits non-zero. With ``feed``,
@@ -185,10 +187,10 @@ def spawn_two_ranks(body: Callable, *, deadline: float, pg_timeout: float = 30,
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    inboxes = [ctx.Queue() if feed is not None else None for _ in range(WORLD)]
+    inboxes = [ctx.Queue() if feed is not None else None for _ in range(world)]
     port = free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, port, body, pg_timeout, inboxes[r], results),
-                         daemon=True) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank_entry, args=(r, port, body, pg_timeout, inboxes[r], results, world),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out: dict = {}
@@ -198,7 +200,7 @@ def spawn_two_ranks(body: Callable, *, deadline: float, pg_timeout: float = 30,
             fed = feed()  # while the ranks start (an error here kills them)
             for inbox in inboxes:
                 inbox.put(fed)
-        while len(out) < WORLD:
+        while len(out) < world:
             left = deadline - (datetime.datetime.now() - start).total_seconds()
             if left <= 0:
                 break
@@ -222,7 +224,7 @@ def spawn_two_ranks(body: Callable, *, deadline: float, pg_timeout: float = 30,
 
 def assert_every_rank_succeeded(out: dict, codes: list[int | None]) -> None:
     """Each rank returned a result, none an error, and every rank exited with status 0."""
-    for rank in range(WORLD):
+    for rank in range(len(codes)):
         assert rank in out, f"rank {rank} returned nothing (exit codes {codes})"
         assert not (isinstance(out[rank], dict) and "error" in out[rank]), out[rank]["error"]
-    assert codes == [0] * WORLD
+    assert codes == [0] * len(codes)

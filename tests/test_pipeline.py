@@ -1,6 +1,6 @@
-"""Marks on pipeline stages (``torch.distributed.pipelining``): two gloo ranks on loopback.
+"""Marks on pipeline stages (``torch.distributed.pipelining``): 2 and 4 gloo ranks on loopback.
 
-A GPT-style model (embedding, 4 pre-norm blocks with dropout, head; its norms layer or
+A GPT-style model (embedding, pre-norm blocks with dropout, head; its norms layer or
 batch norms, whose statistics each micro-batch updates once) is split into stages
 by hand, each rank builds its own stage modules from the same seed, marks them with remat
 (or not), and runs a schedule over 4 micro-batches. Every stage's gradients and the last
@@ -66,10 +66,10 @@ class Stage(torch.nn.Module):
 
 
 def _stages(n_stages: int, indices: list[int], batch_norm: bool) -> list[Stage]:
-    """The stages ``indices`` of an ``n_stages`` split of 4 blocks, built from one seed in
-    order, so every rank (and every configuration) holds the same weights."""
+    """The stages ``indices`` of an ``n_stages`` split of ``max(4, n_stages)`` blocks, built
+    from one seed in order, so every rank (and every configuration) holds the same weights."""
     torch.manual_seed(0)
-    per = 4 // n_stages
+    per = max(4, n_stages) // n_stages
     built = [Stage(per, i == 0, i == n_stages - 1, batch_norm) for i in range(n_stages)]
     return [built[i] for i in indices]
 
@@ -78,7 +78,7 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
 
 
-def _run(rank: int, schedule_name: str, marks: dict | None, batch_norm: bool) -> dict:
+def _run(rank: int, world: int, schedule_name: str, marks: dict | None, batch_norm: bool) -> dict:
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -87,8 +87,8 @@ def _run(rank: int, schedule_name: str, marks: dict | None, batch_norm: bool) ->
     )
 
     interleaved = schedule_name == "Interleaved1F1B"
-    n_stages = 4 if interleaved else 2
-    indices = [rank, rank + 2] if interleaved else [rank]
+    n_stages = 2 * world if interleaved else world
+    indices = [rank, rank + world] if interleaved else [rank]
     modules = _stages(n_stages, indices, batch_norm)
     if marks is not None:
         for module in modules:
@@ -114,32 +114,44 @@ def _run(rank: int, schedule_name: str, marks: dict | None, batch_norm: bool) ->
         Block.reruns, losses = 0, []
         if rank == 0:
             schedule.step(ids)
-        else:
+        elif rank == world - 1:
             schedule.step(target=target, losses=losses)
+        else:
+            schedule.step()
     return {"grads": [p.grad for m in modules for p in m.parameters()] + [b for m in modules for b in m.buffers()],
             "losses": [loss.detach() for loss in losses], "reruns": Block.reruns}
 
 
-def pipeline_ranks(rank: int) -> dict:
+def _all_runs(rank: int, world: int) -> dict:
     """One rank: every schedule with layer or batch norm, unmarked and under each marking;
     ``{(schedule and norm, marks): result}``."""
     out = {}
     for norm in ("layer norm", "batch norm"):
         for schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
             key = f"{schedule}, {norm}"
-            out[(key, "unmarked")] = _run(rank, schedule, None, norm == "batch norm")
+            out[(key, "unmarked")] = _run(rank, world, schedule, None, norm == "batch norm")
             for name, marks in MARKS.items():
-                out[(key, name)] = _run(rank, schedule, marks, norm == "batch norm")
+                out[(key, name)] = _run(rank, world, schedule, marks, norm == "batch norm")
     return out
 
 
-def test_marked_pipeline_stages_train_bitwise_as_the_unmarked_pipeline():
-    out, codes = spawn_two_ranks(pipeline_ranks, deadline=DEADLINE_S, pg_timeout=60)
+def two_ranks(rank: int) -> dict:
+    return _all_runs(rank, 2)
+
+
+def four_ranks(rank: int) -> dict:
+    return _all_runs(rank, 4)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_marked_pipeline_stages_train_bitwise_as_the_unmarked_pipeline(world):
+    body = two_ranks if world == 2 else four_ranks
+    out, codes = spawn_two_ranks(body, deadline=DEADLINE_S, pg_timeout=60, world=world)
     assert_every_rank_succeeded(out, codes)
     for rank, results in out.items():
         for (schedule, name), got in results.items():
             want = results[(schedule, "unmarked")]
-            blocks_here = 2  # each rank holds 2 of the 4 blocks, in every split
+            blocks_here = 2 if world == 2 else (2 if schedule.startswith("Interleaved") else 1)
             assert want["reruns"] == 0
             if name == "unmarked":
                 continue
@@ -151,4 +163,4 @@ def test_marked_pipeline_stages_train_bitwise_as_the_unmarked_pipeline():
                 continue
             assert_bitwise_equal(got["grads"], want["grads"], f"rank {rank} {schedule} {name} grad")
             assert_bitwise_equal(got["losses"], want["losses"], f"rank {rank} {schedule} {name} loss")
-    assert all(len(r["losses"]) == MICRO for r in out[1].values())  # the last stage's rank
+    assert all(len(r["losses"]) == MICRO for r in out[world - 1].values())  # the last stage's rank
