@@ -69,6 +69,12 @@ def add_parser(subparsers: Any) -> None:
                         help="find the largest batch (dimension 0 of the inputs) each strategy fits in --budget")
     parser.add_argument("--repeat", type=int, default=5,
                         help="timed pairs (with the unmarked model) per measured point")
+    parser.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                        help="plan the loop that splits the batch (dimension 0) in N micro-batches, "
+                             "a backward each, as gradient accumulation does (default 1)")
+    parser.add_argument("--step", metavar="MODULE:FUNCTION",
+                        help="plan your loop's body instead: step(model, batch) runs forward and "
+                             "backward (or returns the loss); batch is the tuple of inputs")
     parser.set_defaults(run=run)
 
 
@@ -88,6 +94,11 @@ class Setup:
             from remat.models.llama import next_token_loss
 
             self.loss_fn = next_token_loss
+        self.step = _user_step(args, self.loss_fn)  # None: the standard step
+        n = args.micro_batches
+        if n > 1 and any(shape[0] % n for shape in self.shapes):  # before any work
+            raise SystemExit(f"{API}: --micro-batches {n} does not divide the batch "
+                             f"{[shape[0] for shape in self.shapes]} (dimension 0 of --input-shape)")
 
     def build(self) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -106,6 +117,9 @@ class Setup:
                          optimizer=self.optimizer, device=self.args.device,
                          throughput=self.args.throughput, progress=progress, floors=True,
                          options=options, **self.ranks)
+        if self.step is not None:  # the user's loop: its body and the whole batch
+            return sweep(self.build(), budgets=budgets, batch=self.inputs(batch), step=self.step,
+                         optimizer=self.optimizer, progress=progress, floors=True, options=options)
         return sweep(self.build(), *self.inputs(batch), budgets=budgets, loss_fn=self.loss_fn,
                      optimizer=self.optimizer, progress=progress, floors=True, options=options)
 
@@ -128,7 +142,8 @@ class Setup:
         model = build()
         inputs = self.inputs(batch)
         # the step the plan holds its budget on: outputs alive until it ends (NOTE [The step users run])
-        step = Step(inputs=inputs, loss_fn=self.loss_fn, api=API)
+        step = (Step(inputs=inputs, loss_fn=self.loss_fn, api=API) if self.step is None
+                else Step(batch=inputs, custom=self.step, api=API))
         peak = measure_peak(model, step, optimizer=self.optimizer, fake=False)
         out = {"peak_bytes": peak, "step_ms": None, "overhead": None}
         if timed:
@@ -141,6 +156,7 @@ class Setup:
         import statistics
         import time
 
+        from remat.memory.internal import Step
         from remat.memory.profile import default_loss
 
         if not hasattr(self, "_baseline"):
@@ -150,7 +166,10 @@ class Setup:
 
         def step(net: torch.nn.Module) -> float:
             start = time.perf_counter()
-            loss_fn(net(*inputs)).backward()
+            if self.step is None:
+                loss_fn(net(*inputs)).backward()
+            else:
+                Step(batch=inputs, custom=self.step, api=API).run(net)
             elapsed = time.perf_counter() - start
             net.zero_grad(set_to_none=True)
             return elapsed
@@ -253,6 +272,34 @@ def _options_arg(text: str | None) -> tuple[str, ...]:
         raise SystemExit(f"{API}: --options: unknown option(s) {', '.join(bad)}; "
                          f"choose from {','.join(OPTIONS)}")
     return options
+
+
+def _user_step(args: argparse.Namespace, loss_fn: Callable | None) -> Callable | None:
+    """``--step`` loaded, or ``--micro-batches N`` as a step; None for the standard step."""
+    from remat.memory.profile import default_loss
+
+    if args.micro_batches < 1:
+        raise SystemExit(f"{API}: --micro-batches must be at least 1, got {args.micro_batches}")
+    if args.step is not None:
+        if args.micro_batches != 1 or args.estimate:
+            raise SystemExit(f"{API}: --step is the whole loop body; give it without "
+                             f"--micro-batches and --estimate")
+        return load_factory(args.step, API)
+    if args.micro_batches == 1:
+        return None
+    if args.estimate:
+        raise SystemExit(f"{API}: --micro-batches plans a measured loop; give it without --estimate")
+    n, loss = args.micro_batches, loss_fn or default_loss
+
+    def accumulate(model: torch.nn.Module, batch: tuple) -> None:
+        """The batch in ``n`` micro-batches along dimension 0, a backward each."""
+        if any(t.shape[0] % n for t in batch):
+            raise SystemExit(f"{API}: --micro-batches {n} does not divide the batch "
+                             f"{[t.shape[0] for t in batch]} (dimension 0 of --input-shape)")
+        for chunk in zip(*(t.chunk(n) for t in batch), strict=True):
+            loss(model(*chunk)).backward()
+
+    return accumulate
 
 
 def _budget_arg(text: str) -> str:
