@@ -21,16 +21,31 @@ from tests._harness import assert_bitwise_equal
 from tests.test_ecosystem import OPTIONS, VOCAB, _batch, _cache_of, _hf_model, _sgd
 
 
+def _marked(base: torch.nn.Module, switch: str, option: str) -> torch.nn.Module:
+    """A copy of ``base`` marked through ``switch`` (``where="blocks"`` or remat's switch)."""
+    marked = copy.deepcopy(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' deprecation of its switch's name
+        if switch == "apply":
+            remat.apply(marked, where="blocks", **OPTIONS[option])
+        else:
+            remat.gradient_checkpointing_enable(marked, **OPTIONS[option])
+    return marked
+
+
+@pytest.mark.parametrize("switch", ["apply", "gradient_checkpointing_enable"])
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_a_prefix_cache_trains_with_marks_and_is_refused_by_the_switch(option):
+def test_a_prefix_cache_trains_exactly_through_both_one_liners(option, switch):
     """Hugging Face's switch drops the cache in training, so a continuation on a prefix
     cache gets a mask over keys it does not have (torch's checkpoint through the switch:
-    a raw size error). ``where="blocks"`` keeps the cache and trains bitwise; remat's
-    switch refuses the call before it runs (NOTE [A prefix cache under the switch])."""
+    a raw size error; remat's switch refused it before). ``where="blocks"`` keeps the cache
+    and recomputes; remat's switch runs that call with the switch off, without recompute,
+    says so, and sets the switch back (NOTE [A prefix cache under the switch])."""
     base = _hf_model("gpt2")
     g = torch.Generator().manual_seed(1)
     prefix, ids = (torch.randint(2, VOCAB, (2, n), generator=g) for n in (3, 5))
     key = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    reruns = []
 
     def step(model):
         model.eval()
@@ -38,19 +53,25 @@ def test_a_prefix_cache_trains_with_marks_and_is_refused_by_the_switch(option):
             past = _cache_of(model(input_ids=prefix, use_cache=True))
         model.train()
         torch.manual_seed(5)
-        model(input_ids=ids, labels=ids, **{key: past}, use_cache=True).loss.backward()
-        return [p.grad for p in model.parameters()]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = model(input_ids=ids, labels=ids, **{key: past}, use_cache=True).loss
+        loss.backward()
+        return [p.grad for p in model.parameters()], [str(w.message) for w in caught]
 
-    want = step(copy.deepcopy(base))
-    marked, switched = copy.deepcopy(base), copy.deepcopy(base)
-    remat.apply(marked, where="blocks", **OPTIONS[option])
-    assert_bitwise_equal(step(marked), want)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        remat.gradient_checkpointing_enable(switched, **OPTIONS[option])
-        with pytest.raises(remat.RecomputeError, match="past_key_values.*where='blocks'"):
-            step(switched)
-    assert all(p.grad is None for p in switched.parameters())
+    want, _ = step(copy.deepcopy(base))
+    marked = _marked(base, switch, option)
+    flags = {n for n, m in marked.named_modules() if getattr(m, "gradient_checkpointing", False)}
+    for layer in marked.transformer.h:  # a re-run calls the layer's forward, and so its children
+        layer.mlp.register_forward_pre_hook(lambda m, a: reruns.append(remat.is_recomputing()))
+    got, said = step(marked)
+    assert_bitwise_equal(got, want)
+    if switch == "apply":
+        assert any(reruns)  # the blocks recomputed, with the cache
+    else:
+        assert not any(reruns) and any("runs without recompute" in m for m in said)
+        assert flags and flags == {n for n, m in marked.named_modules()
+                                   if getattr(m, "gradient_checkpointing", False)}  # set back
 
 
 def test_t5_trains_through_remats_reentrant_switch():
@@ -101,15 +122,8 @@ def test_mixtral_router_losses_train_bitwise(option, switch):
     [Escapes handed back by position]); torch's reentrant checkpoint trains the router
     without its balancing loss, silently."""
     base = _mixtral()
-    marked = copy.deepcopy(base)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if switch == "apply":
-            remat.apply(marked, where="blocks", **OPTIONS[option])
-        else:
-            remat.gradient_checkpointing_enable(marked, **OPTIONS[option])
-        got = _mixtral_steps(marked, steps=3)
-    assert_bitwise_equal(got, _mixtral_steps(base, steps=3))
+    marked = _marked(base, switch, option)
+    assert_bitwise_equal(_mixtral_steps(marked, steps=3), _mixtral_steps(base, steps=3))
 
 
 def _live_tensors() -> int:
@@ -194,15 +208,11 @@ def test_t5_with_adapters_on_the_frozen_model_trains_exactly(option, switch):
     remat trains two steps bitwise; use_reentrant=True within the documented tolerance of
     T5 (its decoder layers all read the encoder's output: test_t5_reentrant_is_within...)."""
     base = _t5_with_adapters()
-    marked, with_torch = copy.deepcopy(base), copy.deepcopy(base)
+    marked, with_torch = _marked(base, switch, option), copy.deepcopy(base)
+    names = [n for n, p in base.named_parameters() if p.requires_grad]
+    assert names and all(n.endswith((".a", ".b")) for n in names)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if switch == "apply":
-            remat.apply(marked, where="blocks", **OPTIONS[option])
-        else:
-            remat.gradient_checkpointing_enable(marked, **OPTIONS[option])
-        names = [n for n, p in base.named_parameters() if p.requires_grad]
-        assert names and all(n.endswith((".a", ".b")) for n in names)
         got, want = _adapter_steps(marked), _adapter_steps(base)
     assert all(g.abs().sum() > 0 for g in want[1:1 + len(names)])  # every adapter trains
     if option != "reentrant" and switch == "apply":

@@ -44,12 +44,12 @@ from __future__ import annotations
 import copy
 import functools
 import sys
+import warnings
 import weakref
 from typing import Any
 
 import torch
 
-from remat._engine.errors import RecomputeError
 from remat._front.marks import PerRun, add_call_guard, mark_from_keywords
 
 
@@ -206,30 +206,44 @@ def _layer_name(function: Any) -> str:
     return "layer"
 
 
-def _refuse_prefix(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+def _prefix_call_without_switch(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """NOTE [A prefix cache under the switch]
     Hugging Face's switch drops the key/value cache in training (its layers set
     ``use_cache=False``, its models pass no cache), so a continuation trained on a
     prefix cache (``past_key_values`` from an earlier pass) gets a mask that covers
     prefix and new tokens with keys for the new ones only: a raw size error deep in
-    attention, or under another mask silently other attention. remat's switch keeps
-    Hugging Face's behaviour and refuses that call before it runs, naming
-    ``remat.apply(model, where="blocks")``, which keeps and guards the cache (NOTE
-    [Cache of a marked layer])."""
-    if not (model.training and torch.is_grad_enabled()) or getattr(model, "_remat_prefix_guard", None) is None:
+    attention (torch's checkpoint through the switch), or under another mask silently
+    other attention. So remat's switch runs such a call with the switch off: its modules'
+    ``gradient_checkpointing`` flags are cleared before the model's forward and set back
+    after it (:func:`_switch_back`, an always-called hook). The call makes no region, so
+    its backward re-runs nothing: it trains exactly as unmarked, keeping what the unmarked
+    model keeps, and a warning says so once, naming ``remat.apply(model,
+    where="blocks")``, which recomputes with the cache kept and guarded (NOTE [Cache of a
+    marked layer])."""
+    if not (model.training and torch.is_grad_enabled()):
         return
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     length = getattr(cache, "get_seq_length", None)
-    if callable(length) and length() > 0 and any(
-            getattr(m, "gradient_checkpointing", False) and is_hf_layer(m) for m in model.modules()):
-        raise RecomputeError(
-            f"remat.gradient_checkpointing_enable: {type(model).__name__} was called in training "
-            f"with a past_key_values cache holding {length()} positions; Hugging Face's switch "
-            f"drops the cache in training (its layers set use_cache=False), so the attention mask "
-            f"would not match the keys (torch's checkpoint through the same switch fails alike); "
-            f"use remat.apply(model, where='blocks') instead, which keeps the cache and trains "
-            f"exactly, or call the model without past_key_values"
-        )
+    if not (callable(length) and length() > 0):
+        return
+    switched = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if not any(is_hf_layer(m) for m in switched):
+        return
+    for m in switched:
+        m.gradient_checkpointing = False
+    model.__dict__["_remat_prefix_switched"] = switched
+    warnings.warn(
+        f"remat.gradient_checkpointing_enable: {type(model).__name__} was called in training with "
+        f"a past_key_values cache holding {length()} positions, which Hugging Face's switch "
+        f"cannot recompute (it drops the cache in training); this call runs without recompute, "
+        f"exactly as unmarked; use remat.apply(model, where='blocks') to recompute it with the "
+        f"cache", UserWarning, stacklevel=2)
+
+
+def _switch_back(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """After a call :func:`_prefix_call_without_switch` ran with the switch off: set it back."""
+    for m in model.__dict__.pop("_remat_prefix_switched", ()):
+        m.gradient_checkpointing = True
 
 
 def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **options: Any) -> list[str]:
@@ -277,6 +291,8 @@ def gradient_checkpointing_enable(model: torch.nn.Module, *, every: int = 1, **o
         enable=True, gradient_checkpointing_func=LayerCheckpoint(spec), **extra
     )
     if "_remat_prefix_guard" not in model.__dict__:  # NOTE [A prefix cache under the switch]
-        model._remat_prefix_guard = model.register_forward_pre_hook(_refuse_prefix, with_kwargs=True)
+        model._remat_prefix_guard = (
+            model.register_forward_pre_hook(_prefix_call_without_switch, with_kwargs=True),
+            model.register_forward_hook(_switch_back, with_kwargs=True, always_call=True))
     return [n for n, m in model.named_modules()
             if getattr(m, "gradient_checkpointing", False) and is_hf_layer(m)]
