@@ -158,9 +158,15 @@ def _tree(root: torch.nn.Module) -> list[tuple[torch.nn.Module, _Known]]:
     """``root.modules()`` with what is known of each: the last call's list while every
     module in it is alive and current, else walked again through the children."""
     cached = _cached(root)
-    if cached.tree is not None:
-        tree = [(ref(), known) for ref, known in cached.tree]
-        if all(m is not None and known.current(m.__dict__) for m, known in tree):
+    if cached.tree is not None:  # `_Known.current` inlined: this runs for every module of every call
+        tree = []
+        for ref, known in cached.tree:
+            m = ref()
+            if (m is None or _identities(m.__dict__) != known.ids
+                    or any(map(operator.is_, map(_DEREF, known.refs), _NONE))):
+                break
+            tree.append((m, known))
+        else:
             return tree
     tree, seen, stack = [], set(), [root]
     while stack:  # pre-order, as module.modules()
@@ -358,30 +364,41 @@ class ModuleState:
                         f"the re-run reads the tensor the forward read), or after backward"
                     )
 
-    @contextlib.contextmanager
-    def restored(self, replayed: list) -> Iterator[None]:
+    def restored(self, replayed: list) -> _Restored:
         """Run a re-run against the attributes the forward found; put back what is there now."""
         self.check_versions(replayed)
-        undo = []
-        for entry in self.entries:
+        return _Restored(self)
+
+
+class _Restored:
+    """`ModuleState.restored`: a class, not a generator (every re-run enters one); where
+    nothing was rebound and nothing overwritten, it checks and puts back nothing more."""
+
+    __slots__ = ("kept", "state", "undo")
+
+    def __init__(self, state: ModuleState) -> None:
+        self.state, self.undo, self.kept = state, [], []
+
+    def __enter__(self) -> None:
+        state = self.state
+        for entry in state.entries:
             for where, key, now in entry.rebound():
-                undo.append((where, key, now))
+                self.undo.append((where, key, now))
                 put(where, key, entry.value_then(where, key))
-        kept = []
-        if self.overwritten:
+        if state.overwritten:
             with engine_copies():
-                kept = [(t, t.detach().clone()) for t in self.overwritten if t.untyped_storage().nbytes()]
-        try:
-            yield
-        finally:
-            for entry in self.entries:  # what the re-run rebound itself
-                for where, key, _ in entry.rebound():
-                    if not any(w is where and k == key for w, k, _ in undo):
-                        undo.append((where, key, entry.value_then(where, key)))
-            for where, key, now in reversed(undo):
-                put(where, key, now)
-            if kept:
-                with engine_copies():
-                    for t, value in kept:
-                        t.data.copy_(value)  # no version bump, as replayed state (NOTE [Observed writes])
-            self._refresh()
+                self.kept = [(t, t.detach().clone()) for t in state.overwritten if t.untyped_storage().nbytes()]
+
+    def __exit__(self, *exc_info: object) -> None:
+        state, undo = self.state, self.undo
+        for entry in state.entries:  # what the re-run rebound itself
+            for where, key, _ in entry.rebound():
+                if not any(w is where and k == key for w, k, _ in undo):
+                    undo.append((where, key, entry.value_then(where, key)))
+        for where, key, now in reversed(undo):
+            put(where, key, now)
+        if self.kept:
+            with engine_copies():
+                for t, value in self.kept:
+                    t.data.copy_(value)  # no version bump, as replayed state (NOTE [Observed writes])
+        state._refresh()

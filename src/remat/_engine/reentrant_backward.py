@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from remat._engine import collectives as _collectives
 from remat._engine import state as _state
 from remat._engine.errors import RecomputeError
+from remat._engine.core import Contexts
 from remat._engine.escapes import Pick
 from remat._engine.modes import _UNANNOTATED, StateGuard, _allocates, _storage_key, _written_args
 from remat._engine.observe import (
@@ -163,8 +164,13 @@ def _differentiate_once(frame: Any, tensors: tuple, grads: tuple, accumulate: bo
         # unwatched: its modules' parameters are all in wrt (NOTE [Observed reads],
         # [Observed once, confirmed every call])
         outside = reached_outside(outs, wrt, made) if frame.watched else []
+        hooked = [p for p in frame.params if p._backward_hooks]
         try:
-            with _closure_stops(frame), _hooks_off(frame.params):
+            with Contexts() as stack:
+                if nonleaf:
+                    stack.enter_context(_closure_stops(frame))
+                if hooked:
+                    stack.enter_context(_hooks_off(hooked))
                 everything = wrt + outside
                 found = (_accumulated(outs, everything, out_grads, create_graph) if accumulate else
                          list(torch.autograd.grad(outs, everything, out_grads, allow_unused=True,
@@ -235,21 +241,28 @@ def _rerun(frame: Any, inputs: list, aliases: dict, allowed: list
     """
     args, kwargs = frame.call_with(inputs)
     frame.runs += 1
-    guard = _WrittenArguments(frame, inputs) if frame.written else contextlib.nullcontext()
     replay = _collectives.replaying(frame, wait_issued=True)  # NOTE [Kept collectives]
-    substitute = Substitute(aliases) if aliases else contextlib.nullcontext()
     # an unwatched forward read its modules' parameters only, all of them inputs; the
     # re-run reads the modules as the forward found them (NOTE [Observed once, confirmed
     # every call]); a gradient reaching any other tensor is still refused
-    check = CheckReads(frame.name, allowed) if frame.watched else contextlib.nullcontext()
-    pick = Pick(frame.name, frame.picks) if frame.picks is not None else contextlib.nullcontext()
-    with _state.recomputing(), frame.module_state_restored(frame.state), replayed_state(frame.state), \
-            frame.replay.context(), torch.enable_grad(), guard, replay, substitute, check, pick:
+    check = CheckReads(frame.name, allowed) if frame.watched else None
+    pick = Pick(frame.name, frame.picks) if frame.picks is not None else None
+    with Contexts() as stack:  # only the contexts this re-run needs
+        stack.enter_context(_state.recomputing())
+        stack.enter_context(frame.module_state_restored(frame.state))
+        if frame.state:
+            stack.enter_context(replayed_state(frame.state))
+        stack.enter_context(frame.replay.context())
+        stack.enter_context(torch.enable_grad())
+        for context in (_WrittenArguments(frame, inputs) if frame.written else None, replay,
+                        Substitute(aliases) if aliases else None, check, pick):
+            if context is not None:
+                stack.enter_context(context)
         out = frame.fn(*args, **kwargs)
-        if frame.escaped or frame.picks is not None:  # NOTE [Tensors that escape a reentrant
+        if frame.escaped or pick is not None:  # NOTE [Tensors that escape a reentrant
             out = (*(out if isinstance(out, tuple) else (out,)),  # region]: the re-run's values
-                   *(w[k] for w, k in frame.escaped), *(pick.taken() if frame.picks else ()))
-    made = check.produced if isinstance(check, CheckReads) else set()
+                   *(w[k] for w, k in frame.escaped), *(pick.taken() if pick is not None else ()))
+    made = check.produced if check is not None else set()
     return (out if isinstance(out, tuple) else (out,)), replay, made
 
 

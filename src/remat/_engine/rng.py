@@ -8,8 +8,6 @@ leaves the caller's random state untouched afterwards.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,11 +53,11 @@ class DefaultDeviceType:
 
 def _devices_of(args: Any) -> tuple[str, list[int]]:
     """Return the accelerator type and device indices of the tensors in ``args``."""
-    device_type, indices = "cpu", []
     leaves = args if isinstance(args, list) and all(isinstance(a, torch.Tensor) for a in args) else (
         pytree.tree_leaves(args))  # a region's flat tensor arguments: no pytree
+    device_type, indices = "cpu", []
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta"):
+        if isinstance(leaf, torch.Tensor) and not leaf.is_cpu and not leaf.is_meta:
             device_type = leaf.device.type
             index = leaf.device.index if leaf.device.index is not None else 0
             if index not in indices:
@@ -68,7 +66,7 @@ def _devices_of(args: Any) -> tuple[str, list[int]]:
 
 
 def _autocast_state(device_type: str) -> dict | None:
-    if not torch.amp.is_autocast_available(device_type):
+    if device_type != "cpu" and not torch.amp.is_autocast_available(device_type):
         return None
     return {
         "enabled": torch.is_autocast_enabled(device_type),
@@ -89,51 +87,63 @@ class Replay:
     device_autocast: dict | None
     device_initialized: bool
 
-    @contextlib.contextmanager
-    def context(self) -> Iterator[None]:
+    def context(self) -> _Replaying:
         """Run the enclosed code under the forward's random and autocast state.
 
         An autocast state equal to the one in force already is not entered again (entering
         it would change nothing but cost a context per re-run)."""
-        preserve = self.cpu_rng is not None
-        devices = self.devices if self.device_rng is not None else []
-        with _fork_rng(devices, preserve, self.device_type):
-            if preserve:
-                torch.set_rng_state(self.cpu_rng)
-                if self.device_rng is not None:
-                    module = torch.get_device_module(self.device_type)
-                    for index, state in zip(self.devices, self.device_rng):
-                        module.set_rng_state(state, index)
-            cpu = self.cpu_autocast is not None and self.cpu_autocast != _autocast_state("cpu")
-            device = (self.device_autocast is not None and self.device_type != "cpu"
-                      and self.device_autocast != _autocast_state(self.device_type))
-            if not cpu and not device:
-                yield
-                return
-            with contextlib.ExitStack() as stack:
-                if cpu:
-                    stack.enter_context(torch.amp.autocast("cpu", **self.cpu_autocast))
-                if device:
-                    stack.enter_context(torch.amp.autocast(self.device_type, **self.device_autocast))
-                yield
+        return _Replaying(self)
 
 
-@contextlib.contextmanager
-def _fork_rng(devices: list[int], enabled: bool, device_type: str) -> Iterator[None]:
-    """``torch.random.fork_rng``, its CPU snapshot shown to the memory tools (``note_allocation``)."""
-    if not enabled:
-        yield
-        return
-    cpu = torch.get_rng_state()
-    note_allocation(cpu)
-    module = torch.get_device_module(device_type) if devices else None
-    states = [module.get_rng_state(d) for d in devices] if module is not None else []
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        for device, state in zip(devices, states):
-            module.set_rng_state(state, device)
+class _Replaying:
+    """`Replay.context`: the random state forked and set to the forward's, the forward's
+    autocast entered where it differs from the one in force; a class, not a generator
+    (every re-run enters one)."""
+
+    __slots__ = ("autocast", "module", "replay", "states")
+
+    def __init__(self, replay: Replay) -> None:
+        self.replay, self.module, self.states, self.autocast = replay, None, None, []
+
+    def __enter__(self) -> None:
+        replay = self.replay
+        if replay.cpu_rng is not None:  # as torch.random.fork_rng, its snapshot shown to the memory tools
+            self.states = [torch.get_rng_state()]
+            note_allocation(self.states[0])
+            if replay.device_rng is not None and replay.devices:
+                self.module = torch.get_device_module(replay.device_type)
+                self.states += [self.module.get_rng_state(d) for d in replay.devices]
+            torch.set_rng_state(replay.cpu_rng)
+            if replay.device_rng is not None:
+                module = torch.get_device_module(replay.device_type)
+                for index, state in zip(replay.devices, replay.device_rng):
+                    module.set_rng_state(state, index)
+        try:
+            if replay.cpu_autocast is not None and replay.cpu_autocast != _autocast_state("cpu"):
+                self._enter_autocast("cpu", replay.cpu_autocast)
+            if (replay.device_autocast is not None and replay.device_type != "cpu"
+                    and replay.device_autocast != _autocast_state(replay.device_type)):
+                self._enter_autocast(replay.device_type, replay.device_autocast)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def _enter_autocast(self, device_type: str, settings: dict) -> None:
+        context = torch.amp.autocast(device_type, **settings)
+        context.__enter__()
+        self.autocast.append(context)
+
+    def __exit__(self, *exc_info: object) -> None:
+        autocast, self.autocast = self.autocast, []
+        try:
+            while autocast:
+                autocast.pop().__exit__(*exc_info)
+        finally:
+            states, self.states = self.states, None
+            if states is not None:
+                torch.set_rng_state(states[0])
+                for device, state in zip(self.replay.devices, states[1:]):
+                    self.module.set_rng_state(state, device)
 
 
 def capture(args: Any, preserve_rng_state: bool) -> Replay:

@@ -42,15 +42,25 @@ def recompute_count() -> int:
     return getattr(_local, "recompute_runs", 0)
 
 
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    """Mark the enclosed code as a recomputation (used by the engine)."""
-    _local.recompute_depth = getattr(_local, "recompute_depth", 0) + 1
-    _local.recompute_runs = getattr(_local, "recompute_runs", 0) + 1
-    try:
-        yield
-    finally:
+class _Recomputing:
+    """The enclosed code is a recomputation (a class, not a generator: entered by every re-run)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _local.recompute_depth = getattr(_local, "recompute_depth", 0) + 1
+        _local.recompute_runs = getattr(_local, "recompute_runs", 0) + 1
+
+    def __exit__(self, *exc_info: object) -> None:
         _local.recompute_depth -= 1
+
+
+_RECOMPUTING = _Recomputing()
+
+
+def recomputing() -> _Recomputing:
+    """Mark the enclosed code as a recomputation (used by the engine)."""
+    return _RECOMPUTING
 
 
 def note_allocation(tensor: object) -> None:
