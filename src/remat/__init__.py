@@ -49,7 +49,7 @@ from remat._vocab.policy import (
 from remat._vocab.spec import RegionSpec
 from remat.memory.estimate import estimate
 from remat.memory.profile import profile
-from remat.planner import BudgetError, Plan, compile, plan
+from remat.planner import BudgetError, PipelinePlan, Plan, compile, plan, plan_pipeline
 
 __version__ = "0.1.0"
 
@@ -61,6 +61,7 @@ __all__ = [
     "CheckpointPolicy",
     "DefaultDeviceType",
     "GraphExecGroup",
+    "PipelinePlan",
     "Plan",
     "Policy",
     "RecomputeError",
@@ -85,6 +86,7 @@ __all__ = [
     "ops",
     "parallel",
     "plan",
+    "plan_pipeline",
     "planner",
     "policy_context",
     "profile",

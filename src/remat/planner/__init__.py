@@ -14,6 +14,7 @@ Examples:
 
 from remat.planner._budget import parse_budget
 from remat.planner._compiled import compile, plan_compiled
+from remat.planner._pipeline import PipelinePlan, RankPlan, in_flight_counts, plan_pipeline, schedule_actions
 from remat.planner._plan import Decision, Plan, plan, sweep
 from remat.planner._solve import (
     BLOCK_OPTIONS,
@@ -29,6 +30,6 @@ from remat.planner._solve import (
     solve_savings,
 )
 
-__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Decision", "Plan", "Problem", "Solution",
-           "compile", "evaluate", "floor", "parse_budget", "plan", "plan_compiled", "solve",
+__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Decision", "PipelinePlan", "Plan", "Problem", "RankPlan", "Solution",
+           "compile", "evaluate", "floor", "in_flight_counts", "parse_budget", "plan", "plan_compiled", "plan_pipeline", "schedule_actions", "solve",
            "solve_chain", "solve_milp", "solve_savings", "sweep"]

@@ -1,0 +1,167 @@
+"""A plan per pipeline rank (``remat.plan_pipeline``): counts from the schedule, plans that
+train exactly on gloo ranks and hold each rank's budget in the real pipeline.
+
+The in-flight counts are checked against what each schedule is known to hold (1F1B: the
+first of p ranks p micro-batches, the last one; GPipe: every micro-batch on every rank). The
+plans are made here, once, for a byte budget below what the first rank needs unmarked, and
+handed to 2 gloo ranks, which apply their own and train; their stages' gradients and losses
+must be bitwise equal to the unmarked pipeline's, and each rank's peak, measured by
+``remat.memory.track`` around the real ``schedule.step``, within its budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import remat
+from remat.planner import RankPlan, in_flight_counts
+from tests._harness import assert_bitwise_equal, assert_every_rank_succeeded, spawn_two_ranks
+from tests.test_pipeline import MICRO, VOCAB, Block, _loss, _stages
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+DEADLINE_S = 240
+BATCH, SEQ = 32, 64  # activations outweigh the small stages' parameters, as in training
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+def _schedule(name: str) -> type:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    return {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}[name]
+
+
+def test_in_flight_counts_come_from_the_schedule():
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    assert in_flight_counts(Schedule1F1B, 4, 4, 8) == [4, 3, 2, 1]
+    assert in_flight_counts(ScheduleGPipe, 4, 4, 8) == [8, 8, 8, 8]
+    interleaved = in_flight_counts(ScheduleInterleaved1F1B, 4, 2, 4)
+    assert interleaved[0] > interleaved[1] >= 2  # two stages per rank, the first rank holds more
+
+
+def _micro_example() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (BATCH // MICRO, SEQ), generator=g)
+
+
+def _target_loss(out: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2)
+    return _loss(out, torch.randint(0, VOCAB, out.shape[:-1], generator=g))
+
+
+def _plan(name: str, budget: int | float | list, world: int = 2) -> remat.PipelinePlan:
+    interleaved = name == "Interleaved1F1B"
+    n_stages = 2 * world if interleaved else world
+    stages = _stages(n_stages, list(range(n_stages)), batch_norm=False)
+    return remat.plan_pipeline(stages, _micro_example(), schedule=_schedule(name), n_microbatches=MICRO,
+                               budget=budget, world_size=world, loss_fn=_target_loss, optimizer=None,
+                               repeat=1, blocks=Block)
+
+
+def _plans() -> dict[str, str]:
+    """For each schedule, a plan for a budget below what the first rank needs unmarked (a quarter
+    of the way from its peak unmarked down to its floor)."""
+    out = {}
+    for name in SCHEDULES:
+        unmarked = [r.plan for r in _plan(name, 1.0).ranks]
+        first = (unmarked[0].floor_bytes + 3 * unmarked[0].no_recompute_peak_bytes) // 4
+        # one budget for every rank, or a rank's own 3/4 point where its floor is above it
+        budgets = [first if p.floor_bytes <= first else (p.floor_bytes + 3 * p.no_recompute_peak_bytes) // 4
+                   for p in unmarked]
+        out[name] = _plan(name, budgets).to_json()
+    return out
+
+
+def test_a_pipeline_plan_round_trips_and_refuses_bad_input():
+    p = _plan("1F1B", 1.0)
+    assert remat.PipelinePlan.from_json(p.to_json()) == p
+    assert [r.in_flight for r in p.ranks] == [2, 1]
+    assert all(isinstance(r, RankPlan) for r in p.ranks)
+    text = str(p)
+    assert "in flight" in text and text.count("\n") == 1 + len(p.ranks)
+    with pytest.raises(ValueError, match="rank 0 holds 1 stage"):
+        p.apply(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), rank=0)
+    stages = _stages(2, [0, 1], batch_norm=False)
+    with pytest.raises(ValueError, match="n_microbatches must be a positive int"):
+        remat.plan_pipeline(stages, _micro_example(), schedule=_schedule("1F1B"), n_microbatches=0, budget=1.0)
+    with pytest.raises(ValueError, match="schedule must be a schedule class"):
+        remat.plan_pipeline(stages, _micro_example(), schedule="1F1B", n_microbatches=4, budget=1.0)
+    with pytest.raises(ValueError, match="3 budgets for 2 ranks"):
+        remat.plan_pipeline(stages, _micro_example(), schedule=_schedule("1F1B"), n_microbatches=4,
+                            budget=[1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="step= is set by the pipeline planner"):
+        remat.plan_pipeline(stages, _micro_example(), schedule=_schedule("1F1B"), n_microbatches=4,
+                            budget=1.0, step=lambda m, b: None)
+    with pytest.raises(remat.BudgetError, match="rank 0"):
+        _plan("1F1B", 1000)
+    assert remat.mark_of(stages[0].blocks[0]) is None  # planning marks nothing
+
+
+def _run(rank: int, world: int, name: str, plan_json: str | None) -> dict:
+    from torch.distributed.pipelining import PipelineStage
+
+    interleaved = name == "Interleaved1F1B"
+    n_stages = 2 * world if interleaved else world
+    indices = [rank, rank + world] if interleaved else [rank]
+    modules = _stages(n_stages, indices, batch_norm=False)
+    if plan_json is not None:
+        plan = remat.PipelinePlan.from_json(plan_json)
+        assert list(plan.ranks[rank].stages) == indices
+        plan.apply(*modules, rank=rank)
+    stages = [PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(modules, indices, strict=True)]
+    schedule = _schedule(name)(stages if interleaved else stages[0], MICRO, loss_fn=_loss)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    target = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    peak = 0
+    for _ in range(2):  # the first step infers the stages' shapes; the second is measured
+        for module in modules:
+            module.zero_grad(set_to_none=True)
+        torch.manual_seed(10 + rank)
+        losses: list = []
+        with remat.memory.track() as tracker:
+            if rank == 0:
+                schedule.step(ids)
+            elif rank == world - 1:
+                schedule.step(target=target, losses=losses)
+            else:
+                schedule.step()
+        peak = tracker.peak_bytes
+    return {"grads": [p.grad for m in modules for p in m.parameters()], "losses": [x.detach() for x in losses],
+            "peak": peak}
+
+
+def _ranks(rank: int, inbox) -> dict:
+    plans = inbox.get(timeout=DEADLINE_S)
+    out = {}
+    for name in SCHEDULES:
+        out[(name, "unmarked")] = _run(rank, 2, name, None)
+        out[(name, "planned")] = _run(rank, 2, name, plans[name])
+    return out
+
+
+def test_a_plan_per_rank_trains_bitwise_and_holds_each_rank_budget():
+    plans = {}
+
+    def feed() -> dict:
+        plans.update(_plans())
+        return plans
+
+    out, codes = spawn_two_ranks(_ranks, deadline=DEADLINE_S, pg_timeout=60, feed=feed, world=2)
+    assert_every_rank_succeeded(out, codes)
+    for name in SCHEDULES:
+        plan = remat.PipelinePlan.from_json(plans[name])
+        first, last = plan.ranks[0].plan, plan.ranks[-1].plan
+        assert set(first.choices.values()) != {"keep"}  # the first rank must recompute something
+        for rank, results in out.items():
+            got, want = results[(name, "planned")], results[(name, "unmarked")]
+            assert_bitwise_equal(got["grads"], want["grads"], f"rank {rank} {name} grad")
+            assert_bitwise_equal(got["losses"], want["losses"], f"rank {rank} {name} loss")
+            budget = plan.ranks[rank].plan.budget_bytes
+            assert got["peak"] <= budget, (name, rank, got["peak"], budget, want["peak"])
+        if name == "1F1B":
+            assert first.choices != last.choices  # the last rank holds one micro-batch
