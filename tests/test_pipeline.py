@@ -78,7 +78,16 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
 
 
-def _run(rank: int, world: int, schedule_name: str, marks: dict | None, batch_norm: bool) -> dict:
+def rank_stages(rank: int, world: int, schedule_name: str, batch_norm: bool) -> tuple[list, list[int], int]:
+    """``(stage modules, their indices, number of stages)`` of ``rank``: one stage per rank,
+    two (``rank`` and ``rank + world``) under the interleaved schedule."""
+    n_stages = 2 * world if schedule_name == "Interleaved1F1B" else world
+    indices = [rank, rank + world] if schedule_name == "Interleaved1F1B" else [rank]
+    return _stages(n_stages, indices, batch_norm), indices, n_stages
+
+
+def schedule_of(schedule_name: str, modules: list, indices: list[int], n_stages: int) -> object:
+    """The schedule ``schedule_name`` over ``PipelineStage``s of ``modules``, MICRO micro-batches."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -86,17 +95,29 @@ def _run(rank: int, world: int, schedule_name: str, marks: dict | None, batch_no
         ScheduleInterleaved1F1B,
     )
 
-    interleaved = schedule_name == "Interleaved1F1B"
-    n_stages = 2 * world if interleaved else world
-    indices = [rank, rank + world] if interleaved else [rank]
-    modules = _stages(n_stages, indices, batch_norm)
+    stages = [PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(modules, indices, strict=True)]
+    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}[schedule_name]
+    return cls(stages if len(stages) > 1 else stages[0], MICRO, loss_fn=_loss)
+
+
+def step_once(schedule: object, rank: int, world: int, ids: torch.Tensor, target: torch.Tensor) -> list:
+    """One ``schedule.step`` as ``rank`` runs it; the micro-batch losses on the last rank."""
+    losses: list = []
+    if rank == 0:
+        schedule.step(ids)
+    elif rank == world - 1:
+        schedule.step(target=target, losses=losses)
+    else:
+        schedule.step()
+    return losses
+
+
+def _run(rank: int, world: int, schedule_name: str, marks: dict | None, batch_norm: bool) -> dict:
+    modules, indices, n_stages = rank_stages(rank, world, schedule_name, batch_norm)
     if marks is not None:
         for module in modules:
             remat.apply(module, where=Block, **marks)
-    device = torch.device("cpu")
-    stages = [PipelineStage(m, i, n_stages, device) for m, i in zip(modules, indices, strict=True)]
-    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}[schedule_name]
-    schedule = cls(stages if interleaved else stages[0], MICRO, loss_fn=_loss)
+    schedule = schedule_of(schedule_name, modules, indices, n_stages)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     target = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
@@ -111,13 +132,8 @@ def _run(rank: int, world: int, schedule_name: str, marks: dict | None, batch_no
                 if isinstance(m, torch.nn.BatchNorm1d):
                     m.reset_running_stats()
         torch.manual_seed(10 + rank)  # the dropout draws: the same per rank in every configuration
-        Block.reruns, losses = 0, []
-        if rank == 0:
-            schedule.step(ids)
-        elif rank == world - 1:
-            schedule.step(target=target, losses=losses)
-        else:
-            schedule.step()
+        Block.reruns = 0
+        losses = step_once(schedule, rank, world, ids, target)
     return {"grads": [p.grad for m in modules for p in m.parameters()] + [b for m in modules for b in m.buffers()],
             "losses": [loss.detach() for loss in losses], "reruns": Block.reruns}
 

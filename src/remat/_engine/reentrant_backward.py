@@ -17,8 +17,8 @@ from torch.utils import _pytree as pytree
 
 from remat._engine import collectives as _collectives
 from remat._engine import state as _state
-from remat._engine.errors import RecomputeError
 from remat._engine.core import Contexts
+from remat._engine.errors import RecomputeError
 from remat._engine.escapes import Pick
 from remat._engine.modes import _UNANNOTATED, StateGuard, _allocates, _storage_key, _written_args
 from remat._engine.observe import (

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -261,10 +261,10 @@ class PipelinePlan:
         return cls(data["schedule"], data["n_microbatches"], ranks)
 
     def __str__(self) -> str:
-        lines = [f"remat.plan_pipeline: {self.schedule}, {self.n_microbatches} micro-batches, "
-                 f"{len(self.ranks)} ranks",
-                 f"{'rank':>4} {'stages':<8} {'in flight':>9} {'kept/mb':>11} {'budget':>11} "
-                 f"{'predicted':>11} {'measured':>11} {'extra ms':>9}  choices"]
+        lines = [(f"remat.plan_pipeline: {self.schedule}, {self.n_microbatches} micro-batches, "
+                  f"{len(self.ranks)} ranks"),
+                 (f"{'rank':>4} {'stages':<8} {'in flight':>9} {'kept/mb':>11} {'budget':>11} "
+                  f"{'predicted':>11} {'measured':>11} {'extra ms':>9}  choices")]
         for r in self.ranks:
             p = r.plan
             kept = r.kept_bytes
@@ -315,6 +315,7 @@ def plan_pipeline(stages: Sequence[torch.nn.Module], example: Any, *, schedule: 
 
     Raises:
         ValueError: bad arguments (before any work), or the schedule refuses the layout.
+        TypeError: ``schedule`` is not a class.
         remat.BudgetError: a rank's budget is below what any plan reaches there.
 
     Examples:
@@ -335,7 +336,7 @@ def plan_pipeline(stages: Sequence[torch.nn.Module], example: Any, *, schedule: 
     if not stages or not all(isinstance(s, torch.nn.Module) for s in stages):
         raise ValueError(f"{API}: stages must be a non-empty list of nn.Module stages in pipeline order")
     if not isinstance(schedule, type):
-        raise ValueError(f"{API}: schedule must be a schedule class (Schedule1F1B, ...), got {schedule!r}")
+        raise TypeError(f"{API}: schedule must be a schedule class (Schedule1F1B, ...), got {schedule!r}")
     if not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ValueError(f"{API}: n_microbatches must be a positive int, got {n_microbatches!r}")
     for key in ("step", "batch", "loss_fn"):
