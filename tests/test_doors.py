@@ -145,6 +145,42 @@ def test_gradients_taken_inside_forward_of_adjacent_regions_are_exact(mode):
     _assert_same_gradients(base, marked)
 
 
+class _Checkpointed(torch.nn.Module):
+    """``block`` through ``remat.checkpoint`` with ``options``."""
+
+    def __init__(self, block: torch.nn.Module, **options) -> None:
+        super().__init__()
+        self.block, self.options = block, options
+
+    def forward(self, x):
+        return remat.checkpoint(self.block, x, use_reentrant=False, **self.options)
+
+
+def _keep_every_call(ctx, op, *args, **kwargs):
+    import torch.utils.checkpoint as tuc
+
+    return tuc.CheckpointPolicy.MUST_SAVE
+
+
+@pytest.mark.parametrize("policy", ["save_compute_intensive", "every call kept"])
+def test_a_gradient_inside_forward_under_a_policy_without_early_stop_is_exact(policy):
+    """The forward's own backward re-runs the region before the forward returns; without
+    early stop that re-run runs past where the forward is waiting, into calls the forward has
+    not made yet. It was refused as a region that is not deterministic (own fuzz case 10753;
+    torch's selective checkpoint refuses a backward inside its forward)."""
+    import functools
+
+    import torch.utils.checkpoint as tuc
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(ForceBlock(), torch.nn.Linear(8, 2))
+    marked = copy.deepcopy(base)
+    context = (remat.policy_context(remat.save_compute_intensive) if policy == "save_compute_intensive"
+               else functools.partial(tuc.create_selective_checkpoint_contexts, _keep_every_call))
+    marked[0] = _Checkpointed(marked[0], early_stop=False, context_fn=context)
+    _assert_same_gradients(base, marked)
+
+
 class AuxBlock(torch.nn.Module):
     """A side channel: an auxiliary loss stored on the module, or captured by a child's hook."""
 

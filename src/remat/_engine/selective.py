@@ -116,6 +116,7 @@ class _Store:
         # sharing one of them that autograd does not count as views (with their versions)
         self.watched: dict[Any, tuple[Any, int]] = {}
         self.aliases: dict[tuple[Any, int], list] = {}
+        self.finished = False  # the forward returned (NOTE [Re-runs inside a selective forward])
 
 
 class SaveMode(TorchDispatchMode):
@@ -129,7 +130,11 @@ class SaveMode(TorchDispatchMode):
     of the forward shifted every later call's number, and recomputation handed back
     another call's kept output: a silent wrong gradient (found by an outside fuzzer,
     with ``output_recompute``). Operators run deeper in re-runs than the forward
-    itself are not the forward's calls: they pass through unnumbered.
+    itself are not the forward's calls: they pass through unnumbered. Such a re-run may
+    also run further than the forward has yet (``early_stop=False`` runs the whole region,
+    past the ``torch.autograd.grad`` the forward is waiting in): calls the forward has not
+    reached run as they are, kept by nothing; only once the forward has returned is a call
+    it never made a sign of a region that is not deterministic.
     """
 
     def __init__(self, policy: Policy | CallPolicy, store: _Store) -> None:
@@ -140,7 +145,12 @@ class SaveMode(TorchDispatchMode):
 
     def __enter__(self):
         self.depth = recompute_depth()
+        self.store.finished = False
         return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        self.store.finished = True
+        return super().__exit__(*exc_info)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -196,8 +206,9 @@ class ReplayMode(TorchDispatchMode):
         self.calls[key] += 1
         kept = self.store.kept.get(key, {})
         if index not in kept:
-            if index < self.store.count.get(key, 0):  # not kept, or handed back already
-                return func(*args, **(kwargs or {}))
+            if index < self.store.count.get(key, 0) or not self.store.finished:
+                return func(*args, **(kwargs or {}))  # not kept, handed back already, or ahead
+                # of a forward still running (NOTE [Re-runs inside a selective forward])
             raise RecomputeError(
                 f"remat selective recompute: {func} call #{index} ran in recomputation but "
                 f"not in forward (policy {self.policy!r}); the region is not deterministic. "
