@@ -57,9 +57,9 @@ def _micro_example() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH // MICRO, SEQ), generator=g)
 
 
-def _target_loss(out: torch.Tensor) -> torch.Tensor:
+def _micro_target() -> torch.Tensor:
     g = torch.Generator().manual_seed(2)
-    return _loss(out, torch.randint(0, VOCAB, out.shape[:-1], generator=g))
+    return torch.randint(0, VOCAB, (BATCH // MICRO, SEQ), generator=g)
 
 
 def _plan(name: str, budget: float | list, world: int = 2) -> remat.PipelinePlan:
@@ -67,7 +67,7 @@ def _plan(name: str, budget: float | list, world: int = 2) -> remat.PipelinePlan
     n_stages = 2 * world if interleaved else world
     stages = _stages(n_stages, list(range(n_stages)), batch_norm=False)
     return remat.plan_pipeline(stages, _micro_example(), schedule=_schedule(name), n_microbatches=MICRO,
-                               budget=budget, world_size=world, loss_fn=_target_loss, optimizer=None,
+                               budget=budget, world_size=world, target=_micro_target(), loss_fn=_loss, optimizer=None,
                                repeat=1, blocks=Block)
 
 

@@ -25,7 +25,8 @@ from torch.nn import functional as F
 
 from remat.nn import Cell
 
-__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "llama", "llama_7b", "next_token_loss", "tensor_parallel"]
+__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "LlamaStage", "llama", "llama_7b", "llama_70b", "llama_stages",
+           "next_token_loss", "tensor_parallel"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class LlamaConfig:
 def llama_7b() -> LlamaConfig:
     """The Llama-2 7B sizes: 32 layers, width 4096, 32 heads, MLP 11008, vocabulary 32000."""
     return LlamaConfig(layers=32, width=4096, heads=32, hidden=11008, vocab=32000)
+
+
+def llama_70b() -> LlamaConfig:
+    """The Llama-2 70B sizes: 80 layers, width 8192, 64 query and 8 key/value heads, MLP 28672,
+    vocabulary 32000."""
+    return LlamaConfig(layers=80, width=8192, heads=64, kv_heads=8, hidden=28672, vocab=32000)
 
 
 class RMSNorm(nn.Module):
@@ -172,10 +179,7 @@ class Llama(Cell):
 
     def rotary(self, seq: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cosines and sines of the rotary embedding for ``seq`` positions, like ``like``."""
-        half = self.config.head_dim // 2
-        freqs = self.config.rope_theta ** (-torch.arange(half, device=like.device) / half)
-        angles = torch.outer(torch.arange(seq, device=like.device), freqs).repeat(1, 2)
-        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+        return _rotary(self.config, seq, like)
 
     def construct(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
@@ -189,6 +193,73 @@ class Llama(Cell):
         for block in self.blocks:
             block.recompute(**options)
         return list(self.blocks)
+
+
+def _rotary(config: LlamaConfig, seq: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = config.head_dim // 2
+    freqs = config.rope_theta ** (-torch.arange(half, device=like.device) / half)
+    angles = torch.outer(torch.arange(seq, device=like.device), freqs).repeat(1, 2)
+    return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+
+class LlamaStage(Cell):
+    """Stage ``index`` of a `Llama` split into ``n_stages`` pipeline stages: its share of the
+    blocks, the embedding before them on the first stage, the final norm and head after them
+    on the last. It takes token ids (first stage) or hidden states and computes its rotary
+    tables itself, so a stage's only input and output is one tensor, as
+    ``torch.distributed.pipelining`` passes them.
+
+    Args:
+        config: the whole model's sizes.
+        index: this stage, from 0.
+        n_stages: stages in all; the blocks are split as evenly as they go, the first stages
+            taking one more where they do not divide.
+
+    Examples:
+        >>> import torch
+        >>> from remat.models.llama import LlamaConfig, LlamaStage
+        >>> config = LlamaConfig(layers=3, width=32, heads=4, hidden=64, vocab=64)
+        >>> first, last = LlamaStage(config, 0, 2), LlamaStage(config, 1, 2)
+        >>> (len(first.blocks), len(last.blocks))
+        (2, 1)
+        >>> last(first(torch.zeros(1, 8, dtype=torch.long))).shape
+        torch.Size([1, 8, 64])
+    """
+
+    def __init__(self, config: LlamaConfig, index: int, n_stages: int) -> None:
+        super().__init__()
+        if not 0 <= index < n_stages <= config.layers:
+            raise ValueError(f"remat.models.llama.LlamaStage: stage {index} of {n_stages} for "
+                             f"{config.layers} layers; need 0 <= index < n_stages <= layers")
+        per, extra = divmod(config.layers, n_stages)
+        self.config, self.first, self.last = config, index == 0, index == n_stages - 1
+        self.embedding = nn.Embedding(config.vocab, config.width) if self.first else None
+        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(per + (index < extra)))
+        self.norm = RMSNorm(config.width, config.norm_eps) if self.last else None
+        self.head = nn.Linear(config.width, config.vocab, bias=False) if self.last else None
+
+    def construct(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)
+        cos, sin = _rotary(self.config, x.shape[1], x)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+def llama_stages(config: LlamaConfig, n_stages: int) -> list[Any]:
+    """One factory per pipeline stage of a `Llama` (`LlamaStage`), for
+    [`remat.plan_pipeline`][remat.plan_pipeline] on fake tensors or to build a rank's stages.
+
+    Examples:
+        >>> from remat.models.llama import LlamaConfig, llama_stages
+        >>> makers = llama_stages(LlamaConfig(layers=4, width=32, heads=4, hidden=64, vocab=64), 2)
+        >>> [len(make().blocks) for make in makers]
+        [2, 2]
+    """
+    import functools
+
+    return [functools.partial(LlamaStage, config, i, n_stages) for i in range(n_stages)]
 
 
 def llama(config: LlamaConfig | None = None, *, dtype: torch.dtype = torch.float32,

@@ -25,6 +25,7 @@ as one backward at the weight step: what the stage keeps until then is counted w
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -147,42 +148,104 @@ def in_flight_counts(schedule: type, n_stages: int, world: int, n_microbatches: 
 
 
 class _RankStep:
-    """One rank's loop: its actions in the schedule's order, on real tensors (NOTE [A plan
-    per pipeline stage]). Called as ``step(model, batch)`` by `remat.plan`.
+    """One rank's loop: its actions in the schedule's order, on real or fake tensors (NOTE [A
+    plan per pipeline stage]). Called as ``step(model, batch)`` by `remat.plan`.
 
-    What a ``PipelineStage`` holds besides activations is held here too: a receive buffer per
-    micro-batch for each stage's input (the first stage: its micro-batch chunks) and, below the
-    last stage, for its output's gradient; the last stage's outputs until the step ends (the
-    schedule merges them), and its loss from the forward on (computed right after it)."""
+    What a ``PipelineStage`` holds besides activations is held here as long as torch holds it
+    (NOTE [What a pipeline rank holds]): a receive buffer per micro-batch for each stage's input
+    and, below the last stage, for its output's gradient, all from the step's start; a sent
+    tensor (a stage's output, or its input's gradient) until its send is waited: the next send
+    under 1F1B, the step's end under the other schedules; the last stage's outputs and losses
+    until the step ends."""
 
-    def __init__(self, stages: list[int], actions: list, inputs: dict[int, Any], n_stages: int,
-                 n_microbatches: int, loss_fn: Callable) -> None:
+    def __init__(self, stages: list[int], actions: list, inputs: dict[Any, Any], n_stages: int,
+                 n_microbatches: int, loss_fn: Callable, sends_wait_next: bool) -> None:
         self.position = {s: i for i, s in enumerate(stages)}
         self.actions, self.inputs, self.n_stages, self.loss_fn = _matched(actions), inputs, n_stages, loss_fn
-        self.n = n_microbatches
+        self.n, self.sends_wait_next = n_microbatches, sends_wait_next
+        self.fake = any(isinstance(x, _Spec) for x in inputs.values())
+        self._kept = None
+        self._kept = None if self.fake else self._buffers()  # before any step, as torch's first step
+
+    def _buffers(self) -> tuple[dict, dict, list]:
+        """A tensor per micro-batch for each stage's input (a receive buffer; the first stage's
+        micro-batches), for each output's gradient below the last stage, and the last stage's
+        targets. Real tensors: made once and kept across steps, as a ``PipelineStage`` keeps its
+        buffers (copies of the example's values); fake: made in each step, in the running mode,
+        from the shapes."""
+        if self._kept is not None:
+            return self._kept
+        last = self.n_stages - 1
+
+        def fresh(key: Any, ones: bool = False) -> list:
+            x = self.inputs.get(key)
+            if x is None:
+                return [None] * self.n
+            if isinstance(x, _Spec):
+                return [(torch.ones if ones else torch.zeros)(x.shape, dtype=x.dtype, device=x.device)
+                        for _ in range(self.n)]
+            return [torch.ones_like(x) if ones else x.clone() for _ in range(self.n)]
+
+        return ({s: fresh(s) for s in self.position},
+                {s: fresh(s + 1, ones=True) for s in self.position if s < last},
+                fresh("target") if last in self.position else [None] * self.n)
 
     def __call__(self, model: torch.nn.ModuleList, batch: Any) -> None:
         last = self.n_stages - 1
-        received = {s: [self.inputs[s].clone() for _ in range(self.n)] for s in self.position}
-        grads = {s: [torch.ones_like(self.inputs[s + 1]) for _ in range(self.n)]
-                 for s in self.position if s < last}
-        merged, held = [], {}
-        for kind, stage, mb in self.actions:
+        received, grads, targets = self._buffers()
+        kept, held = [], {}  # until the step ends; until the micro-batch's backward
+        sent = _Sends(self.actions, self.sends_wait_next)
+        for i, (kind, stage, mb) in enumerate(self.actions):
             if kind == "F":
                 x = received[stage][mb % self.n]
                 if stage > 0:
                     x = x.detach().requires_grad_(x.is_floating_point())
                 y = model[self.position[stage]](x)
                 if stage == last:  # the schedule computes the loss right after the forward
-                    merged.append(y.detach())
-                    y = self.loss_fn(y)
+                    kept.append(y.detach())
+                    y = self.loss_fn(y, targets[mb % self.n])
+                    kept.append(y)
+                else:
+                    sent.add("F", y.detach(), i)
                 held[(stage, mb)] = (x, y)
             elif kind in ("B", "W"):
-                _, y = held.pop((stage, mb))
+                x, y = held.pop((stage, mb))
                 if stage == last:
                     y.backward()
                 else:
                     y.backward(grads[stage][mb % self.n])
+                if stage > 0 and x.grad is not None:
+                    sent.add("B", x.grad, i)
+                    x.grad = None
+
+
+class _Sends:
+    """The tensors a rank's sends hold (NOTE [What a pipeline rank holds]): every one until the
+    step ends, or under 1F1B (``latest``) the latest of each kind and the one its pending work
+    holds: a warm-up forward's output (not the last one's) until the backwards after the last
+    forward begin, then the latest input gradient."""
+
+    def __init__(self, actions: list, latest: bool) -> None:
+        kinds = [a[0] for a in actions]
+        self.first_b = next((i for i, k in enumerate(kinds) if k != "F"), len(kinds))
+        self.last_f = max((i for i, k in enumerate(kinds) if k == "F"), default=-1)
+        self.latest, self.held = latest, {"F": [], "B": [], "work": []}
+
+    def add(self, kind: str, t: torch.Tensor, i: int) -> None:
+        """Action ``i`` sends ``t`` (``kind`` ``"F"``: a stage's output; ``"B"``: an input's gradient)."""
+        if not self.latest:
+            self.held[kind].append(t)
+            return
+        self.held[kind] = [t]
+        if (kind == "F" and i < self.first_b - 1) or (kind == "B" and i > self.last_f):
+            self.held["work"] = [t]
+
+
+class _Spec:
+    """A stage input's shape, dtype and device (fake-tensor plans make the tensor in each run)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = tuple(t.shape), t.dtype, t.device
 
 
 @dataclass(frozen=True)
@@ -277,19 +340,42 @@ class PipelinePlan:
         return "\n".join(lines)
 
 
-def _stage_inputs(stages: Sequence[torch.nn.Module], example: Any) -> dict[int, Any]:
-    """What each stage receives for one micro-batch: the example, then each stage's output."""
-    inputs, x = {}, example
-    with torch.no_grad():
-        for i, stage in enumerate(stages):
-            inputs[i] = x
-            x = stage(x)
+def _stage_inputs(stages: Sequence[Any], example: Any, target: Any, dtype: torch.dtype | None,
+                  fake: bool) -> dict[Any, Any]:
+    """What each stage receives for one micro-batch (the example, then each stage's output) and
+    the last stage's ``"target"``: real tensors, or the shapes of fake ones run through the
+    stages' factories."""
+    if not fake:
+        inputs, x = {"target": target}, example
+        with torch.no_grad():
+            for i, stage in enumerate(stages):
+                inputs[i], x = x, stage(x)
+        return inputs
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.memory.internal import build_in, fake_inputs
+
+    with FakeTensorMode() as mode, torch.no_grad():
+        x = fake_inputs(mode, (example,), dtype)[0]
+        inputs = {"target": None if target is None else _Spec(fake_inputs(mode, (target,), dtype)[0])}
+        for i, make in enumerate(stages):
+            inputs[i], x = _Spec(x), build_in(make, dtype)(x)
     return inputs
 
 
-def plan_pipeline(stages: Sequence[torch.nn.Module], example: Any, *, schedule: type,
-                  n_microbatches: int, budget: Any, world_size: int | None = None,
-                  loss_fn: Callable | None = None, **plan_options: Any) -> PipelinePlan:
+def _rank_model(makers: Sequence[Callable[[], torch.nn.Module]]) -> torch.nn.ModuleList:
+    """A rank's stages built from their factories (a fake-tensor plan builds it in its mode)."""
+    return torch.nn.ModuleList(make() for make in makers)
+
+
+def _sum_loss(output: Any, target: Any) -> torch.Tensor:
+    return output.float().sum()
+
+
+def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_microbatches: int,
+                  budget: Any, target: Any = None, loss_fn: Callable | None = None,
+                  world_size: int | None = None, dtype: torch.dtype | None = None,
+                  **plan_options: Any) -> PipelinePlan:
     """Plan recompute for each rank of a pipeline, from the schedule's own action order.
 
     NOTE [A plan per pipeline stage]: the schedule class computes which micro-batches each
@@ -297,18 +383,25 @@ def plan_pipeline(stages: Sequence[torch.nn.Module], example: Any, *, schedule: 
     runs, so its measured peak holds its budget there.
 
     Args:
-        stages: every stage module, in pipeline order (stage ``i`` is ``stages[i]``).
-        example: one micro-batch's input to the first stage.
+        stages: every stage, in pipeline order (stage ``i`` is ``stages[i]``): modules
+            (measured on real tensors, not changed), or functions that build them (planned on
+            fake tensors, as [`remat.plan`][remat.plan] plans a factory: a model larger than
+            this machine; e.g. `remat.models.llama.llama_stages`).
+        example: one micro-batch's input to the first stage (a tensor; with factories also a
+            shape, for a float input).
         schedule: a ``torch.distributed.pipelining`` schedule class (``Schedule1F1B``,
             ``ScheduleGPipe``, ``ScheduleInterleaved1F1B``, ...).
         n_microbatches: micro-batches per step.
         budget: each rank's peak: one budget for all (as [`remat.plan`][remat.plan] reads
             it; a fraction is of that rank's own peak without recompute), or one per rank.
+        target: one micro-batch's target, handed to ``loss_fn`` as the schedule hands it.
+        loss_fn: ``loss_fn(output, target) -> scalar``, the function given to the schedule;
+            default: the sum of the last stage's output.
         world_size: ranks in the pipeline; default: one per stage for a single-stage
             schedule, half the stages for a multi-stage one.
-        loss_fn: ``loss_fn(last stage's output) -> scalar``; default: the sum of the output.
+        dtype: build factories' stages in this dtype.
         **plan_options: passed to [`remat.plan`][remat.plan] for every rank (``options``,
-            ``optimizer``, ``repeat``, ``blocks``, ...).
+            ``optimizer``, ``repeat``, ``blocks``, ``device``, ``throughput``, ...).
 
     Returns:
         A [`PipelinePlan`][remat.PipelinePlan]: one [`Plan`][remat.Plan] per rank.
@@ -329,59 +422,102 @@ def plan_pipeline(stages: Sequence[torch.nn.Module], example: Any, *, schedule: 
         [(0, (0,), 4), (1, (1,), 4)]
         >>> all(r.plan.measured_peak_bytes <= r.plan.budget_bytes for r in p.ranks)
         True
-    """
-    from remat.planner._plan import plan
 
-    stages = list(stages)
-    if not stages or not all(isinstance(s, torch.nn.Module) for s in stages):
-        raise ValueError(f"{API}: stages must be a non-empty list of nn.Module stages in pipeline order")
-    if not isinstance(schedule, type):
-        raise TypeError(f"{API}: schedule must be a schedule class (Schedule1F1B, ...), got {schedule!r}")
-    if not isinstance(n_microbatches, int) or n_microbatches < 1:
-        raise ValueError(f"{API}: n_microbatches must be a positive int, got {n_microbatches!r}")
-    for key in ("step", "batch", "loss_fn"):
-        if key in plan_options:
-            raise ValueError(f"{API}: {key}= is set by the pipeline planner (each rank's loop); "
-                             f"pass loss_fn= for the last stage's loss")
+        A Llama-2 70B on 8 stages, 32 micro-batches of 4,096 tokens, in bfloat16, on fake tensors:
+
+        >>> from torch.distributed.pipelining import Schedule1F1B
+        >>> from remat.models.llama import llama_70b, llama_stages, next_token_loss
+        >>> p = remat.plan_pipeline(llama_stages(llama_70b(), 8), torch.zeros(1, 4096, dtype=torch.long),
+        ...                         schedule=Schedule1F1B, n_microbatches=32, budget="75GiB",
+        ...                         dtype=torch.bfloat16, optimizer=None, device="cuda",
+        ...                         loss_fn=lambda out, target: next_token_loss(out))
+        >>> [r.in_flight for r in p.ranks]
+        [8, 7, 6, 5, 4, 3, 2, 1]
+    """
     from torch.distributed.pipelining import schedules
 
+    stages = list(stages)
+    fake = _check_pipeline(stages, schedule, n_microbatches, plan_options)
     single = issubclass(schedule, schedules.PipelineScheduleSingle)
     world = world_size or (len(stages) if single else max(1, len(stages) // 2))
     budgets = list(budget) if isinstance(budget, (list, tuple)) else [budget] * world
     if len(budgets) != world:
         raise ValueError(f"{API}: {len(budgets)} budgets for {world} ranks; give one, or one per rank")
+    if fake:
+        plan_options["dtype"] = dtype
     order = schedule_actions(schedule, len(stages), world, n_microbatches)
-    inputs = _stage_inputs(stages, example)
-    loss = loss_fn or (lambda out: out.float().sum())
+    inputs = _stage_inputs(stages, example, target, dtype, fake)
+    wait_next = issubclass(schedule, schedules.Schedule1F1B)
     ranks = []
     for rank in sorted(order):
-        actions = order[rank]
-        held = sorted({s for _, s, _ in actions})
-        step = _RankStep(held, actions, inputs, len(stages), n_microbatches, loss)
-        model = torch.nn.ModuleList(stages[s] for s in held)
-        try:
-            chosen = plan(model, budget=budgets[rank], step=step, batch=(), **plan_options)
-        except BudgetError as err:
-            raise BudgetError(f"{API}: rank {rank} (stages {held}, {in_flight(actions)} micro-batches "
-                              f"in flight under {schedule.__name__}): {err}", budget_bytes=err.budget_bytes,
-                              floor_bytes=err.floor_bytes) from err
-        ranks.append(RankPlan(rank, tuple(held), in_flight(actions),
-                              _kept_per_microbatch(model, chosen, held, inputs), chosen))
+        held = sorted({s for _, s, _ in order[rank]})
+        step = _RankStep(held, order[rank], inputs, len(stages), n_microbatches, loss_fn or _sum_loss,
+                         sends_wait_next=wait_next)
+        ranks.append(_plan_rank(rank, step, [stages[s] for s in held], budgets[rank], fake,
+                                schedule.__name__, plan_options))
     return PipelinePlan(schedule.__name__, n_microbatches, tuple(ranks))
 
 
-def _kept_per_microbatch(model: torch.nn.ModuleList, chosen: Plan, held: list[int],
-                         inputs: dict[int, Any]) -> int:
-    """What one micro-batch's forward through the rank's stages keeps, the plan applied (on a copy)."""
+def _check_pipeline(stages: list, schedule: Any, n_microbatches: Any, plan_options: dict) -> bool:
+    """`plan_pipeline`'s arguments, before any work; whether the stages are factories."""
+    modules = all(isinstance(s, torch.nn.Module) for s in stages)
+    factories = all(callable(s) and not isinstance(s, torch.nn.Module) for s in stages)
+    if not stages or not (modules or factories):
+        raise ValueError(f"{API}: stages must be a non-empty list of nn.Module stages in pipeline order, "
+                         f"or of functions that build them (planned on fake tensors), not a mix")
+    if not isinstance(schedule, type):
+        raise TypeError(f"{API}: schedule must be a schedule class (Schedule1F1B, ...), got {schedule!r}")
+    if not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"{API}: n_microbatches must be a positive int, got {n_microbatches!r}")
+    for key in ("step", "batch"):
+        if key in plan_options:
+            raise ValueError(f"{API}: {key}= is set by the pipeline planner (each rank's loop); "
+                             f"pass loss_fn= and target= for the last stage's loss")
+    return factories
+
+
+def _plan_rank(rank: int, step: _RankStep, stages: list, budget: Any, fake: bool, schedule: str,
+               plan_options: dict) -> RankPlan:
+    """``rank``'s plan: `remat.plan` of its stages for its loop."""
+    from remat.planner._plan import plan
+
+    held = sorted(step.position)
+    model = functools.partial(_rank_model, stages) if fake else torch.nn.ModuleList(stages)
+    try:
+        chosen = plan(model, budget=budget, step=step, batch=(), **plan_options)
+    except BudgetError as err:
+        raise BudgetError(f"{API}: rank {rank} (stages {held}, {in_flight(step.actions)} micro-batches "
+                          f"in flight under {schedule}): {err}", budget_bytes=err.budget_bytes,
+                          floor_bytes=err.floor_bytes) from err
+    kept = _kept_per_microbatch(model, chosen, held, step.inputs, plan_options.get("dtype"))
+    return RankPlan(rank, tuple(held), in_flight(step.actions), kept, chosen)
+
+
+def _kept_per_microbatch(model: Any, chosen: Plan, held: list[int], inputs: dict[Any, Any],
+                         dtype: torch.dtype | None) -> int:
+    """What one micro-batch's forward through the rank's stages keeps, the plan applied (on a
+    copy; fake tensors for a factory's)."""
     from remat.memory import saved_bytes
 
-    marked = copy.deepcopy(model)
+    if not isinstance(model, torch.nn.Module):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from remat.memory.internal import build_in
+
+        with FakeTensorMode():
+            return _kept(build_in(model, dtype), chosen, held, inputs, saved_bytes)
+    return _kept(copy.deepcopy(model), chosen, held, inputs, saved_bytes)
+
+
+def _kept(marked: torch.nn.ModuleList, chosen: Plan, held: list[int], inputs: dict[Any, Any],
+          saved_bytes: Callable) -> int:
     chosen.apply(marked)
 
     def forwards() -> list:
         outs = []
         for stage, module in zip(held, marked):
             x = inputs[stage]
+            x = torch.zeros(x.shape, dtype=x.dtype, device=x.device) if isinstance(x, _Spec) else x
             if stage > 0:
                 x = x.detach().clone().requires_grad_(x.is_floating_point())
             outs.append((x, module(x)))
