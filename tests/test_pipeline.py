@@ -23,6 +23,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 WIDTH, VOCAB, SEQ, BATCH, MICRO = 16, 32, 6, 8, 4
 DEADLINE_S = 240  # the whole test; each collective times out after 60 s
+#: the zero-bubble schedule splits each backward into an input and a weight backward
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
 MARKS = {
     "blocks": {},
     "blocks, fresh dropout in the re-run": {"preserve_rng_state": False},  # must differ
@@ -81,23 +83,26 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def rank_stages(rank: int, world: int, schedule_name: str, batch_norm: bool) -> tuple[list, list[int], int]:
     """``(stage modules, their indices, number of stages)`` of ``rank``: one stage per rank,
     two (``rank`` and ``rank + world``) under the interleaved schedule."""
-    n_stages = 2 * world if schedule_name == "Interleaved1F1B" else world
-    indices = [rank, rank + world] if schedule_name == "Interleaved1F1B" else [rank]
+    two = schedule_name.startswith("Interleaved")
+    n_stages = 2 * world if two else world
+    indices = [rank, rank + world] if two else [rank]
     return _stages(n_stages, indices, batch_norm), indices, n_stages
 
 
 def schedule_of(schedule_name: str, modules: list, indices: list[int], n_stages: int) -> object:
     """The schedule ``schedule_name`` over ``PipelineStage``s of ``modules``, MICRO micro-batches."""
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
+    from torch.distributed.pipelining import PipelineStage
 
     stages = [PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(modules, indices, strict=True)]
-    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}[schedule_name]
+    cls = schedule_class(schedule_name)
     return cls(stages if len(stages) > 1 else stages[0], MICRO, loss_fn=_loss)
+
+
+def schedule_class(name: str) -> type:
+    """The ``torch.distributed.pipelining`` schedule class named ``name`` without its prefix."""
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules, f"Schedule{name}")
 
 
 def step_once(schedule: object, rank: int, world: int, ids: torch.Tensor, target: torch.Tensor) -> list:
@@ -143,7 +148,7 @@ def _all_runs(rank: int, world: int) -> dict:
     ``{(schedule and norm, marks): result}``."""
     out = {}
     for norm in ("layer norm", "batch norm"):
-        for schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
+        for schedule in SCHEDULES:
             key = f"{schedule}, {norm}"
             out[(key, "unmarked")] = _run(rank, world, schedule, None, norm == "batch norm")
             for name, marks in MARKS.items():
