@@ -24,6 +24,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m remat bench
 	OMP_NUM_THREADS=1 $(PY) benchmarks/engine_overhead.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/pipeline_plan.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests

@@ -41,3 +41,15 @@ def test_mindspore_programs_run_with_their_imports_swapped(program):
     assert "import remat.ms" in source and "import torch.nn" not in source
     out = run(f"examples/ms/{program}.py")
     assert out.startswith("[[[[2. 4.]" if program == "functional_recompute" else "(Tensor(shape=[24, 12]")
+
+
+def test_pipeline_example_plans_each_rank_and_trains_bitwise_within_each_budget():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = run("examples/pipeline.py", "--schedule", "1F1B", "--budget", "0.8")
+    assert "remat.plan_pipeline: Schedule1F1B, 4 micro-batches, 2 ranks" in out
+    ranks = sorted(line for line in out.splitlines() if line.startswith("rank "))
+    assert [r.split(":")[0] for r in ranks] == ["rank 0", "rank 1"], out
+    assert all("within: True" in r and "bitwise equal to unmarked: True" in r for r in ranks), ranks
