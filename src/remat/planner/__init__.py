@@ -14,14 +14,9 @@ Examples:
 
 from remat.planner._budget import parse_budget
 from remat.planner._compiled import compile, plan_compiled
-from remat.planner._pipeline import (
-    PipelinePlan,
-    RankPlan,
-    in_flight_counts,
-    plan_pipeline,
-    schedule_actions,
-)
+from remat.planner._pipeline import PipelinePlan, RankPlan, plan_pipeline
 from remat.planner._plan import Decision, Plan, plan, sweep
+from remat.planner._schedule import in_flight_counts, schedule_actions
 from remat.planner._solve import (
     BLOCK_OPTIONS,
     OPTIONS,
