@@ -133,3 +133,54 @@ def test_torch_selective_contexts_run_by_remats_policy_engine(mutate):
 
     want, got = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+class GatedBlock(nn.Module):
+    """``act(fc(x)) + gate``, its weight frozen: unmarked, autograd saves nothing of ``x``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.fc.weight.requires_grad_(False)
+
+    def forward(self, x, gate):
+        return torch.nn.functional.gelu(self.fc(x)) + gate
+
+
+class WritesItsInputAfterACheckpoint(nn.Module):
+    """A checkpointed block reads the input, then the model writes it in place (``relu_``)."""
+
+    def __init__(self, checkpoint: bool) -> None:
+        super().__init__()
+        self.block, self.fc, self.checkpoint = GatedBlock(), nn.Linear(6, 6), checkpoint
+
+    def forward(self, x):
+        if self.checkpoint:
+            h = remat.checkpoint(self.block, x, x, use_reentrant=False, early_stop=False)
+        else:
+            h = self.block(x, x)
+        return h, self.fc(torch.relu_(x))
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["checkpoint alone", "inside an output_recompute region"])
+def test_a_checkpoint_whose_input_is_written_later_is_refused_even_inside_a_region(outer):
+    """Shared fuzzer case 931425: inside a region that writes its own input (the model, marked
+    output_recompute, runs ``relu_`` on it), the region kept the checkpoint's saved input at
+    the version it had when kept, after the write, so the checkpoint re-ran on the written
+    value: bias gradient off by 0.9, silently. It is stale as autograd's own saved tensors are."""
+
+    def step(model):
+        torch.manual_seed(0)
+        h, o = model(torch.randn(3, 6, 6))
+        ((h * torch.tanh(h)).sum() + o.pow(2).mean()).backward()
+        return model.block.fc.bias.grad
+
+    torch.manual_seed(0)
+    unmarked = WritesItsInputAfterACheckpoint(checkpoint=False)
+    marked = WritesItsInputAfterACheckpoint(checkpoint=True)
+    marked.load_state_dict(unmarked.state_dict())
+    if outer:
+        remat.recompute_module(marked, output_recompute=True)
+    assert step(unmarked) is not None  # legal without marks
+    with pytest.raises(remat.RecomputeError, match="changed in place after the region ran"):
+        step(marked)

@@ -114,8 +114,8 @@ class _Stop(Exception):
 
 
 class _Holder:
-    __slots__ = ("__weakref__", "index", "kept", "kept_version", "out_of", "probe", "rebuilt",
-                 "saved_by")
+    __slots__ = ("__weakref__", "index", "kept", "kept_version", "out_of", "probe", "probe_version",
+                 "rebuilt", "saved_by")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -123,11 +123,20 @@ class _Holder:
         self.kept_version = 0
         self.rebuilt: dict[int, torch.Tensor] = {}
         self.probe: weakref.ref | None = None
+        self.probe_version = -1  # the version it was saved at, while inputs may be written
         self.out_of: tuple | None = None  # (output index, layout) when it is an output
         self.saved_by: str | None = None
 
     def keep(self, x: torch.Tensor) -> None:
         self.kept, self.kept_version, self.probe = x.detach(), x._version, None
+
+    def keep_as_saved(self, x: torch.Tensor) -> None:
+        """Keep ``x`` late, at the version it was saved at (NOTE [Regions that write their
+        inputs]): a write since then makes it stale, as autograd's own saved tensors are."""
+        saved = self.probe_version
+        self.keep(x)
+        if saved >= 0:
+            self.kept_version = saved
 
     def kept_is_stale(self) -> bool:
         return self.kept is not None and self.kept._version != self.kept_version
@@ -241,13 +250,14 @@ class HookedFrame(RegionCore):
 
     # -- forward packing ---------------------------------------------------------
     def pack(self, x: torch.Tensor) -> _Holder:
+        holder = _Holder(len(self.holders))
         if self.input_versions and not self.keep_all:  # NOTE [Regions that write their inputs]
             op = _sequence_nr()  # one autograd node per operator
             if op != self.recent_op:
                 self._next_operator(op)
             if not self.keep_all:
                 self.recent.append(x)
-        holder = _Holder(len(self.holders))
+                holder.probe_version = x._version
         self.holders.append(weakref.ref(holder))
         if self.spec.determinism_check == "default":
             self.metas.append(_meta(x))
@@ -291,7 +301,7 @@ class HookedFrame(RegionCore):
             if x is None:
                 self.lost.append(holder.index)
             else:
-                holder.keep(x)
+                holder.keep_as_saved(x)
         self.recent.clear()
 
     def finish_keeping(self) -> None:
