@@ -1,6 +1,6 @@
 """A plan per pipeline rank against the fastest uniform marking that fits every rank.
 
-A GPT-style model (``remat.models.gpt.DecoderBlock``) split into 2 stages on 2 gloo ranks
+A GPT (``remat.models.GPTStage``) split into 2 stages on 2 gloo ranks
 (loopback, one thread each), ``Schedule1F1B`` over 8 micro-batches: the first rank holds 2
 micro-batches' activations, the last 1. One byte budget for both ranks, halfway between
 what the last rank and the first rank need unmarked. ``remat.plan_pipeline`` chooses per rank; the uniform markings
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import remat
-from remat.models.gpt import DecoderBlock, GPTConfig
+from remat.models import GPTConfig, GPTStage
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 CONFIG = GPTConfig(layers=8, width=128, heads=4, seq_len=128, vocab=512)
@@ -42,28 +42,9 @@ WORLD, MICRO, BATCH, SEQ = 2, 8, 64, 128
 DEADLINE_S = 900
 
 
-class Stage(torch.nn.Module):
-    """Blocks, the token embedding before them on the first stage, norm and head after them on the last."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__()
-        per = CONFIG.layers // WORLD
-        self.embed = torch.nn.Embedding(CONFIG.vocab, CONFIG.width) if index == 0 else None
-        self.blocks = torch.nn.ModuleList(DecoderBlock(CONFIG) for _ in range(per))
-        last = index == WORLD - 1
-        self.norm = torch.nn.LayerNorm(CONFIG.width) if last else None
-        self.head = torch.nn.Linear(CONFIG.width, CONFIG.vocab) if last else None
-
-    def forward(self, x):
-        h = self.embed(x) if self.embed is not None else x
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h)) if self.head is not None else h
-
-
-def _stages() -> list[Stage]:
+def _stages() -> list[GPTStage]:
     torch.manual_seed(0)
-    return [Stage(i) for i in range(WORLD)]
+    return [GPTStage(CONFIG, i, WORLD) for i in range(WORLD)]
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -90,7 +71,7 @@ def _configs(budget: int) -> dict:
     return configs, str(plan)
 
 
-def _apply(module: Stage, rank: int, config) -> None:
+def _apply(module: GPTStage, rank: int, config) -> None:
     if isinstance(config, str):
         remat.PipelinePlan.from_json(config).apply(module, rank=rank)
     elif isinstance(config, int):
@@ -205,18 +186,18 @@ def main() -> None:
 
 def _markdown(data: dict) -> str:
     mib = 2 ** 20
-    lines = [f"2 gloo ranks, {data['schedule']}, {data['micro_batches']} micro-batches, GPT stages of "
+    lines = [(f"2 gloo ranks, {data['schedule']}, {data['micro_batches']} micro-batches, GPT stages of "
              f"{data['config']['layers'] // data['world']} blocks (width {data['config']['width']}, {SEQ} tokens), "
              f"one thread per rank, {data['rounds']} interleaved rounds; budget "
-             f"{data['budget_bytes'] / mib:.2f} MiB on every rank.", "",
+             f"{data['budget_bytes'] / mib:.2f} MiB on every rank."), "",
              "| configuration | step (ms) | time / unmarked, median [IQR] | rank 0 peak (MiB) | rank 1 peak (MiB) | fits |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in data["rows"]:
         lines.append(f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.3f} [{r['iqr'][0]:.3f}–{r['iqr'][1]:.3f}] | "
                      f"{r['peaks'][0] / mib:.2f} | {r['peaks'][1] / mib:.2f} | {'yes' if r['fits'] else 'no'} |")
     if data["plan_vs_fastest_uniform"] is not None:
-        lines += ["", f"Per-rank plan / fastest uniform marking that fits ({data['fastest_uniform_that_fits']}): "
-                      f"{data['plan_vs_fastest_uniform']:.3f}."]
+        lines += ["", (f"Per-rank plan / fastest uniform marking that fits ({data['fastest_uniform_that_fits']}): "
+                      f"{data['plan_vs_fastest_uniform']:.3f}.")]
     lines += ["", "```", data["plan"], "```", ""]
     return "\n".join(lines)
 

@@ -2,7 +2,7 @@
 
     python examples/pipeline.py [--schedule 1F1B|GPipe|Interleaved1F1B] [--budget 0.8]
 
-A GPT-style model (``remat.models.gpt.DecoderBlock``) is split into stages (one per rank;
+A GPT (``remat.models.GPTStage``) is split into stages (one per rank;
 two per rank under the interleaved schedule). ``remat.plan_pipeline`` plans every rank here,
 once, for the schedule's own order of forwards and backwards; two gloo ranks on loopback then
 each apply their own part of the plan to their own stages and train one step. Each rank
@@ -27,33 +27,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import remat
-from remat.models.gpt import DecoderBlock, GPTConfig
+from remat.models import GPTConfig, GPTStage
 
 CONFIG = GPTConfig(layers=8, width=64, heads=4, seq_len=64, vocab=256)
 WORLD, MICRO, BATCH = 2, 4, 32
 
 
-class Stage(torch.nn.Module):
-    """Blocks; the embedding before them on the first stage, norm and head after them on the last."""
-
-    def __init__(self, index: int, n_stages: int) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(CONFIG.vocab, CONFIG.width) if index == 0 else None
-        self.blocks = torch.nn.ModuleList(DecoderBlock(CONFIG) for _ in range(CONFIG.layers // n_stages))
-        last = index == n_stages - 1
-        self.norm = torch.nn.LayerNorm(CONFIG.width) if last else None
-        self.head = torch.nn.Linear(CONFIG.width, CONFIG.vocab) if last else None
-
-    def forward(self, x):
-        h = self.embed(x) if self.embed is not None else x
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h)) if self.head is not None else h
-
-
-def stages(n_stages: int) -> list[Stage]:
+def stages(n_stages: int) -> list[GPTStage]:
     torch.manual_seed(0)  # every rank builds the same weights
-    return [Stage(i, n_stages) for i in range(n_stages)]
+    return [GPTStage(CONFIG, i, n_stages) for i in range(n_stages)]
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

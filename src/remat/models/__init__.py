@@ -10,13 +10,14 @@ Examples:
     12
 """
 
-from remat.models.gpt import GPT, DecoderBlock, GPTConfig, gpt
+from remat.models.gpt import GPT, DecoderBlock, GPTConfig, GPTStage, gpt
 from remat.models.resnet import ResidualBlock, ResNet, resnet, resnet50
 
 __all__ = [
     "GPT",
     "DecoderBlock",
     "GPTConfig",
+    "GPTStage",
     "ResNet",
     "ResidualBlock",
     "gpt",

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from remat.nn import Cell
 
-__all__ = ["GPT", "DecoderBlock", "GPTConfig", "gpt"]
+__all__ = ["GPT", "DecoderBlock", "GPTConfig", "GPTStage", "gpt"]
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,50 @@ class GPT(Cell):
         for block in blocks:
             block.recompute(**options)
         return blocks
+
+
+class GPTStage(Cell):
+    """Stage ``index`` of a `GPT` split into ``n_stages`` pipeline stages: its share of the
+    blocks, the token and position embeddings before them on the first stage, the final norm
+    and the head after them on the last (untied: the two ends live on different ranks). Its
+    only input and output is one tensor, as ``torch.distributed.pipelining`` passes them.
+
+    Args:
+        config: the whole model's sizes.
+        index: this stage, from 0.
+        n_stages: stages in all; the blocks are split as evenly as they go, the first stages
+            taking one more where they do not divide.
+
+    Examples:
+        >>> import torch
+        >>> from remat.models import GPTConfig, GPTStage
+        >>> config = GPTConfig(layers=3, width=32, heads=4, seq_len=16, vocab=64)
+        >>> first, last = GPTStage(config, 0, 2), GPTStage(config, 1, 2)
+        >>> (len(first.blocks), len(last.blocks))
+        (2, 1)
+        >>> last(first(torch.zeros(2, 16, dtype=torch.long))).shape
+        torch.Size([2, 16, 64])
+    """
+
+    def __init__(self, config: GPTConfig, index: int, n_stages: int) -> None:
+        super().__init__()
+        if not 0 <= index < n_stages <= config.layers:
+            raise ValueError(f"remat.models.GPTStage: stage {index} of {n_stages} for {config.layers} "
+                             f"layers; need 0 <= index < n_stages <= layers")
+        per, extra = divmod(config.layers, n_stages)
+        first, last = index == 0, index == n_stages - 1
+        self.token_embedding = nn.Embedding(config.vocab, config.width) if first else None
+        self.position_embedding = nn.Embedding(config.seq_len, config.width) if first else None
+        self.blocks = nn.ModuleList(DecoderBlock(config) for _ in range(per + (index < extra)))
+        self.ln_f = nn.LayerNorm(config.width) if last else None
+        self.head = nn.Linear(config.width, config.vocab, bias=False) if last else None
+
+    def construct(self, x: torch.Tensor) -> torch.Tensor:
+        if self.token_embedding is not None:
+            x = self.token_embedding(x) + self.position_embedding(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.head is not None else x
 
 
 def gpt(*, recompute: bool = False, recompute_options: Any = None, **sizes: Any) -> GPT:
