@@ -74,19 +74,21 @@ def test_a_prefix_cache_trains_exactly_through_both_one_liners(option, switch):
                                    if getattr(m, "gradient_checkpointing", False)}  # set back
 
 
-def test_t5_trains_through_remats_reentrant_switch():
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_t5_trains_bitwise_through_remats_switch(option):
     """T5Attention makes its position bias a leaf that requires grad inside each layer when
     gradient checkpointing is on; remat's reentrant re-run refused it (a RecomputeError in
-    the first backward) where Hugging Face's own switch with torch trains."""
+    the first backward) where Hugging Face's own switch with torch trains. Its decoder
+    layers all read the encoder's output: NOTE [Per-use gradients] makes the reentrant
+    regions bitwise. The switch turns the model's cache off in training (Hugging Face's
+    own doing, with torch's checkpoint too), so the oracle runs without the cache."""
     base = _hf_model("t5")
     marked = copy.deepcopy(base)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        remat.gradient_checkpointing_enable(marked, use_reentrant=True)
-    want, got = _sgd(base, "t5"), _sgd(marked, "t5")
-    assert torch.equal(got[0], want[0])
-    # the documented rounding of reentrant regions whose input is read by every layer
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        remat.gradient_checkpointing_enable(marked, **OPTIONS[option])
+        want, got = _sgd(base, "t5", use_cache=False), _sgd(marked, "t5")
+    assert_bitwise_equal(got, want)
 
 
 def _mixtral():
@@ -205,23 +207,23 @@ def _t5_with_adapters() -> torch.nn.Module:
 def test_t5_with_adapters_on_the_frozen_model_trains_exactly(option, switch):
     """T5 with LoRA adapters on q and v, the base frozen and no input requiring grad (no
     enable_input_require_grads): torch's reentrant checkpoint refuses or trains nothing.
-    remat trains two steps bitwise; use_reentrant=True within the documented tolerance of
-    T5 (its decoder layers all read the encoder's output: test_t5_reentrant_is_within...)."""
+    remat trains two steps bitwise in every mode (NOTE [Per-use gradients] for reentrant
+    regions: T5's decoder layers all read the encoder's output)."""
     base = _t5_with_adapters()
-    marked, with_torch = _marked(base, switch, option), copy.deepcopy(base)
+    marked, with_torch, without_cache = _marked(base, switch, option), copy.deepcopy(base), copy.deepcopy(base)
     names = [n for n, p in base.named_parameters() if p.requires_grad]
     assert names and all(n.endswith((".a", ".b")) for n in names)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got, want = _adapter_steps(marked), _adapter_steps(base)
     assert all(g.abs().sum() > 0 for g in want[1:1 + len(names)])  # every adapter trains
-    if option != "reentrant" and switch == "apply":
+    if switch == "apply":
         assert_bitwise_equal(got, want)
         return
-    # Hugging Face's switch changes T5 itself in training (its position bias becomes a leaf
-    # that requires grad): the last bits move with torch's checkpoint through it too, so the
-    # oracle there is the switch with torch's checkpoint, bitwise (it refuses reentrant here)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Hugging Face's switch turns T5's cache off in training: the oracle runs without it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_bitwise_equal(got, _adapter_steps(without_cache, use_cache=False))
     if option == "non-reentrant":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -229,7 +231,7 @@ def test_t5_with_adapters_on_the_frozen_model_trains_exactly(option, switch):
             assert_bitwise_equal(got, _adapter_steps(with_torch))
 
 
-def _adapter_steps(model: torch.nn.Module, steps: int = 2) -> list[torch.Tensor]:
+def _adapter_steps(model: torch.nn.Module, steps: int = 2, **options: object) -> list[torch.Tensor]:
     """``steps`` SGD steps of the trainable parameters: the last loss and gradients, then
     those parameters after."""
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -237,7 +239,7 @@ def _adapter_steps(model: torch.nn.Module, steps: int = 2) -> list[torch.Tensor]
     for step in range(steps):
         torch.manual_seed(step)
         opt.zero_grad(set_to_none=True)
-        loss = model(**_batch("t5", step)).loss
+        loss = model(**_batch("t5", step), **options).loss
         loss.backward()
         grads = [p.grad.clone() for p in trained]
         opt.step()

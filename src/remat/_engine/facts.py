@@ -52,12 +52,14 @@ _CAPACITY = 8  # observations kept per module (input shapes, train and eval, ...
 
 
 class Facts:
-    """What one observed call of a module region found."""
+    """What one observed call of a module region found: its modules, and how many operators
+    took each tensor argument (NOTE [Per-use gradients] in ``reentrant_backward.py``)."""
 
-    __slots__ = ("modules",)
+    __slots__ = ("modules", "uses")
 
-    def __init__(self, modules: list[torch.nn.Module]) -> None:
+    def __init__(self, modules: list[torch.nn.Module], uses: tuple) -> None:
         self.modules = [weakref.ref(m) for m in modules]
+        self.uses = uses
 
     def alive(self) -> bool:
         return all(ref() is not None for ref in self.modules)
@@ -103,12 +105,12 @@ def key_of(frame: Any, arguments: list) -> tuple | None:
             _global_hooks())
 
 
-def known(frame: Any, key: tuple | None) -> bool:
-    """True when an earlier call with ``key`` was observed and found the region needs no watching."""
+def known(frame: Any, key: tuple | None) -> Facts | None:
+    """What an earlier call with ``key`` found, when it found the region needs no watching."""
     if key is None:
-        return False
+        return None
     facts = _STORE.get(frame.module_state.root, {}).get(key)
-    return facts is not None and facts.alive()
+    return facts if facts is not None and facts.alive() else None
 
 
 def learn(frame: Any, key: tuple | None, observe: Any) -> None:
@@ -124,7 +126,7 @@ def learn(frame: Any, key: tuple | None, observe: Any) -> None:
     table = _STORE.setdefault(frame.module_state.root, {})
     if len(table) >= _CAPACITY:
         table.pop(next(iter(table)))
-    table[key] = Facts(frame.module_state.modules())
+    table[key] = Facts(frame.module_state.modules(), tuple(frame.uses))
 
 
 def forget(frame: Any, key: tuple | None) -> None:

@@ -161,6 +161,7 @@ class Observe(_Watch):
         self.produced: set[int] = set()  # ids of tensors the region's operators returned
         self.fresh: set[int] = set()  # storages the region's operators allocated
         self.reads: dict[int, torch.Tensor] = {}
+        self.uses: dict[int, int] = {}  # operators that took each argument (NOTE [Per-use gradients])
         self.state: list[tuple[torch.Tensor, torch.Tensor]] = []  # (written tensor, value before)
         self._state_ids: set[int] = set()
         self._read_storages: set[int] = set()  # storages of tensors it read and did not produce
@@ -174,7 +175,9 @@ class Observe(_Watch):
         outside = [t for t in tensors if id(t) not in self.produced]
         if self.want_reads:
             for t in outside:
-                if t.requires_grad and id(t) not in self.arguments:
+                if id(t) in self.arguments:
+                    self.uses[id(t)] = self.uses.get(id(t), 0) + 1
+                elif t.requires_grad:
                     self.reads.setdefault(id(t), t)
         if func._schema.is_mutable or func in _UNANNOTATED:
             self._note_writes(func, args, kwargs)

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from remat._engine import boundary as _boundary
+from remat._engine import per_use as _per_use
 from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import storage_of
@@ -100,6 +101,8 @@ class ReentrantFrame(RegionCore):
         self.escaped: list[tuple[dict, str]] = []  # attributes handed out as outputs
         self.picks: Any = None  # other escapes handed out as outputs (escapes.Picks)
         self.released = False  # let go of its module after its first backward
+        self.extra: list[tuple[int, int]] = []  # NOTE [Per-use gradients]: (argument, more inputs)
+        self.shared: set[int] = set()  # arguments a later region took too
 
     def abandon(self) -> None:
         super().abandon()
@@ -184,8 +187,10 @@ def apply(frame: ReentrantFrame, output: Any, tensors: list) -> Any:
     frame.pending = output
     bases = frame.bases
     frame.bases = None  # tensors the frame must not hold: the Function's outputs lead to it
-    inputs = substituted([*tensors, *frame.params]) if Substitute.active else [*tensors, *frame.params]
-    result = Reentrant.apply(frame, len(tensors), *inputs, *bases)
+    inputs = [*tensors, *frame.params, *bases, *_per_use.extra_inputs(frame, tensors)]
+    if Substitute.active:
+        inputs = substituted(inputs)
+    result = Reentrant.apply(frame, len(tensors), *inputs)
     frame.targets = None
     if not frame.n_targets:
         return _like(output, result) if isinstance(output, tuple) else result
@@ -225,7 +230,8 @@ class Reentrant(torch.autograd.Function):
     """``use_reentrant=True``: the forward ran without grad; backward re-runs the region.
 
     Its inputs: the region's tensor arguments, then the tensors it reaches
-    (NOTE [Reentrant gradients]), then the bases of arguments it wrote that are views.
+    (NOTE [Reentrant gradients]), then the bases of arguments it wrote that are views,
+    then the arguments read more than once again (NOTE [Per-use gradients]).
     Its outputs: the region's, then the arguments (or their bases) the forward wrote
     in place, marked dirty (NOTE [Written arguments]).
     """

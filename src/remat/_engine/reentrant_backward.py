@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from remat._engine import collectives as _collectives
+from remat._engine import per_use as _per_use
 from remat._engine import state as _state
 from remat._engine.core import Contexts
 from remat._engine.errors import RecomputeError
@@ -160,11 +161,14 @@ def _differentiate_once(frame: Any, tensors: tuple, grads: tuple, accumulate: bo
     outs, out_grads, bases = _pairs(frame, rerun, feeds, grads)
     wrt = [w for w in wrts if w is not None] + frame.params + list(aliases.values())
     found: list = [None] * len(wrt)
+    sent = None
     if outs and wrt:
         # unwatched: its modules' parameters are all in wrt (NOTE [Observed reads],
         # [Observed once, confirmed every call])
         outside = reached_outside(outs, wrt, made) if frame.watched else []
         hooked = [p for p in frame.params if p._backward_hooks]
+        if frame.shared and not accumulate:
+            sent = _per_use.hook_edges(frame, outs, wrts)
         try:
             with Contexts() as stack:
                 if nonleaf:
@@ -187,7 +191,8 @@ def _differentiate_once(frame: Any, tensors: tuple, grads: tuple, accumulate: bo
             found[k] = g if found[k] is None else found[k] + g
     found.reverse()
     input_grads = [None if w is None else found.pop() for w in wrts]
-    return (None, None, *input_grads, *reversed(found), *bases)
+    extra = _per_use.per_input(frame, input_grads, sent)
+    return (None, None, *input_grads, *reversed(found), *bases, *extra)
 
 
 @contextlib.contextmanager

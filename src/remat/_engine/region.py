@@ -160,6 +160,7 @@ def close_region(handle: _Handle, output: Any) -> Any:
     escaped, picks = [], None
     if observe is not None:
         if frame.spec.use_reentrant:
+            frame.uses = tuple(observe.uses.get(id(a), 0) for a in frame.aliases)
             escaped, picks = _escapes.find(frame, observe, output)
         if not escaped and picks is None:
             _facts.learn(frame, frame.facts_key, observe)
@@ -174,7 +175,9 @@ def close_region(handle: _Handle, output: Any) -> Any:
 def _observer(frame: RegionCore, arguments: list, reads: bool, flowing: list | None = None
               ) -> Observe | None:
     """The mode that watches the forward; None when earlier calls showed it needs no watching."""
-    if _facts.known(frame, frame.facts_key):  # NOTE [Observed once, confirmed every call]
+    facts = _facts.known(frame, frame.facts_key)  # NOTE [Observed once, confirmed every call]
+    if facts is not None:
+        frame.uses = facts.uses
         return None
     return Observe(frame.name, arguments, reads=reads, flowing=flowing)
 
