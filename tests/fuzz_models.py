@@ -224,6 +224,20 @@ class Skip(Block):
         return self.fc(x) * torch.sigmoid(skip)
 
 
+class Cross(Block):
+    """Cross-attention's pattern: a memory (the stage's input) read twice, for keys and
+    values, by every cross block of the stage (NOTE [Per-use gradients])."""
+
+    kind = "cross"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x, memory):
+        return x + torch.tanh(self.q(x) * self.k(memory)) * self.v(memory)
+
+
 class Shared(Block):
     """One Linear applied twice (shared parameters inside a block)."""
 
@@ -458,6 +472,7 @@ BLOCKS: dict[str, BlockKind] = {
     "keywords": BlockKind(Keywords, 0.8, lambda r: {
         "scale": r.choice((0.5, 2.0)), "mode": r.choice(("plain", "tanh")), "gate": r.random() < 0.5}),
     "skip": BlockKind(Skip, 0.8),
+    "cross": BlockKind(Cross, 0.6),
     "shared": BlockKind(Shared, 0.6),
     "inplace_input": BlockKind(InplaceInput, 0.3),
     "inplace_input_late": BlockKind(InplaceInputLate, 0.2),
@@ -544,6 +559,8 @@ class Stage(remat.nn.Cell):
             if b["kind"] == "skip":
                 skip = outs[b["p"]["from"] % len(outs)]
                 args = (h, skip if skip.shape == h.shape else skip.transpose(0, 1))
+            elif b["kind"] == "cross":
+                args = (h, outs[0] if outs[0].shape == h.shape else outs[0].transpose(0, 1))
             elif b["kind"] == "keywords":
                 p = b["p"]
                 kwargs = {"scale": p["scale"], "mode": p["mode"]}

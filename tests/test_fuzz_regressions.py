@@ -184,3 +184,43 @@ def test_a_checkpoint_whose_input_is_written_later_is_refused_even_inside_a_regi
     assert step(unmarked) is not None  # legal without marks
     with pytest.raises(remat.RecomputeError, match="changed in place after the region ran"):
         step(marked)
+
+
+class ReadTwiceThenWritten(nn.Module):
+    """A marked MLP called twice (on x, then on its own output h), then ``relu_`` on h: with
+    fc1's weight frozen, nothing unmarked saves h, so the unmarked model trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.fc = nn.Linear(8, 8)
+        self.mlp[0].weight.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.mlp(x)
+        again = self.mlp(h)
+        return self.fc(torch.relu_(h)), again
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["region alone", "inside an output_recompute region"])
+def test_a_region_input_written_later_in_the_outer_re_run_is_refused(outer):
+    """Shared fuzzer case 960800: the outer output_recompute region's re-run rebuilt h, the
+    inner region saved it, and the re-run's ``relu_`` then changed it before the inner
+    region's re-run read it: fc2's weight gradient off by 0.88, silently. Alone, the inner
+    region refuses (its input changed in place); inside the outer one it must refuse too
+    (NOTE [Rebuilt tensors keep their version])."""
+
+    def step(model):
+        torch.manual_seed(0)
+        out, again = model(torch.randn(3, 4, 8))
+        (out.pow(2).mean() + again.sum()).backward()
+
+    torch.manual_seed(0)
+    unmarked = ReadTwiceThenWritten()
+    marked = copy.deepcopy(unmarked)
+    remat.recompute_module(marked.mlp)
+    if outer:
+        remat.recompute_module(marked, output_recompute=True)
+    step(unmarked)  # legal without marks
+    with pytest.raises(remat.RecomputeError, match="changed in place"):
+        step(marked)

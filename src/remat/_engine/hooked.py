@@ -66,6 +66,19 @@ A kept tensor records its version. If it is changed in place after it was
 kept (an in-place operator on a kept output), a region that can re-run
 rebuilds it instead, as if it had not been kept; one that cannot raises
 autograd's own error.
+
+NOTE [Rebuilt tensors keep their version]
+A tensor a re-run saves is handed to backward as the re-run's own tensor, so
+a later operator of the same re-run that changes it in place (the forward did
+the same after saving it) would hand backward the changed value: autograd's
+own saved tensors record their version and refuse that, and a tensor behind a
+saved-tensor hook is not checked by autograd. So a rebuilt tensor records its
+version when the re-run saves it, and unpacking it at another version raises
+a ``RecomputeError``. A region whose input the model writes in place after
+the region read it is refused so (NOTE [Regions that write their inputs]);
+inside an ``output_recompute`` region that input is rebuilt by the outer
+re-run, which writes it again before the inner region's re-run reads it
+(shared fuzzer case 960800: fc2's weight gradient off by 0.88, silently).
 """
 
 from __future__ import annotations
@@ -121,7 +134,7 @@ class _Holder:
         self.index = index
         self.kept: torch.Tensor | None = None
         self.kept_version = 0
-        self.rebuilt: dict[int, torch.Tensor] = {}
+        self.rebuilt: dict[int, tuple] = {}  # graph task -> (tensor, its version then, or None)
         self.probe: weakref.ref | None = None
         self.probe_version = -1  # the version it was saved at, while inputs may be written
         self.out_of: tuple | None = None  # (output index, layout) when it is an output
@@ -357,7 +370,22 @@ class HookedFrame(RegionCore):
             if gid in self.stored:
                 raise RecomputeError(self._unpacked_twice(holder, gid))
             self.recompute(gid)
-        return holder.rebuilt.pop(gid)
+        x, version = holder.rebuilt.pop(gid)
+        if version is not None and x._version != version:
+            raise RecomputeError(self._changed_after_rebuilt(holder, x, version))
+        return x
+
+    def _changed_after_rebuilt(self, holder: _Holder, x: torch.Tensor, version: int) -> str:
+        """NOTE [Rebuilt tensors keep their version]."""
+        return (
+            f"remat: region '{self.name}' cannot be re-run exactly: saved tensor #{holder.index} "
+            f"(shape {list(x.shape)}) was changed in place later in the same re-run (version "
+            f"{version} when the re-run saved it, {x._version} now), as the forward changed it "
+            f"after saving it, so its value is not the one the forward saved (one of the "
+            f"variables needed for gradient computation has been modified by an inplace "
+            f"operation); make that in-place operation out of place (inplace=False, x = x.relu() "
+            f"for x.relu_()), or clone the tensor before it"
+        )
 
     def _unpacked_twice(self, holder: _Holder, gid: object) -> str:
         if gid is _flags.current_group():
@@ -464,7 +492,7 @@ class HookedFrame(RegionCore):
             holder = ref()
             if holder is not None and holder.out_of is not None and gid not in holder.rebuilt:
                 j, (size, stride, offset) = holder.out_of
-                holder.rebuilt[gid] = outputs[j].as_strided(size, stride, offset)
+                holder.rebuilt[gid] = (outputs[j].as_strided(size, stride, offset), None)
 
     def _check(self, gid: object, stop_at: int | None, mismatches: list[str],
                during_forward: bool = False) -> None:
@@ -536,7 +564,7 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
                 )
             holder = frame.holders[index]() if store else None
             if holder is not None and holder.kept is None and gid not in holder.rebuilt:
-                holder.rebuilt[gid] = x
+                holder.rebuilt[gid] = (x, x._version)  # NOTE [Rebuilt tensors keep their version]
             if stop_at is not None and index >= stop_at:
                 raise _Stop
             return x
