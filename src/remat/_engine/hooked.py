@@ -549,7 +549,14 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, frame: HookedFrame, gid: int, stop_at: int | None, mismatches: list,
                  store: bool) -> None:
+        # the re-run's graph holds this hook with every tensor it saves: a strong reference to
+        # the frame would lead a tensor the re-run hands out (a hook's capture in a list the
+        # frame's module state holds) back to the frame, a cycle the collector cannot free
+        frame_ref = weakref.ref(frame)
+        del frame
+
         def pack(x: torch.Tensor) -> torch.Tensor:
+            frame = frame_ref()
             index = frame.counter[gid]
             frame.counter[gid] = index + 1
             x = x.detach() if x.requires_grad else x  # NOTE [Inputs come back as themselves]

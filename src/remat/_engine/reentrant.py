@@ -111,7 +111,16 @@ class ReentrantFrame(RegionCore):
     def release(self) -> None:
         """Let go of the module: an attribute holding one of the Function's outputs leads
         back here through autograd, a cycle Python's collector cannot free."""
-        self.released, self.fn, self.escaped, self.picks = True, None, [], None
+        self.released = True
+        self.finish()
+
+    def finish(self) -> None:
+        """The graph was freed: nothing re-runs the region again, so let go of what a re-run
+        needs. Its copies of the modules' attributes may hold a list a hook appended the
+        region's output to: that output leads back here through autograd, a cycle Python's
+        collector cannot free once the module drops the list (NOTE [Module state at the
+        boundary])."""
+        self.fn, self.escaped, self.picks, self.params, self.state = None, [], None, [], []
         self.module_state = _boundary.ModuleState(self.name, [])
 
 
@@ -282,6 +291,8 @@ class Reentrant(torch.autograd.Function):
         found = differentiate(frame, tensors, grads)
         if (frame.escaped or frame.picks) and not keep:  # NOTE [Tensors that escape a
             frame.release()  # reentrant region]: a graph not kept cannot run it again; break the cycle
+        elif not keep:
+            frame.finish()
         return found
 
 
