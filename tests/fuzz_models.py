@@ -841,6 +841,8 @@ class Case:
     retain_twice: bool = False
     grad_check: bool = False
     penalty: bool = False
+    func_check: bool = False  # torch.func.grad over the model (refused with marks, before any work)
+    rebind_captures: bool = False  # a hook's capture list dropped without emptying it
 
     @property
     def reentrant(self) -> bool:
@@ -850,7 +852,8 @@ class Case:
     def show(self) -> str:
         lines = [(f"case {self.seed}: x{list(self.x_shape)} requires_grad={self.x_requires_grad} "
                   f"opt={self.optimizer} retain_twice={self.retain_twice} grad={self.grad_check} "
-                  f"penalty={self.penalty} compiled={self.compiled}")]
+                  f"penalty={self.penalty} func={self.func_check} rebind={self.rebind_captures} "
+                  f"compiled={self.compiled}")]
         for i, stage in enumerate(self.desc["stages"]):
             for j, b in enumerate(stage):
                 lines.append(f"  stages.{i}.blocks.{j}: {b['kind']} {b['p']} wire={b['wire']}")
@@ -943,6 +946,8 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
         if kind not in ("call", "chain") or mark.get("use") == "cell":
             marked.update(id(modules[p]) for p in mark.get("paths", [mark.get("path")]) if p)
         case.plan.append(mark)
+    case.func_check = r.random() < 0.05
+    case.rebind_captures = r.random() < 0.5
     return case
 
 
@@ -975,6 +980,8 @@ DOCUMENTED_ERRORS: list[tuple[type, str, str]] = [
      "Limits of use_reentrant=True: a tensor that leaves a region by a side channel"),
     (remat.RecomputeError, r"\(use_reentrant=True\) differentiates inside its forward",
      "Limits of use_reentrant=True: gradients inside a region's forward"),
+    (remat.RecomputeError, r"runs under a torch.func transform",
+     "torch.func transforms over a marked model: a RecomputeError before the region runs"),
 ]
 
 #: A case may use this much more memory than when it started (bytes); past it, allocation
@@ -1155,12 +1162,26 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
             gx.square().sum().backward()
         return found + [(n, g) for n, g in side.grads() if n != "grad x"] + side.hooks()
 
+    def func_grad(side: _Side):
+        """``torch.func.grad`` of the loss over the parameters (a model with marks refuses it)."""
+        params = {n: p.detach() for n, p in side.model.named_parameters()}
+
+        def loss_of(params):
+            torch.manual_seed(side.case.seed * 7 + 5)
+            out, first = torch.func.functional_call(side.fn, params, (side.x.detach(),))
+            return out.square().mean() + 0.1 * first.mean()
+
+        found = torch.func.grad(loss_of)(params)
+        return [("torch.func.grad " + n, g) for n, g in found.items()]
+
     phases = [("step 1", train(1, case.retain_twice)), ("step 1 update", update),
               ("step 2", train(2, False)), ("step 2 update", update)]
     if case.grad_check:
         phases.append(("autograd.grad", grad))
     if case.penalty:
         phases.append(("gradient penalty", penalty))
+    if case.func_check and not case.compiled:
+        phases.append(("torch.func.grad", func_grad))
     return phases
 
 
@@ -1283,7 +1304,11 @@ def _run_case(case: Case) -> Result:
         for m in marked.model.modules():  # the model's own reference to a step's tensor
             if isinstance(m, Closure):
                 m.memo = None
-            m.__dict__.get("captured", []).clear()  # emptied as a user would, in place
+            if "captured" in m.__dict__:
+                if case.rebind_captures:  # dropped without emptying: freed with what it holds
+                    m.captured = []
+                else:
+                    m.__dict__["captured"].clear()  # emptied in place
         left = _engine_clean()
         if left:
             return Result(case.seed, "leak", left, tolerated)
