@@ -1078,6 +1078,10 @@ def _reset_engine() -> None:
         items.clear()
 
 
+def _count(counts: dict, name: str, grad: torch.Tensor | None) -> None:
+    counts[name] += 1 if grad is not None else 1000  # a None counts loudly
+
+
 class _Side:
     """One model (the baseline or the marked copy), its optimizer and its input."""
 
@@ -1092,15 +1096,15 @@ class _Side:
         self.hook_calls = {n: 0 for n, p in model.named_parameters() if p.requires_grad}
         for n, p in model.named_parameters():
             if p.requires_grad:  # DDP's reducer relies on one call per backward, with a gradient
-                p.register_hook(lambda grad, n=n: self._count(n, grad))
-
-    def _count(self, name: str, grad: torch.Tensor | None) -> None:
-        self.hook_calls[name] += 1 if grad is not None else 1000  # a None counts loudly
+                # the hook holds the counts, not the side: a parameter's hooks are not seen by
+                # the collector, so a hook holding the side kept both models alive after a case
+                p.register_hook(functools.partial(_count, self.hook_calls, n))
 
     def hooks(self) -> list:
         """How often each parameter's gradient hook ran since the last call (then reset)."""
         calls = torch.tensor(list(self.hook_calls.values()))
-        self.hook_calls = dict.fromkeys(self.hook_calls, 0)
+        for name in self.hook_calls:
+            self.hook_calls[name] = 0
         return [("gradient hook calls per parameter", calls)]
 
     def forward(self, phase: int):
