@@ -53,7 +53,7 @@ _CAPACITY = 8  # observations kept per module (input shapes, train and eval, ...
 
 class Facts:
     """What one observed call of a module region found: its modules, and how many operators
-    took each tensor argument (NOTE [Per-use gradients] in ``reentrant_backward.py``)."""
+    took each tensor argument (NOTE [Per-use gradients] in ``per_use.py``)."""
 
     __slots__ = ("modules", "uses")
 

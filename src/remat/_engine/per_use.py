@@ -15,7 +15,7 @@ that read it in the forward (counted by `Observe`, kept in the region's
 facts), and its backward hands each of those inputs one edge's gradient, in
 the order the nested backward produced them: a post hook on every node of
 the re-run's graph with an edge to the argument records what it sends along
-that edge (`split`). The autograd engine adds a Function's gradients to their
+that edge (`hook_edges`). The autograd engine adds a Function's gradients to their
 buffers in input order, so the buffer sees each edge's gradient as unmarked.
 
 Splitting costs a walk of the re-run's graph, so a region splits an argument
@@ -39,17 +39,18 @@ import torch
 class Users:
     """Which reentrant regions took a tensor as an argument, in order (weakly held).
 
-    A region registers its arguments when its Function is applied; a later region
-    that takes the same tensor marks the earlier ones (`mark`), whose backward then
-    splits that argument's gradient by use.
+    A region registers its arguments when its Function is applied (`note`); a later region
+    that takes the same tensor marks the earlier ones (``frame.shared``), whose backward
+    then splits that argument's gradient by use.
     """
 
     _by_id: ClassVar[dict[int, tuple[weakref.ref, list]]] = {}
+    _PRUNE = 4096  # entries before the dead ones are dropped (no callback per tensor)
 
     @classmethod
     def note(cls, frame: Any, tensors: list, splittable: dict[int, int]) -> None:
         """``frame`` took ``tensors``; those in ``splittable`` (index -> uses) may be split."""
-        by_id = cls._by_id
+        by_id, me = cls._by_id, weakref.ref(frame)
         for i, x in enumerate(tensors):
             if not x.requires_grad:
                 continue
@@ -59,21 +60,14 @@ class Users:
                     earlier = ref()
                     if earlier is not None:
                         earlier.shared.add(j)
+                entry[1].clear()  # marked: they need not be marked again
                 if i in splittable:
-                    entry[1][:] = [(ref, j) for ref, j in entry[1] if ref() is not None]
-                    entry[1].append((weakref.ref(frame), i))
-                else:
-                    entry[1].clear()  # marked: they need not be marked again
+                    entry[1].append((me, i))
             elif i in splittable:
-                by_id[id(x)] = (weakref.ref(x, _forget(id(x))), [(weakref.ref(frame), i)])
-
-
-def _forget(key: int) -> Any:
-    def forget(ref: weakref.ref) -> None:
-        entry = Users._by_id.get(key)
-        if entry is not None and entry[0] is ref:
-            del Users._by_id[key]
-    return forget
+                if len(by_id) >= cls._PRUNE:
+                    cls._by_id = by_id = {k: e for k, e in by_id.items() if e[0]() is not None}
+                    cls._PRUNE = max(4096, 2 * len(by_id))
+                by_id[id(x)] = (weakref.ref(x), [(me, i)])
 
 
 def extra_inputs(frame: Any, tensors: list) -> list[torch.Tensor]:
@@ -84,8 +78,7 @@ def extra_inputs(frame: Any, tensors: list) -> list[torch.Tensor]:
     if not uses:
         return []
     splittable = {}
-    for i, x in enumerate(tensors):
-        n = uses[i] if i < len(uses) else 0
+    for i, (x, n) in enumerate(zip(tensors, uses, strict=True)):
         if (n > 1 and x.requires_grad and i not in frame.same_as and i not in frame.written
                 and i not in frame.same_as.values()):
             splittable[i] = n
@@ -117,8 +110,8 @@ def hook_edges(frame: Any, outs: list, wrts: list) -> dict[int, list] | None:
             if nxt is None:
                 continue
             variable = getattr(nxt, "variable", None) if not nxt.next_functions else None
-            if variable is not None:
-                if id(variable) in split and variable is wrts[split[id(variable)]]:
+            if variable is not None:  # a leaf's accumulator: the walk stops there
+                if id(variable) in split:  # (the leaves are alive: an id is theirs)
                     edges.append((k, split[id(variable)]))
                 continue
             todo.append(nxt)

@@ -289,10 +289,11 @@ class Reentrant(torch.autograd.Function):
                             for i, x in enumerate(tensors))
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
         found = differentiate(frame, tensors, grads)
-        if (frame.escaped or frame.picks) and not keep:  # NOTE [Tensors that escape a
-            frame.release()  # reentrant region]: a graph not kept cannot run it again; break the cycle
-        elif not keep:
-            frame.finish()
+        if not keep:  # a graph not kept cannot run the region again: break the cycles
+            if frame.escaped or frame.picks:  # NOTE [Tensors that escape a reentrant region]
+                frame.release()
+            else:
+                frame.finish()
         return found
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from remat.models._split import stage_share
 from remat.nn import Cell
 
 __all__ = ["GPT", "DecoderBlock", "GPTConfig", "GPTStage", "gpt"]
@@ -187,14 +188,10 @@ class GPTStage(Cell):
 
     def __init__(self, config: GPTConfig, index: int, n_stages: int) -> None:
         super().__init__()
-        if not 0 <= index < n_stages <= config.layers:
-            raise ValueError(f"remat.models.GPTStage: stage {index} of {n_stages} for {config.layers} "
-                             f"layers; need 0 <= index < n_stages <= layers")
-        per, extra = divmod(config.layers, n_stages)
-        first, last = index == 0, index == n_stages - 1
+        n, first, last = stage_share("remat.models.GPTStage", config.layers, index, n_stages)
         self.token_embedding = nn.Embedding(config.vocab, config.width) if first else None
         self.position_embedding = nn.Embedding(config.seq_len, config.width) if first else None
-        self.blocks = nn.ModuleList(DecoderBlock(config) for _ in range(per + (index < extra)))
+        self.blocks = nn.ModuleList(DecoderBlock(config) for _ in range(n))
         self.ln_f = nn.LayerNorm(config.width) if last else None
         self.head = nn.Linear(config.width, config.vocab, bias=False) if last else None
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from remat.models._split import stage_share
 from remat.nn import Cell
 
 __all__ = ["Llama", "LlamaBlock", "LlamaConfig", "LlamaStage", "llama", "llama_7b", "llama_70b", "llama_stages",
@@ -228,13 +229,10 @@ class LlamaStage(Cell):
 
     def __init__(self, config: LlamaConfig, index: int, n_stages: int) -> None:
         super().__init__()
-        if not 0 <= index < n_stages <= config.layers:
-            raise ValueError(f"remat.models.llama.LlamaStage: stage {index} of {n_stages} for "
-                             f"{config.layers} layers; need 0 <= index < n_stages <= layers")
-        per, extra = divmod(config.layers, n_stages)
-        self.config, self.first, self.last = config, index == 0, index == n_stages - 1
+        n, self.first, self.last = stage_share("remat.models.llama.LlamaStage", config.layers, index, n_stages)
+        self.config = config
         self.embedding = nn.Embedding(config.vocab, config.width) if self.first else None
-        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(per + (index < extra)))
+        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(n))
         self.norm = RMSNorm(config.width, config.norm_eps) if self.last else None
         self.head = nn.Linear(config.width, config.vocab, bias=False) if self.last else None
 
