@@ -57,9 +57,14 @@ class Block(remat.nn.Cell):
         return x + self.fc2(self.act(self.fc1(self.norm2(x))))
 
 
+_MATMULS = tuple(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention"))
+
+
 def _save_matmuls(ctx, op, *args, **kwargs):
-    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    keep = op in _MATMULS
     return tuc.CheckpointPolicy.MUST_SAVE if keep else tuc.CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -154,6 +159,8 @@ def _step(model: torch.nn.Module, x: torch.Tensor) -> float:
     xi = x.clone().requires_grad_()
     start = time.perf_counter()
     model(xi).float().pow(2).mean().backward()
+    if xi.is_cuda:  # the step ends when the device has run it, not when the host has queued it
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     for p in model.parameters():
         p.grad = None
@@ -178,8 +185,6 @@ def run_case(width: int, shape: tuple, rounds: int, device: str) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             times[name].append(_step(configs[name][0], x))
-            if device == "cuda":
-                torch.cuda.synchronize()
     rows = {}
     for name in names:
         baseline = configs[name][1]
@@ -223,10 +228,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     small = [(w, (2, 16)) for w in ((32, 128) if args.quick else (32, 128, 512, 1024))]
-    large = [] if args.quick else [(256, (4, 128))]
+    # large tensors: kernel time dominates (on a GPU it takes far larger ones to get there)
+    large = [(1024, (8, 512)), (2048, (2, 1024))] if args.device == "cuda" else [(256, (4, 128))]
+    large = [] if args.quick else large
     rounds = 4 if args.quick else args.rounds
     cases = [run_case(w, s, rounds, args.device) for w, s in small]
-    cases += [run_case(w, s, max(5, rounds // 6), args.device) for w, s in large]
+    large_rounds = max(8, rounds // 2) if args.device == "cuda" else max(5, rounds // 6)
+    cases += [run_case(w, s, large_rounds, args.device) for w, s in large]
     meta = {"device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
             "rounds": rounds, "torch": torch.__version__}
     report = render(cases, meta)
