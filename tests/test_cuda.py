@@ -109,8 +109,8 @@ def test_compiled_marks_with_inductor_on_cuda():
     compiled = remat.compile(model, backend="inductor")
     loss = compiled(x.detach().requires_grad_()).pow(2).sum()
     loss.backward()
-    report = compiled.remat_reports[0]
-    assert any("GELU" in path for _, _, path in report.recomputed), report
+    reports = compiled.remat_reports  # one per graph (torch 2.11 breaks the graph once)
+    assert any("GELU" in path for r in reports for _, _, path in r.recomputed), reports
     # Inductor fuses the re-run with its consumer, so the last bits may differ from the
     # unmarked compiled step: a stated tolerance, not bitwise.
     for a, b in zip(twin.parameters(), model.parameters(), strict=True):

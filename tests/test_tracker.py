@@ -182,6 +182,7 @@ def test_cuda_peak_agrees_with_max_memory_allocated():
     torch.cuda.synchronize()
     with remat.memory.track(net, baseline=[x]) as tracker:
         net(x).sum().backward()
-    # The caching allocator rounds blocks up to 512 bytes; cuBLAS workspaces bypass dispatch.
-    assert tracker.cuda_peak_bytes is not None
-    assert abs(tracker.cuda_peak_bytes - tracker.peak_bytes) <= 0.05 * tracker.peak_bytes
+    # The caching allocator rounds blocks up to 512 bytes; cuBLAS's workspaces (taken in the
+    # warm-up above) are in the absolute peak, not in the rise.
+    assert tracker.cuda_peak_bytes >= tracker.peak_bytes
+    assert abs(tracker.cuda_peak_increase - tracker.peak_increase) <= 0.05 * tracker.peak_increase

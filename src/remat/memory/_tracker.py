@@ -146,7 +146,7 @@ class MemoryTracker(TorchDispatchMode):
         #: ``(live bytes above the start, phase)`` after every allocation and free.
         self.timeline: list[tuple[int, str]] = [(0, "forward")]
         self.cuda_peak_bytes: int | None = None
-        self._cuda = False
+        self._cuda, self._cuda_start = False, 0
         self._fake_ok = False
         self._patches: list[tuple[Any, str, Any]] = []
         self._pending: list[_Record] = []  # NOTE [Collective temporaries]
@@ -166,6 +166,16 @@ class MemoryTracker(TorchDispatchMode):
     def peak_bytes(self) -> int:
         """Peak footprint of the step: baseline bytes plus the largest increase."""
         return self.baseline_bytes + self.peak_increase
+
+    @property
+    def cuda_peak_increase(self) -> int | None:
+        """The CUDA allocator's peak above what it held on entry (``None`` off CUDA): the
+        figure to set beside `peak_increase`. ``cuda_peak_bytes`` is the absolute peak, and
+        holds what no operator allocates in the step, such as cuBLAS's workspaces (one per
+        stream, taken at its first product and kept)."""
+        if self.cuda_peak_bytes is None:
+            return None
+        return self.cuda_peak_bytes - self._cuda_start
 
     def peak(self) -> PeakReport:
         """Return what was alive at the peak, grouped by module and by phase."""
