@@ -155,16 +155,42 @@ def operators_per_block(block: torch.nn.Module, x: torch.Tensor) -> int:
     return count.n
 
 
-def _step(model: torch.nn.Module, x: torch.Tensor) -> float:
+def _step(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, float]:
+    """One training step's ``(forward, backward)`` seconds; the backward holds the re-runs."""
     xi = x.clone().requires_grad_()
     start = time.perf_counter()
-    model(xi).float().pow(2).mean().backward()
-    if xi.is_cuda:  # the step ends when the device has run it, not when the host has queued it
+    loss = model(xi).float().pow(2).mean()
+    if xi.is_cuda:  # each phase ends when the device has run it, not when the host has queued it
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
+    middle = time.perf_counter()
+    loss.backward()
+    if xi.is_cuda:
+        torch.cuda.synchronize()
+    end = time.perf_counter()
     for p in model.parameters():
         p.grad = None
-    return elapsed
+    return middle - start, end - middle
+
+
+def _row(times: list, base: list, baseline: str, ops: int) -> dict:
+    """Ratios per round (step, forward, backward) and microseconds per operator."""
+    def ratios(pick):
+        return [pick(a) / pick(b) for a, b in zip(times, base)]
+
+    step = ratios(sum)
+    q = statistics.quantiles(step, n=4)
+
+    def added(pick):  # microseconds remat adds per operator of a region's forward
+        return (statistics.median(map(pick, times)) - statistics.median(map(pick, base))) * 1e6 / ops
+
+    return {
+        "baseline": baseline, "median_ms": statistics.median(map(sum, times)) * 1e3,
+        "ratio": statistics.median(step), "iqr": [q[0], q[2]],
+        "forward_ratio": statistics.median(ratios(lambda t: t[0])),
+        "backward_ratio": statistics.median(ratios(lambda t: t[1])),
+        "us_per_op": added(sum), "forward_us_per_op": added(lambda t: t[0]),
+        "backward_us_per_op": added(lambda t: t[1]),
+    }
 
 
 def run_case(width: int, shape: tuple, rounds: int, device: str) -> dict:
@@ -178,24 +204,15 @@ def run_case(width: int, shape: tuple, rounds: int, device: str) -> dict:
         for _ in range(2):
             _step(model, x)
     names = list(configs)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             if device == "cuda":
                 torch.cuda.synchronize()
             times[name].append(_step(configs[name][0], x))
-    rows = {}
-    for name in names:
-        baseline = configs[name][1]
-        ratios = [a / b for a, b in zip(times[name], times[baseline])]
-        q = statistics.quantiles(ratios, n=4)
-        med, med_base = statistics.median(times[name]), statistics.median(times[baseline])
-        rows[name] = {
-            "baseline": baseline, "median_ms": med * 1e3, "ratio": statistics.median(ratios),
-            "iqr": [q[0], q[2]],
-            "us_per_op": (med - med_base) * 1e6 / (BLOCKS * ops_per_block),
-        }
+    rows = {name: _row(times[name], times[configs[name][1]], configs[name][1], BLOCKS * ops_per_block)
+            for name in names}
     case = {"width": width, "shape": list(shape), "ops_per_block": ops_per_block, "rows": rows}
     print(render([case], {"device": device, "rounds": rounds}).split("\n", 4)[-1], flush=True)
     return case
@@ -207,14 +224,19 @@ def render(cases: list, meta: dict) -> str:
                f"(generated; torch {meta.get('torch', torch.__version__)}).")
     legend = (f"{BLOCKS} blocks, one thread, {meta['rounds']} interleaved rounds per case; ratio = median "
               "of the per-round ratios to the torch configuration that marks the same blocks (IQR in "
-              "brackets); us/op = microseconds remat adds per operator of a region's forward.")
+              "brackets); forward and backward: the same for each phase (the backward holds the "
+              "re-runs); us/op = microseconds remat adds per operator of a region's forward, in "
+              "the whole step and in the backward.")
     lines = [title, "", command, "", legend, ""]
     for case in cases:
         lines += [f"#### width {case['width']}, input {case['shape']} ({case['ops_per_block']} operators per block)",
-                  "", "| configuration | against | step ms | ratio | IQR | us/op |", "|---|---|---|---|---|---|"]
+                  "", ("| configuration | against | step ms | ratio | IQR | forward | backward | us/op "
+                  "| backward us/op |"), "|---|---|---|---|---|---|---|---|---|"]
         for name, row in case["rows"].items():
             lines.append(f"| {name} | {row['baseline']} | {row['median_ms']:.2f} | {row['ratio']:.3f} | "
-                         f"{row['iqr'][0]:.3f}-{row['iqr'][1]:.3f} | {row['us_per_op']:+.2f} |")
+                         f"{row['iqr'][0]:.3f}-{row['iqr'][1]:.3f} | {row['forward_ratio']:.3f} | "
+                         f"{row['backward_ratio']:.3f} | {row['us_per_op']:+.2f} | "
+                         f"{row['backward_us_per_op']:+.2f} |")
         lines.append("")
     return "\n".join(lines)
 
