@@ -46,6 +46,9 @@ def run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, list[str]]
     (["plan", *GPT], "give --budget"),
     (["plan", *GPT, "--budget", "60%", "--arg", "layers"], "argument --arg: expected KEY=VALUE"),
     (["plan", *GPT, "--budget", "60%", "--arg", "depth=3"], "--arg: GPTConfig.__init__() got an"),
+    (["plan", *GPT, "--budget", "60%", "--arg", "heads=3"],  # the factory's own check
+     "the model factory refused its arguments (--arg layers=1 --arg width=16 --arg heads=3"),
+    (["profile", *GPT, "--arg", "heads=3"], "heads must divide width, got width=16 and heads=3"),
     (["plan", *GPT, "--budget", "60%", "--threads", "0"], "argument --threads: expected a positive"),
     (["profile", *GPT, "--threads", "many"], "argument --threads: expected a positive integer"),
     (["plan", *GPT, "--budget", "60%", "--options", "keep,offload"], "--options: unknown option"),

@@ -173,13 +173,18 @@ def load_factory(spec: str, api: str = API) -> Callable[..., torch.nn.Module]:
 
 def call_factory(factory: Callable[..., torch.nn.Module], kwargs: dict[str, Any],
                  api: str = API) -> torch.nn.Module:
-    """``factory(**kwargs)``; a keyword it does not take is a mistake in ``--arg``, said in one line."""
+    """``factory(**kwargs)``; a keyword it does not take, or a value it refuses (a ``ValueError``,
+    as a config's check raises), is a mistake in ``--arg``, said in one line."""
     try:
         return factory(**kwargs)
     except TypeError as err:
         if "unexpected keyword argument" in str(err) and any(repr(k) in str(err) for k in kwargs):
             raise SystemExit(f"{api}: --arg: {err}") from None
         raise
+    except ValueError as err:
+        given = " ".join(f"--arg {k}={v!r}" for k, v in kwargs.items()) or "no --arg"
+        raise SystemExit(f"{api}: the model factory refused its arguments ({given}): {err}; "
+                         f"change --arg") from None
 
 
 def keyword_argument(text: str) -> tuple[str, Any]:
