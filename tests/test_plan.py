@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 import sys
@@ -543,7 +544,6 @@ def test_a_block_re_run_is_calibrated_by_its_own_run_not_by_the_childrens():
     # children cost more per second of forward: pooled, they made a block re-run look dearer
     costs = two_blocks({"keep": 10.0, "recompute": 11.4, "selective": 11.0, "output": 13.0,
                         "children:attn": 11.0}, inner="children:attn")
-    costs.problem()
     assert costs.time_scale[1] == pytest.approx(0.7)  # 1.4 s for 2 s of forward
     assert costs.time_scale[4] == pytest.approx(1.0)  # 1 s for 1 s
 
@@ -552,10 +552,29 @@ def test_an_option_inside_blocks_is_never_scaled_below_a_block_re_run():
     # the policies timed cheap: the ops option still pays a block re-run's 1.5x
     costs = two_blocks({"keep": 10.0, "recompute": 13.0, "selective": 10.2, "output": 14.5,
                         "ops:aten::mm#0": 10.1}, inner="ops:aten::mm#0")
-    costs.problem()
     assert costs.time_scale[1] == pytest.approx(1.5)
     assert costs.time_scale[2] == pytest.approx(0.5)  # selective's own: 0.2 s for 1 s, floored
     assert costs.time_scale[4] == pytest.approx(1.5)
+
+
+def test_the_problem_is_built_without_writing_to_the_cost_model():
+    # the calibration and what each option's backward holds beyond its kept bytes are figures
+    # of the measured fields: problem() reads them and writes nothing, so the problems of one
+    # cost model are the same whichever is asked first, and however often
+    from remat.planner._cost import Ranking
+    from remat.planner._solve import evaluate
+
+    costs = dataclasses.replace(
+        two_blocks({"keep": 10.0, "recompute": 11.4, "selective": 11.0, "output": 13.0,
+                    "children:attn": 11.0}, inner="children:attn"),
+        ranking=Ranking(forward_s=[2.0, 2.0], selective_s=[1.0, 1.0], child_s=[[1.0], [1.0]]))
+    before = copy.deepcopy(costs)
+    ranked, calibrated = costs.problem(ranking=True), costs.problem()
+    assert costs == before
+    assert ranked == costs.problem(ranking=True) and calibrated == costs.problem()
+    assert evaluate(ranked, [1, 1])[1] == 4.0  # the ranking's times, not calibrated
+    assert evaluate(calibrated, [1, 1])[1] == pytest.approx(2 * 0.7)  # 1 s of forward, scaled
+    assert calibrated.rebuilt[0] == [8.0 + gap for gap in costs.transient_bytes]
 
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -59,7 +58,10 @@ class Ranking:
 
 @dataclass
 class BlockCosts:
-    """Measured costs of a model's blocks, in forward order (one entry per block)."""
+    """Measured costs of a model's blocks, in forward order (one entry per block).
+
+    `problem` and the figures it is made of (`time_scale`, `transient_bytes`) read the fields
+    and write none: asked twice, or after another problem, a cost model gives the same one."""
 
     names: list[str]
     types: list[str]
@@ -77,10 +79,8 @@ class BlockCosts:
     phase_peaks: dict[str, dict] = field(default_factory=dict)
     step_s: float | None = None
     timed: str = "measured"
-    transient_bytes: list = field(default_factory=list)
     optimizer_peak: int | None = None
     option_step_s: dict = field(default_factory=dict)
-    time_scale: list = field(default_factory=list)
     #: the columns of ``kept``: `BLOCK_OPTIONS`, then options inside blocks
     options: list = field(default_factory=lambda: list(BLOCK_OPTIONS))
     #: per block, the forward seconds of each option inside blocks (``options[4:]``)
@@ -92,81 +92,104 @@ class BlockCosts:
     ranking: Ranking | None = None
 
     def problem(self, *, ranking: bool = False) -> Problem:
-        """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks;
-        with ``ranking``, its times are `ranking`'s, not calibrated (NOTE [Plans timing
-        noise cannot flip])."""
+        """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks
+        (`transient_bytes`) and timed steps (`time_scale`); with ``ranking``, its times are
+        `ranking`'s, not calibrated (NOTE [Plans timing noise cannot flip])."""
         n = len(self.names)
-        later = [sum(self.grad_bytes[i + 1 if self.calls == 1 else 0:]) for i in range(n)]
-        fixed = [self.baseline_bytes + self.other_grad_bytes + g for g in later]
+        fixed = self._fixed()
         keep_kept = [k[0] for k in self.kept]
         end = self.peaks["keep"] - sum(keep_kept)
         base = max((p for o, p in self.peaks.items() if self.phases.get(o) == "optimizer"), default=0)
-        columns = len(self.options)
-        times: Any = self.ranking if ranking and self.ranking is not None else self
-        inner = times.child_s or [[]] * n
-        # An ``output`` block runs twice in backward, chained or not: once to hand its output
-        # to whoever saved it, once to rebuild what it saved itself (NOTE [Output pass]); timed
-        # on the README's GPT, a lone output block costs what one in a chain does (2x a re-run)
-        # (so a chain adds nothing: ``chain_time`` is zero)
-        time_of = [[0.0, f, s, 2 * f, *c] + [0.0] * (columns - 4 - len(c))
-                   for f, s, c in zip(times.forward_s, times.selective_s, inner)]
-        chain_time = [0.0] * n
-        # Calibration: each option's uniform run was timed too; its measured extra time over
-        # the unmarked step, against the sum of forward times, scales the times of its family
-        # (a re-run costs more than its forward: the engine's hooks, the policy's dispatch mode,
-        # the gradients' temporaries). One factor per family, fitted to all its options at once
-        # (least squares): whole blocks (``recompute``, the largest and steadiest of the timed
-        # differences), re-runs of children, per-call policies (``ops:``), ``selective`` and
-        # ``output`` (`_family`). A timer's noise on one option moves its family's
-        # factor a little, and every option of the family with it, so it cannot make one
-        # option look cheaper than another of its kind: the plan is the same run after run.
-        # Children are a family apart from whole blocks: their marks cost more per second of
-        # forward (more hooks, operator marks), and pooled with them they made every block
-        # re-run look dearer than it is (the prediction of a plan of block re-runs, high).
-        scale = [1.0] * columns
-        keep_s = self.option_step_s.get("keep") if times is self else None
+        times: Ranking | BlockCosts = self.ranking if ranking and self.ranking is not None else self
+        scale = self.time_scale if times is self else [1.0] * len(self.options)
+        # Times on a binary grid (2**-30 s): sums of them are exact in any order, so plans of
+        # equal cost are exact ties, broken the same way run after run (identical blocks)
+        time_of = [[_grid(t * scale[o]) for o, t in enumerate(row)] for row in self._raw_times(times)]
+        # What follows the last block (a head, a loss) runs backward with the gradients of
+        # the parameters outside blocks and the blocks' kept bytes; a final chain is rebuilt there.
+        tail = fixed[-1] + self.output_bytes[-1] if n else end
+        gaps = self.transient_bytes
+        return Problem(kept=self.kept, time=time_of,
+                       rebuilt=[[k + g for g in gaps] for k in keep_kept],
+                       fixed=fixed, output=self.output_bytes, end=end, chain_time=[0.0] * n,
+                       base=base, last_held=keep_kept, tail=tail, options=self.options)
+
+    @property
+    def time_scale(self) -> list[float]:
+        """Per column of ``options``, the factor `problem` scales its measured times by (all 1.0
+        without the options' timed steps, ``option_step_s``).
+
+        Each option's uniform run was timed too; its measured extra time over the unmarked
+        step, against the sum of forward times, scales the times of its family (a re-run costs
+        more than its forward: the engine's hooks, the policy's dispatch mode, the gradients'
+        temporaries). One factor per family, fitted to all its options at once (least
+        squares): whole blocks (``recompute``, the largest and steadiest of the timed
+        differences), re-runs of children, per-call policies (``ops:``), ``selective`` and
+        ``output`` (`_family`). A timer's noise on one option moves its family's factor a
+        little, and every option of the family with it, so it cannot make one option look
+        cheaper than another of its kind: the plan is the same run after run. Children are a
+        family apart from whole blocks: their marks cost more per second of forward (more
+        hooks, operator marks), and pooled with them they made every block re-run look
+        dearer than it is (the prediction of a plan of block re-runs, high)."""
+        n, columns = len(self.names), len(self.options)
+        raw_times = self._raw_times(self)
+        keep_s = self.option_step_s.get("keep")
         fitted: dict[str, list[tuple[float, float]]] = {}
         for o in range(1, columns):
             step_s = self.option_step_s.get(self.options[o])
             if keep_s is None or step_s is None:
                 continue
             choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
-            raw = sum(time_of[i][c] for i, c in enumerate(choice))
+            raw = sum(raw_times[i][c] for i, c in enumerate(choice))
             if raw > 0:
                 fitted.setdefault(_family(self.options[o]), []).append((raw, step_s - keep_s))
         factor = {family: min(4.0, max(0.5, sum(r * d for r, d in pairs) / sum(r * r for r, _ in pairs)))
                   for family, pairs in fitted.items()}
-        for o in range(1, columns):
-            scale[o] = factor.get(_family(self.options[o]), 1.0)
+        scale = [1.0] + [factor.get(_family(self.options[o]), 1.0) for o in range(1, columns)]
         # A child's re-run pays the engine's hooks as a block's does, per second of forward
         # at least: an option inside blocks is not scaled below ``recompute``.
         for o in range(len(BLOCK_OPTIONS), columns):
             scale[o] = max(scale[o], scale[RECOMPUTE])
-        if times is self:
-            self.time_scale = scale
-        time_of = [[t * scale[o] for o, t in enumerate(row)] for row in time_of]
-        # What follows the last block (a head, a loss) runs backward with the gradients of
-        # the parameters outside blocks and the blocks' kept bytes; a final chain is rebuilt there.
-        tail = fixed[-1] + self.output_bytes[-1] if n else end
-        # block moments only
-        rough = Problem(kept=self.kept, time=time_of, rebuilt=keep_kept, fixed=fixed,
-                        output=self.output_bytes, end=-float("inf"), chain_time=chain_time,
-                        last_held=keep_kept, tail=-float("inf"), options=self.options)
-        # Each option's uniform run tells what its backward holds beyond the rough model
-        # (gradient temporaries, the rebuilt output of a cell mark): added for that option.
+        return scale
+
+    @property
+    def transient_bytes(self) -> list[float]:
+        """Per column of ``options``, what its uniform run's backward held beyond the bytes kept
+        (gradient temporaries, the rebuilt output of a cell mark): its measured peak less the
+        rough model's (block moments only), added to that option's bytes in `problem`."""
+        n, columns = len(self.names), len(self.options)
+        keep_kept = [k[0] for k in self.kept]
+        # times do not move a peak: the rough model is untimed
+        rough = Problem(kept=self.kept, time=[[0.0] * columns for _ in range(n)], rebuilt=keep_kept,
+                        fixed=self._fixed(), output=self.output_bytes, end=-float("inf"),
+                        chain_time=[0.0] * n, last_held=keep_kept, tail=-float("inf"),
+                        options=self.options)
         gaps = [0.0] * columns
         for o in range(columns):
             if self.options[o] in self.peaks:
                 choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
                 gaps[o] = max(0.0, self.peaks[self.options[o]] - evaluate(rough, choice)[0])
-        self.transient_bytes = gaps
-        # Times on a binary grid (2**-30 s): sums of them are exact in any order, so plans of
-        # equal cost are exact ties, broken the same way run after run (identical blocks)
-        time_of = [[_grid(t) for t in row] for row in time_of]
-        return Problem(kept=self.kept, time=time_of,
-                       rebuilt=[[k + g for g in gaps] for k in keep_kept],
-                       fixed=fixed, output=self.output_bytes, end=end, chain_time=chain_time,
-                       base=base, last_held=keep_kept, tail=tail, options=self.options)
+        return gaps
+
+    def _fixed(self) -> list[float]:
+        """Per block, the bytes alive in its backward that no choice changes: the baseline, the
+        gradients of parameters outside blocks and of the blocks after it (all of them with
+        several micro-batches, whose gradients exist while the later ones run)."""
+        n = len(self.names)
+        later = [sum(self.grad_bytes[i + 1 if self.calls == 1 else 0:]) for i in range(n)]
+        return [self.baseline_bytes + self.other_grad_bytes + g for g in later]
+
+    def _raw_times(self, times: Ranking | BlockCosts) -> list[list[float]]:
+        """Per block and column, the extra seconds of ``times`` (this cost model or its
+        `Ranking`) before calibration."""
+        columns = len(self.options)
+        inner = times.child_s or [[]] * len(self.names)
+        # An ``output`` block runs twice in backward, chained or not: once to hand its output
+        # to whoever saved it, once to rebuild what it saved itself (NOTE [Output pass]); timed
+        # on the README's GPT, a lone output block costs what one in a chain does (2x a re-run)
+        # (so a chain adds nothing: ``chain_time`` is zero)
+        return [[0.0, f, s, 2 * f, *c] + [0.0] * (columns - 4 - len(c))
+                for f, s, c in zip(times.forward_s, times.selective_s, inner)]
 
 
 def _grid(seconds: float) -> float:
