@@ -350,8 +350,9 @@ def _rank_costs(config: object, parallelize: object, world: int, seq: int, whole
     from remat.memory.estimate import Ranks
     from remat.memory.internal import identical_container
     from remat.models.llama import Llama, next_token_loss
-    from remat.planner._cost import composed_costs, find_blocks, measure_costs
+    from remat.planner._cost import composed_costs, measure_costs
     from remat.planner._settings import Builder, Settings
+    from remat.planner._trace import find_blocks
 
     ranks = Ranks(world, parallelize, 0)
     with ranks.group(), FakeTensorMode():

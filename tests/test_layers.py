@@ -128,7 +128,7 @@ def test_a_private_import_across_packages_is_caught(tmp_path):
     (src / "planner").mkdir(parents=True)
     bench.mkdir()
     (src / "planner" / "_plan.py").write_text(
-        "from remat.planner._cost import find_blocks\n"   # its own package: fine
+        "from remat.planner._trace import find_blocks\n"  # its own package: fine
         "from remat._engine import region\n"              # a layer's package, public module: fine
         "from remat.memory.internal import Step\n"         # the deliberate internal API: fine
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 import sys
@@ -188,7 +189,8 @@ def test_identical_blocks_composed_from_two_and_three_equal_the_whole_model():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.memory.internal import identical_container
-    from remat.planner._cost import composed_costs, find_blocks, measure_costs
+    from remat.planner._cost import composed_costs, measure_costs
+    from remat.planner._trace import find_blocks
 
     with FakeTensorMode():
         model = gpt(layers=5, width=32, heads=4, seq_len=16, vocab=64)
@@ -231,7 +233,7 @@ def assert_compiled_plan_trains_bitwise(plan, make, x, expected):
 
 def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
     from remat.memory.profile import measure
-    from remat.planner._cost import measure_peak
+    from remat.planner._measure import measure_peak
 
     net, x = tiny_gpt(), tokens()
     for block in list(net.blocks)[::2]:
@@ -340,7 +342,7 @@ CHILDREN = ("children:attn", "children:mlp", "children:attn+mlp")
 
 
 def test_each_block_gets_options_for_its_attention_and_its_mlp():
-    from remat.planner._cost import child_options
+    from remat.planner._options import child_options
 
     model = tiny_transformer()
     rows = {r.name: r for r in remat.profile(model, sequence(), repeat=0).rows}
@@ -414,9 +416,10 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.models.llama import next_token_loss
-    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._cost import measure_costs
     from remat.planner._plan import _fit
     from remat.planner._solve import floor
+    from remat.planner._trace import find_blocks
 
     with FakeTensorMode():
         model, inputs = small_gpt(), small_gpt_tokens()
@@ -442,7 +445,7 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
     real = small_gpt()
     marked = with_children.apply(real)
     assert any(name.count(".") == 2 for name in marked)  # blocks.<i>.<child>
-    from remat.planner._cost import measure_peak
+    from remat.planner._measure import measure_peak
 
     step = Step(inputs=small_gpt_tokens(), loss_fn=next_token_loss)  # parameters restored after
     assert measure_peak(real, step, optimizer="adam", fake=False) == with_children.measured_peak_bytes <= budget
@@ -478,7 +481,7 @@ def test_a_plan_naming_a_missing_child_is_refused_and_marks_nothing():
 
 
 def test_each_options_step_is_timed_in_interleaved_rounds_and_leaves_the_model_unmarked():
-    from remat.planner._cost import interleaved_steps
+    from remat.planner._measure import interleaved_steps
 
     model, x = tiny_gpt(), tokens()
     blocks = dict(model.blocks.named_children())
@@ -495,7 +498,7 @@ def test_each_options_step_is_timed_in_interleaved_rounds_and_leaves_the_model_u
 
 
 def test_the_optimizers_step_is_timed_and_is_part_of_the_step_an_overhead_divides(monkeypatch):
-    from remat.planner import _cost
+    from remat.planner import _measure
 
     model, x = tiny_gpt(), tokens()
     blocks = dict(model.blocks.named_children())
@@ -508,11 +511,11 @@ def test_the_optimizers_step_is_timed_and_is_part_of_the_step_an_overhead_divide
 
     monkeypatch.setattr(torch.optim.Adam, "step", counted)
     uniform = {"keep": {}, "recompute": dict.fromkeys(blocks, "recompute")}
-    steps = _cost.interleaved_steps(model, Step(inputs=(x,)), blocks, uniform, rounds=2, optimizer="adam")
+    steps = _measure.interleaved_steps(model, Step(inputs=(x,)), blocks, uniform, rounds=2, optimizer="adam")
     # primed once, then after the unmarked step of each of 3 rounds (the first a warm-up)
     assert len(stepped) == 1 + 3 and steps["optimizer"] > 0
     # the plan's step is the unmarked forward and backward and the optimizer's step
-    monkeypatch.setattr(_cost, "interleaved_steps", lambda *a, **k: {**steps, "optimizer": 1.0})
+    monkeypatch.setattr(_measure, "interleaved_steps", lambda *a, **k: {**steps, "optimizer": 1.0})
     plan = remat.plan(tiny_gpt(), tokens(), budget=0.8, repeat=1)
     assert plan.step_s == pytest.approx(steps["keep"] + 1.0)
 
@@ -541,7 +544,6 @@ def test_a_block_re_run_is_calibrated_by_its_own_run_not_by_the_childrens():
     # children cost more per second of forward: pooled, they made a block re-run look dearer
     costs = two_blocks({"keep": 10.0, "recompute": 11.4, "selective": 11.0, "output": 13.0,
                         "children:attn": 11.0}, inner="children:attn")
-    costs.problem()
     assert costs.time_scale[1] == pytest.approx(0.7)  # 1.4 s for 2 s of forward
     assert costs.time_scale[4] == pytest.approx(1.0)  # 1 s for 1 s
 
@@ -550,10 +552,29 @@ def test_an_option_inside_blocks_is_never_scaled_below_a_block_re_run():
     # the policies timed cheap: the ops option still pays a block re-run's 1.5x
     costs = two_blocks({"keep": 10.0, "recompute": 13.0, "selective": 10.2, "output": 14.5,
                         "ops:aten::mm#0": 10.1}, inner="ops:aten::mm#0")
-    costs.problem()
     assert costs.time_scale[1] == pytest.approx(1.5)
     assert costs.time_scale[2] == pytest.approx(0.5)  # selective's own: 0.2 s for 1 s, floored
     assert costs.time_scale[4] == pytest.approx(1.5)
+
+
+def test_the_problem_is_built_without_writing_to_the_cost_model():
+    # the calibration and what each option's backward holds beyond its kept bytes are figures
+    # of the measured fields: problem() reads them and writes nothing, so the problems of one
+    # cost model are the same whichever is asked first, and however often
+    from remat.planner._cost import Ranking
+    from remat.planner._solve import evaluate
+
+    costs = dataclasses.replace(
+        two_blocks({"keep": 10.0, "recompute": 11.4, "selective": 11.0, "output": 13.0,
+                    "children:attn": 11.0}, inner="children:attn"),
+        ranking=Ranking(forward_s=[2.0, 2.0], selective_s=[1.0, 1.0], child_s=[[1.0], [1.0]]))
+    before = copy.deepcopy(costs)
+    ranked, calibrated = costs.problem(ranking=True), costs.problem()
+    assert costs == before
+    assert ranked == costs.problem(ranking=True) and calibrated == costs.problem()
+    assert evaluate(ranked, [1, 1])[1] == 4.0  # the ranking's times, not calibrated
+    assert evaluate(calibrated, [1, 1])[1] == pytest.approx(2 * 0.7)  # 1 s of forward, scaled
+    assert calibrated.rebuilt[0] == [8.0 + gap for gap in costs.transient_bytes]
 
 
 
@@ -599,7 +620,7 @@ def test_timing_noise_cannot_flip_a_plan(monkeypatch):
     are one plan; the solver ranks options by FLOPs and bytes, which do not jitter. The
     calibrated prediction moves with the noise; the choices do not."""
     from remat.memory import profile
-    from remat.planner import _cost
+    from remat.planner import _measure, _trace
 
     torch.manual_seed(0)
     model = gpt(layers=6, width=64, heads=4, seq_len=64, vocab=128)  # near ties at 80%
@@ -607,7 +628,7 @@ def test_timing_noise_cannot_flip_a_plan(monkeypatch):
     plans = []
     for seed in range(4):  # before: two plans in these four
         clock = _NoisyClock(seed, 0.02)
-        for module in (_cost, profile):
+        for module in (_trace, _measure, profile):
             monkeypatch.setattr(module, "time", clock)
         plans.append(remat.plan(model, x, budget=0.8, repeat=1))
     assert all(p.choices == plans[0].choices for p in plans), [list(p.choices.values()) for p in plans]
@@ -654,8 +675,9 @@ def test_one_optimizer_for_every_option_run_gives_each_runs_own_peaks(tokens_per
 
     from remat.memory.profile import measure
     from remat.models.llama import next_token_loss
-    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._cost import measure_costs
     from remat.planner._settings import mark_choices
+    from remat.planner._trace import find_blocks
 
     with FakeTensorMode():
         model = gpt(layers=3, width=64, heads=4, seq_len=64, vocab=100)
@@ -683,9 +705,10 @@ def test_no_plan_is_slower_than_a_uniform_marking_that_fits_its_budget():
     """A budget sweep on real tensors: each plan's ranking time (what the solver chooses on,
     NOTE [Plans timing noise cannot flip]) is at most that of every marking of all blocks
     alike whose measured peak fits the plan's budget; the uniform marking is taken when it wins."""
-    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._cost import measure_costs
     from remat.planner._plan import _fit
     from remat.planner._solve import evaluate, floor
+    from remat.planner._trace import find_blocks
 
     model, x = tiny_gpt(), tokens()
     settings = Settings(step=Step(inputs=(x,)), optimizer="adam", verify=False, repeat=1)

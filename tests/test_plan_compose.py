@@ -15,8 +15,10 @@ from remat.memory._step import Step
 from remat.memory.internal import identical_container
 from remat.models import gpt
 from remat.models.llama import Llama, LlamaConfig, next_token_loss
-from remat.planner._cost import composed_costs, find_blocks, measure_peak
+from remat.planner._cost import composed_costs
+from remat.planner._measure import measure_peak
 from remat.planner._settings import Settings, mark_choices
+from remat.planner._trace import find_blocks
 from remat.planner._verify import composed_peak, runs_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

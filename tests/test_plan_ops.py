@@ -34,8 +34,9 @@ def plans() -> list[remat.Plan]:
 
 def test_each_block_gets_the_same_options_keyed_by_its_own_calls():
     from remat.memory.internal import Step
-    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._cost import measure_costs
     from remat.planner._settings import Settings
+    from remat.planner._trace import find_blocks
 
     model, x = tiny_transformer(), sequence()
     settings = Settings(step=Step(inputs=(x,), api="test"), optimizer=None, options=("keep", "ops"), repeat=1)
@@ -135,8 +136,9 @@ def test_small_reductions_are_kept_and_cut_what_recomputation_runs():
     neither their squares nor their means; eager and compiled train bitwise equal to unmarked."""
     from remat.memory.internal import Step
     from remat.models.llama import llama
-    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._cost import measure_costs
     from remat.planner._settings import Settings
+    from remat.planner._trace import find_blocks
 
     def make() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -161,8 +163,9 @@ def test_small_reductions_are_kept_and_cut_what_recomputation_runs():
 
 def _llama_options(make, x, options=("keep", "selective", "ops")):
     from remat.memory.internal import Step
-    from remat.planner._cost import find_blocks, measure_costs
+    from remat.planner._cost import measure_costs
     from remat.planner._settings import Settings
+    from remat.planner._trace import find_blocks
 
     model = make()
     settings = Settings(step=Step(inputs=(x,), api="test"), optimizer=None, options=options, repeat=0)
@@ -225,8 +228,8 @@ def test_a_value_written_in_place_is_never_kept(inplace):
     is kept (the product before it is banned); in place (``relu_`` on the product's output),
     the only cut would keep the product the write changed, so there is no option."""
     from remat.memory.internal import Step
-    from remat.planner._cost import find_blocks, trace
     from remat.planner._settings import Settings
+    from remat.planner._trace import find_blocks, trace
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_Inplace(inplace) for _ in range(3)])
@@ -241,8 +244,8 @@ def test_min_cut_options_of_blocks_with_dropout_train_bitwise_eager_and_compiled
     still get min-cut options, none keying the mask or a ``div`` or ``bernoulli`` call, and
     plans of them train bitwise equal to unmarked, eager and compiled, dropout included."""
     from remat.memory.internal import Step
-    from remat.planner._cost import find_blocks, trace
     from remat.planner._settings import Settings
+    from remat.planner._trace import find_blocks, trace
 
     model, x = tiny_transformer(), sequence()
     traced = trace(model, find_blocks(model), Settings(step=Step(inputs=(x,), api="test"), optimizer=None))

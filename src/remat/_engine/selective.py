@@ -14,7 +14,7 @@ wrong gradient (a dropout kept, a second one rebuilt). So a kept call that drew 
 (an operator tagged ``nondeterministic_seeded`` across which a generator's state changed,
 ``rng.drew``: attention with ``dropout_p=0`` draws nothing and is not re-run) still runs in
 recomputation, its result discarded; the planner never keeps such a call (NOTE [Options
-cut by min-cut] in ``remat/planner/_cost.py``). ``tests/test_save_calls.py`` holds the case.
+cut by min-cut] in ``remat/planner/_options.py``). ``tests/test_save_calls.py`` holds the case.
 
 NOTE [Aliases with a version of their own]
 A kept output changed in place after forward is rebuilt, not handed back: its version

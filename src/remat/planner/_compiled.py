@@ -7,7 +7,7 @@ keeps more there), so the eager cost model cannot tell what a plan costs compile
 The compiled plan measures the compiled step instead:
 
 1. the options are the eager planner's families, per block (whole-block marks, children,
-   per-operator ``ops:`` options: NOTE [Options per operator] in ``_cost.py``), from one
+   per-operator ``ops:`` options: NOTE [Options per operator] in ``_options.py``), from one
    traced and one tracked unmarked eager step. More children are offered than the eager
    planner measures (each dropping `WIDE_SHARE` of the block's kept bytes, up to
    `WIDE_LIMIT`; and the single-operator children, norms and activations, together):
@@ -68,10 +68,11 @@ from remat.memory import format_bytes
 from remat.memory.internal import Step, StepFn, local_nbytes
 from remat.memory.profile import measure
 from remat.planner._budget import parse_budget
-from remat.planner._cost import find_blocks, inner_options, trace
+from remat.planner._options import inner_options
 from remat.planner._plan import Decision, Plan, _check_step, _step
 from remat.planner._settings import Settings, mark_choices
 from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, BudgetError, solve_savings
+from remat.planner._trace import find_blocks, trace
 
 API = "remat.compile"
 #: children offered inside a block when planning a compiled step: those dropping this share of

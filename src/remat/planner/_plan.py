@@ -1,7 +1,7 @@
 """``remat.plan``: choose what each block recomputes so a step fits a memory budget (layer 4).
 
-The cost model (``_cost.py``) measures every block under every option, the
-solver (``_solve.py``) picks the options of least extra time whose predicted
+The cost model (``_trace.py``, ``_measure.py``, ``_cost.py``) measures every block under
+every option, the solver (``_solve.py``) picks the options of least extra time whose predicted
 peak fits, and the plan is then measured: when the tracker's peak exceeds the
 budget, the solver runs again on a budget lowered by the excess. A
 `Plan` is data; `Plan.apply` sets the marks through
@@ -26,16 +26,11 @@ from remat.memory import format_bytes
 from remat.memory.internal import Step, StepFn, identical_container
 from remat.memory.profile import OptimizerLike, check_trainable
 from remat.planner._budget import parse_budget
-from remat.planner._cost import (
-    BlockCosts,
-    composed_costs,
-    find_blocks,
-    interleaved_steps,
-    measure_costs,
-    measure_peak,
-)
+from remat.planner._cost import BlockCosts, composed_costs, measure_costs
+from remat.planner._measure import interleaved_steps, measure_peak
 from remat.planner._settings import Builder, Settings, mark_choices, marks_of
 from remat.planner._solve import OPTIONS, BudgetError, Problem, Solution, evaluate, floor, solve
+from remat.planner._trace import find_blocks
 from remat.planner._verify import composed_peak
 
 API = "remat.plan"

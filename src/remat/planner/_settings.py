@@ -127,8 +127,8 @@ class Settings:
         options: the option families allowed (``"keep"`` first).
         fake: the model and inputs are fake tensors (times from the roofline).
         device: the device whose roofline times a fake-tensor plan.
-        throughput: FLOP/s of that device (None: `THROUGHPUT` of ``_cost``).
-        bandwidth: bytes/s of that device (None: `BANDWIDTH` of ``_cost``).
+        throughput: FLOP/s of that device (None: `THROUGHPUT` of ``_trace``).
+        bandwidth: bytes/s of that device (None: `BANDWIDTH` of ``_trace``).
         verify: measure each plan and re-solve while it exceeds its budget (``"full"``: on the
             whole model, never composed from short ones).
         solver: ``"auto"``, ``"dp"`` or ``"milp"``.

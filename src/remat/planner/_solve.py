@@ -24,7 +24,7 @@ An option that is not allowed has ``kept`` None (``output`` where a block's outp
 feeds more than the next block).
 
 Options past the first four recompute parts of a block (the ``children`` family,
-``"children:attn"``, ``"children:fc+gelu"``: NOTE [Options inside blocks] in ``_cost.py``)
+``"children:attn"``, ``"children:fc+gelu"``: NOTE [Options inside blocks] in ``_options.py``)
 or keep some of its operators' outputs (the ``ops`` family, ``"ops:aten::addmm#3"``: NOTE
 [Options per operator]);
 to the solvers they are columns like ``recompute``: bytes kept, bytes held in the
@@ -580,7 +580,7 @@ def min_cut_keep(weights: Sequence[int], inputs: Sequence[Sequence[int]], requir
                  banned: Sequence[int]) -> list[int]:
     """The operator outputs a region keeps so that backward can rebuild the rest by
     re-running only operators it may re-run, with the fewest bytes kept (NOTE [Options cut
-    by min-cut] in ``_cost.py``).
+    by min-cut] in ``_options.py``).
 
     Node ``i`` is one operator call of the region, in forward order: ``weights[i]`` the bytes
     of its output, ``inputs[i]`` the earlier nodes whose outputs it reads (values made outside
