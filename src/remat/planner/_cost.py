@@ -101,10 +101,11 @@ class BlockCosts:
         end = self.peaks["keep"] - sum(keep_kept)
         base = max((p for o, p in self.peaks.items() if self.phases.get(o) == "optimizer"), default=0)
         times: Ranking | BlockCosts = self.ranking if ranking and self.ranking is not None else self
-        scale = self.time_scale if times is self else [1.0] * len(self.options)
+        model = self.time_model if times is self else [(1.0, 0.0)] * len(self.options)
         # Times on a binary grid (2**-30 s): sums of them are exact in any order, so plans of
         # equal cost are exact ties, broken the same way run after run (identical blocks)
-        time_of = [[_grid(t * scale[o]) for o, t in enumerate(row)] for row in self._raw_times(times)]
+        time_of = [[_grid(t * model[o][0] + u * model[o][1]) for o, (t, u) in enumerate(zip(row, units))]
+                   for row, units in zip(self._raw_times(times), self._regions())]
         # What follows the last block (a head, a loss) runs backward with the gradients of
         # the parameters outside blocks and the blocks' kept bytes; a final chain is rebuilt there.
         tail = fixed[-1] + self.output_bytes[-1] if n else end
@@ -116,25 +117,41 @@ class BlockCosts:
 
     @property
     def time_scale(self) -> list[float]:
-        """Per column of ``options``, the factor `problem` scales its measured times by (all 1.0
-        without the options' timed steps, ``option_step_s``).
+        """Per column of ``options``, the factor `problem` scales its measured forward times by
+        (all 1.0 without the options' timed steps, ``option_step_s``): `time_model`'s first term."""
+        return [a for a, _ in self.time_model]
 
+    @property
+    def time_model(self) -> list[tuple[float, float]]:
+        """Per column of ``options``, ``(scale, per_region_s)``: an option costs ``scale`` times
+        the forward seconds it re-runs, plus ``per_region_s`` for each region it makes.
+
+        NOTE [Calibrated re-run times]
         Each option's uniform run was timed too; its measured extra time over the unmarked
-        step, against the sum of forward times, scales the times of its family (a re-run costs
-        more than its forward: the engine's hooks, the policy's dispatch mode, the gradients'
-        temporaries). One factor per family, fitted to all its options at once (least
-        squares): whole blocks (``recompute``, the largest and steadiest of the timed
-        differences), re-runs of children, per-call policies (``ops:``), ``selective`` and
-        ``output`` (`_family`). A timer's noise on one option moves its family's factor a
-        little, and every option of the family with it, so it cannot make one option look
-        cheaper than another of its kind: the plan is the same run after run. Children are a
-        family apart from whole blocks: their marks cost more per second of forward (more
-        hooks, operator marks), and pooled with them they made every block re-run look
-        dearer than it is (the prediction of a plan of block re-runs, high)."""
+        step calibrates its family (a re-run costs more than its forward: the engine's hooks,
+        the policy's dispatch mode, the gradients' temporaries). One model per family, fitted
+        to all its options at once (least squares): whole blocks (``recompute``, the largest
+        and steadiest of the timed differences), re-runs of children, per-call policies
+        (``ops:``), ``selective`` and ``output`` (`_family`). A timer's noise on one option
+        moves its family's model a little, and every option of the family with it, so it
+        cannot make one option look cheaper than another of its kind: the plan is the same run
+        after run. Children are a family apart from whole blocks: their marks cost more per
+        second of forward (more hooks, operator marks), and pooled with them they made every
+        block re-run look dearer than it is.
+
+        A region also costs the engine's work per call, whatever it re-runs: a region
+        around one small activation costs about as much as one around a whole attention on
+        small tensors. Scaling forward seconds alone predicted such a child at half its
+        measured cost and a per-call policy at a quarter (on a 4-block GPT of width 64, 4 x 64
+        tokens: ``children:gelu`` 0.83 ms predicted, 1.93 measured; ``ops:`` options 4.1 ms
+        against 8.0). So where a family's options tell the two apart (two or more timed, not
+        proportional in forward seconds and regions), the fit has two terms, a scale and a
+        price per region (not negative; the scale within [0.5, 4]); otherwise the price is 0
+        and the scale alone is fitted, as a single timed option defines it exactly."""
         n, columns = len(self.names), len(self.options)
-        raw_times = self._raw_times(self)
+        raw_times, units = self._raw_times(self), self._regions()
         keep_s = self.option_step_s.get("keep")
-        fitted: dict[str, list[tuple[float, float]]] = {}
+        fitted: dict[str, list[tuple[float, float, float]]] = {}
         for o in range(1, columns):
             step_s = self.option_step_s.get(self.options[o])
             if keep_s is None or step_s is None:
@@ -142,15 +159,19 @@ class BlockCosts:
             choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
             raw = sum(raw_times[i][c] for i, c in enumerate(choice))
             if raw > 0:
-                fitted.setdefault(_family(self.options[o]), []).append((raw, step_s - keep_s))
-        factor = {family: min(4.0, max(0.5, sum(r * d for r, d in pairs) / sum(r * r for r, _ in pairs)))
-                  for family, pairs in fitted.items()}
-        scale = [1.0] + [factor.get(_family(self.options[o]), 1.0) for o in range(1, columns)]
+                regions = sum(units[i][c] for i, c in enumerate(choice))
+                fitted.setdefault(_family(self.options[o]), []).append((raw, regions, step_s - keep_s))
+        model = {family: _fit_family(rows) for family, rows in fitted.items()}
+        out = [(1.0, 0.0)] + [model.get(_family(self.options[o]), (1.0, 0.0)) for o in range(1, columns)]
         # A child's re-run pays the engine's hooks as a block's does, per second of forward
-        # at least: an option inside blocks is not scaled below ``recompute``.
+        # at least: an option inside blocks is not scaled below ``recompute`` (its price per
+        # region refitted at that scale).
+        # A family fitted with a price per region needs no floor: its fixed cost is the price.
+        floor = out[RECOMPUTE][0]
         for o in range(len(BLOCK_OPTIONS), columns):
-            scale[o] = max(scale[o], scale[RECOMPUTE])
-        return scale
+            if out[o][0] < floor and not out[o][1]:
+                out[o] = (floor, 0.0)
+        return out
 
     @property
     def transient_bytes(self) -> list[float]:
@@ -179,6 +200,13 @@ class BlockCosts:
         later = [sum(self.grad_bytes[i + 1 if self.calls == 1 else 0:]) for i in range(n)]
         return [self.baseline_bytes + self.other_grad_bytes + g for g in later]
 
+    def _regions(self) -> list[list[int]]:
+        """Per block and column, the regions the option makes: one for a block option or a
+        per-call policy, one per child marked (NOTE [Calibrated re-run times])."""
+        per_option = [0, *[1] * (len(BLOCK_OPTIONS) - 1)] + [
+            1 if o.startswith(f"{OPS}:") else len(children_in(o)) for o in self.options[len(BLOCK_OPTIONS):]]
+        return [per_option] * len(self.names)
+
     def _raw_times(self, times: Ranking | BlockCosts) -> list[list[float]]:
         """Per block and column, the extra seconds of ``times`` (this cost model or its
         `Ranking`) before calibration."""
@@ -192,22 +220,46 @@ class BlockCosts:
                 for f, s, c in zip(times.forward_s, times.selective_s, inner)]
 
 
+def _fit_family(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(scale, per_region_s)`` fitted to a family's ``(forward s, regions, extra s)`` rows
+    (NOTE [Calibrated re-run times]): two terms where the rows tell them apart, else one."""
+    sxx = sum(r * r for r, _, _ in rows)
+    one = min(4.0, max(0.5, sum(r * d for r, _, d in rows) / sxx))
+    suu = sum(u * u for _, u, _ in rows)
+    sxu = sum(r * u for r, u, _ in rows)
+    det = sxx * suu - sxu * sxu
+    if len(rows) < 2 or det <= 1e-9 * sxx * suu:  # proportional rows: the price is not seen
+        return one, 0.0
+    sxd = sum(r * d for r, _, d in rows)
+    sud = sum(u * d for _, u, d in rows)
+    scale = min(4.0, max(0.5, (sxd * suu - sud * sxu) / det))
+    price = _price(rows, scale)
+    return (scale, price) if price > 0 else (one, 0.0)
+
+
+def _price(rows: list[tuple[float, float, float]], scale: float) -> float:
+    """The per-region price that best fits ``rows`` at ``scale`` (least squares, not negative)."""
+    suu = sum(u * u for _, u, _ in rows)
+    return max(0.0, sum(u * (d - scale * r) for r, u, d in rows) / suu) if suu else 0.0
+
+
 def _grid(seconds: float) -> float:
     """``seconds`` rounded to a multiple of 2**-30 s (about a nanosecond), a binary fraction."""
     return round(seconds * 2**30) / 2**30
 
 
 def _family(option: str) -> str:
-    """The options whose re-runs cost alike per second of forward: ``"blocks"`` (whole blocks
-    re-run by the hooks), ``"children"`` (children re-run by cell and operator marks), ``"ops"``
-    (per-call policies under the dispatch modes), and two of their own: ``"selective"`` (every
-    cheap operator of a block re-run under them) and ``"output"`` (a chain of blocks re-run
-    twice, measured at 2x a block re-run)."""
-    if option in ("selective", "output"):
-        return option  # output: each block re-run twice in backward (NOTE [Output pass])
+    """The options whose re-runs cost alike (NOTE [Calibrated re-run times]): ``"blocks"``
+    (whole blocks re-run by the hooks), ``"children"`` (children re-run by cell and operator
+    marks), ``"policies"`` (``selective`` and the per-call policies ``ops:``: a block re-run
+    under a dispatch mode that decides per call, whose price per block the ``ops:`` options
+    show and ``selective`` alone could not), and ``"output"`` of its own (a chain of blocks
+    re-run twice, measured at 2x a block re-run)."""
+    if option == "output":
+        return option  # each block re-run twice in backward (NOTE [Output pass])
     if option == "recompute":
         return "blocks"
-    return "ops" if option.startswith(f"{OPS}:") else "children"
+    return "policies" if option == "selective" or option.startswith(f"{OPS}:") else "children"
 
 
 
