@@ -321,3 +321,13 @@ def test_compiled_recomputation_reads_an_input_changed_later_as_the_forward_did(
     remat.compile(marked, backend="aot_eager")(x.clone()).pow(2).sum().backward()
     trained = [name for name, p in eager.named_parameters() if p.requires_grad]
     assert_close_within_tolerance(named_grads(marked, trained), named_grads(eager, trained))
+
+
+def test_compile_refuses_a_torch_older_than_the_tested_range(monkeypatch):
+    # under torch 2.11 (measured on an H200) the compiled step never reached remat's
+    # partition: every mark silently unapplied; refused before anything is compiled
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="needs torch 2.13 or later, found 2.11.0"):
+        remat.compile(model)
+    assert not hasattr(model, "remat_reports")

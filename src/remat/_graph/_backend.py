@@ -55,6 +55,12 @@ class RematBackend:
                 f"remat.compile: backend must be one of {BACKENDS}, got {backend!r}; "
                 f"use 'aot_eager' on machines without a C++ compiler"
             )
+        if _torch_version() < (2, 13):
+            raise RuntimeError(
+                f"remat.compile: needs torch 2.13 or later, found {torch.__version__}: under torch "
+                f"2.11 the compiled step never reached remat's partition (no mark was applied, "
+                f"the memory not saved); upgrade torch, or train with the eager marks"
+            )
         self.backend = backend
         self.save_graphs = save_graphs
         self.roots = list(roots)
@@ -178,3 +184,9 @@ def _global_names(code: types.CodeType) -> set[str]:
         if isinstance(const, types.CodeType):
             names |= _global_names(const)
     return names
+
+
+def _torch_version() -> tuple[int, int]:
+    """``(major, minor)`` of the torch in use."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
