@@ -251,7 +251,9 @@ class Reentrant(torch.autograd.Function):
         out, frame.pending = frame.pending, None
         outs = (out if isinstance(out, tuple) else (out,))
         ctx.save_for_backward(*_without_history(frame, _returned_copied(frame, tensors[:n_inputs])))
+        views = [(i, o.stride()) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o._is_view()]
         outs = tuple(_not_a_view(o) for o in outs)
+        ctx.views = [(i, stride, outs[i].detach(), outs[i]._version) for i, stride in views]
         if frame.targets:
             ctx.mark_dirty(*frame.targets)
             return (*outs, *frame.targets)
@@ -288,7 +290,7 @@ class Reentrant(torch.autograd.Function):
                             if i in frame.views or i in frame.copied else x
                             for i, x in enumerate(tensors))
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
-        found = differentiate(frame, tensors, grads)
+        found = differentiate(frame, tensors, _as_written_views(ctx, grads))
         if not keep:  # a graph not kept cannot run the region again: break the cycles
             if frame.escaped or frame.picks:  # NOTE [Tensors that escape a reentrant region]
                 frame.release()
@@ -342,6 +344,35 @@ def _without_history(frame: ReentrantFrame, inputs: tuple) -> tuple:
     if not frame.views:
         return inputs
     return tuple(x.detach() if i in frame.views else x for i, x in enumerate(inputs))
+
+
+def _as_written_views(ctx: Any, grads: tuple) -> tuple:
+    """The gradients of outputs that were views and were changed in place after the region,
+    laid out as the view was (NOTE [Views changed after the region]).
+
+    NOTE [Views changed after the region]
+    A region that returns a view of a tensor it made (a block ending in ``transpose``)
+    hands the caller a detached alias instead (`_not_a_view`). Without the mark, an
+    in-place change of that view (``out.add_(1)``) puts a ``CopySlices`` over its base,
+    whose backward hands the base's producer a gradient in the base's own layout; through
+    the region, the view's gradient came in the caller's layout and reached the base
+    through the view's backward, strided otherwise. The values are the same, but a
+    reduction further back (a batch norm's, a convolution's bias) sums them in another
+    order: rounding-level differences, amplified by a batch norm of a small batch (a
+    shared-fuzzer case: a relative 4e-2 on a convolution's bias gradient). So the alias's
+    version is kept (a detached alias of it shares its version counter, not its history),
+    and when it moved, the gradient is copied into the view's strides first: the view's
+    backward then gives the base its own layout, as ``CopySlices`` does.
+    """
+    views = getattr(ctx, "views", ())
+    if not views:
+        return grads
+    grads = list(grads)
+    for i, stride, alias, version in views:
+        g = grads[i]
+        if alias._version != version and g is not None and g.stride() != stride:
+            grads[i] = torch.empty_strided(g.shape, stride, dtype=g.dtype, device=g.device).copy_(g)
+    return tuple(grads)
 
 
 def _not_a_view(x: Any) -> Any:
