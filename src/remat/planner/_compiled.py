@@ -28,7 +28,8 @@ The compiled plan measures the compiled step instead:
    `remat.planner.solve_savings`;
 4. the choice is compiled and measured; while its peak exceeds the budget, the next best
    choice is taken with the excess added to what must be saved; after six misses, the
-   fastest option marking every block alike whose own compiled run fits is taken.
+   fastest option marking every block alike whose own compiled run fits is taken (the loop
+   the eager planner runs too: NOTE [Solve, measure, lower the target] in ``_loop.py``).
 
 NOTE [Modules outside the blocks]
 What runs outside the blocks (a final norm, an embedding, a head) keeps bytes too, and
@@ -68,6 +69,7 @@ from remat.memory import format_bytes
 from remat.memory.internal import Step, StepFn, local_nbytes
 from remat.memory.profile import measure
 from remat.planner._budget import parse_budget
+from remat.planner._loop import fit
 from remat.planner._options import inner_options
 from remat.planner._plan import Decision, Plan, _check_step, _step
 from remat.planner._settings import Settings, mark_choices
@@ -217,35 +219,19 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
     compute, memory = _fit(parts, gained)
     work = {o: compute * parts[o][0] + memory * parts[o][1] for o in columns}
     extra = [[work[o] / max(marked[o], 1) for o in columns] for _ in items]
-    over: list[tuple[int, ...]] = []
-    excess = 0.0
-    measured = None
-    choice = None
-    for _attempt in range(6):
-        choice = solve_savings(saving, extra, keep.peak - target + excess, exclude=over)
-        if choice is None:
-            break
+    floor = min(r.peak for r in runs.values())
+
+    def measured_peak(choice: tuple[int, ...]) -> int:
         choices = {name: columns[c] for name, c in zip(items, choice, strict=True) if c}
         say(f"measuring the compiled plan for {format_bytes(target)}")
-        measured = keep.peak if not choices else build(choices).peak
-        if measured <= target:
-            break
-        over.append(choice)  # the separable model erred: save the excess more, never this one
-        excess += measured - target
-    if choice is None or measured is None or measured > target:
-        # the separable model kept erring: the fastest option marking every block alike whose
-        # own compiled run (measured above) fits
-        fits = [o for o in columns[1:] if runs[o].peak <= target]
-        if not fits:
-            floor = min(r.peak for r in runs.values())
-            raise BudgetError(
-                f"{API}: no plan measured within a budget of {format_bytes(target)} ({target:,.0f} "
-                f"bytes) for the compiled step; the lowest compiled peak measured is "
-                f"{format_bytes(floor)} ({floor:,} bytes; no recompute: {format_bytes(keep.peak)}); "
-                f"raise the budget or shrink the batch", budget_bytes=target, floor_bytes=floor)
-        best = min(fits, key=lambda o: (times[o], columns.index(o)))
-        choice = tuple(columns.index(best) if best in allowed[name] else 0 for name in items)
-        measured = runs[best].peak
+        return keep.peak if not choices else build(choices).peak
+
+    # NOTE [Solve, measure, lower the target]: a choice measured over the budget is never
+    # solved for again (the separable model erred: save the excess more, never this one)
+    choice, measured, _ = fit(
+        target, lambda lowered, rejected: solve_savings(saving, extra, keep.peak - lowered, exclude=rejected),
+        measured_peak, lambda _over: _uniform(runs, times, columns, allowed, items, target),
+        lambda _over, _exhausted: _budget_error(target, floor, keep.peak))
     # a block's kept bytes: the eager tracker's unmarked figure less the compiled saving
     decisions = tuple(Decision(name, types[i], columns[c].rpartition("=")[2],
                                max(0.0, kept_unmarked[i] - saving[i][c]), extra[i][c])
@@ -255,10 +241,31 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
                 predicted_peak_bytes=int(keep.peak - sum(saving[i][c] for i, c in enumerate(choice))),
                 predicted_extra_s=sum(extra[i][c] for i, c in enumerate(choice)),
                 step_s=times["keep"], no_recompute_peak_bytes=keep.peak,
-                floor_bytes=min(r.peak for r in runs.values()), measured_peak_bytes=measured,
+                floor_bytes=floor, measured_peak_bytes=measured,
                 solver="compiled knapsack", solve_s=time.perf_counter() - start,
                 timing=f"compiled ({backend}): copies' FLOPs x{compute:.2f} and bytes x{memory:.2f} "
                        f"on the roofline, fitted to every option's timed step")
+
+
+def _uniform(runs: dict[str, _Run], times: dict[str, float], columns: list[str],
+             allowed: dict[str, list[str]], items: list[str], target: float) -> tuple[tuple[int, ...], int] | None:
+    """When the separable model keeps erring: the fastest option marking every block alike
+    whose own compiled run (measured while planning) fits ``target``, as a choice with its
+    peak; None if none fits."""
+    fits = [o for o in columns[1:] if runs[o].peak <= target]
+    if not fits:
+        return None
+    best = min(fits, key=lambda o: (times[o], columns.index(o)))
+    return tuple(columns.index(best) if best in allowed[name] else 0 for name in items), runs[best].peak
+
+
+def _budget_error(target: float, floor: int, no_recompute: int) -> BudgetError:
+    """No compiled plan measured within ``target``; ``floor``: the lowest compiled peak measured."""
+    return BudgetError(
+        f"{API}: no plan measured within a budget of {format_bytes(target)} ({target:,.0f} "
+        f"bytes) for the compiled step; the lowest compiled peak measured is "
+        f"{format_bytes(floor)} ({floor:,} bytes; no recompute: {format_bytes(no_recompute)}); "
+        f"raise the budget or shrink the batch", budget_bytes=target, floor_bytes=floor)
 
 
 def _outside(model: torch.nn.Module, blocks: Sequence[str], rows: dict) -> dict[str, str]:

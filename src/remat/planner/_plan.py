@@ -3,7 +3,8 @@
 The cost model (``_trace.py``, ``_measure.py``, ``_cost.py``) measures every block under
 every option, the solver (``_solve.py``) picks the options of least extra time whose predicted
 peak fits, and the plan is then measured: when the tracker's peak exceeds the
-budget, the solver runs again on a budget lowered by the excess. A
+budget, the solver runs again on a budget lowered by the excess (NOTE [Solve, measure,
+lower the target] in ``_loop.py``). A
 `Plan` is data; `Plan.apply` sets the marks through
 [`remat.recompute_module`][remat.recompute_module].
 """
@@ -27,6 +28,7 @@ from remat.memory.internal import Step, StepFn, identical_container
 from remat.memory.profile import OptimizerLike, check_trainable
 from remat.planner._budget import parse_budget
 from remat.planner._cost import BlockCosts, composed_costs, measure_costs
+from remat.planner._loop import fit
 from remat.planner._measure import interleaved_steps, measure_peak
 from remat.planner._settings import Builder, Settings, mark_choices, marks_of
 from remat.planner._solve import OPTIONS, BudgetError, Problem, Solution, evaluate, floor, solve
@@ -528,50 +530,28 @@ def _plans(model: torch.nn.Module, budgets: list, settings: Settings) -> list:
 def _fit(model: torch.nn.Module, costs: BlockCosts, problems: tuple[Problem, Problem], budget: float,
          least: float, settings: Settings) -> Plan:
     """The plan for ``budget``: chosen on the first of ``problems`` (the ranking times), its
-    extra time predicted by the second (the calibrated ones), its peak measured."""
+    extra time predicted by the second (the calibrated ones), its peak measured and re-solved
+    for while it exceeds the budget (NOTE [Solve, measure, lower the target])."""
     ranking, problem = problems
-    no_recompute = costs.peaks["keep"]
     settings.say(f"solving for {format_bytes(budget)}")
-    target = budget
-    measured = None
-    over: list[int] = []
-    for _attempt in range(6):
+
+    def solved(target: float, _rejected: Sequence[Solution]) -> Solution | None:
         try:
-            solution = _predicted(problem, solve(ranking, target, resolution=max(1.0, target / 8192),
-                                                 solver=settings.solver))
+            return _predicted(problem, solve(ranking, target, resolution=max(1.0, target / 8192),
+                                             solver=settings.solver))
         except BudgetError:
-            uniform = _uniform(costs, problems, budget) if over else None
-            if uniform is not None:  # the cost model erred near its floor: a measured uniform plan
-                solution, measured = uniform
-                break
-            if over:
-                raise BudgetError(
-                    f"{API}: no plan measured within a budget of {format_bytes(budget)} ({budget:,.0f} "
-                    f"bytes): the cost model's floor is {format_bytes(least)}, but the plans near it "
-                    f"measured {format_bytes(min(over))} or more; raise the budget to {min(over):,.0f} bytes",
-                    budget_bytes=budget, floor_bytes=min(over)) from None
-            shown = max(least, budget + 1)
-            raise BudgetError(
-                f"{API}: no plan fits a budget of {format_bytes(budget)} ({budget:,.0f} bytes); the "
-                f"smallest reachable peak is {format_bytes(shown)} ({shown:,.0f} bytes; no recompute: "
-                f"{format_bytes(no_recompute)}); raise the budget or shrink the batch",
-                budget_bytes=budget, floor_bytes=shown) from None
+            return None
+
+    def measured_peak(solution: Solution) -> int | None:
         if not settings.verify:
-            break
+            return None
         settings.say(f"measuring the plan for {format_bytes(budget)}")
-        measured = _measure_choices(model, costs, solution.choices, settings)
-        if measured <= budget:
-            break
-        over.append(measured)
-        target -= measured - budget
-    else:
-        uniform = _uniform(costs, problems, budget)
-        if uniform is None:
-            raise BudgetError(
-                f"{API}: no plan measured within a budget of {format_bytes(budget)} "
-                f"({budget:,.0f} bytes); the last plan measured {format_bytes(measured)}; raise the budget",
-                budget_bytes=budget, floor_bytes=measured)
-        solution, measured = uniform
+        return _measure_choices(model, costs, solution.choices, settings)
+
+    # after a plan measured over the budget, the cost model erred near its floor: a measured uniform plan
+    solution, measured, _ = fit(budget, solved, measured_peak,
+                                lambda over: _uniform(costs, problems, budget) if over else None,
+                                lambda over, exhausted: _budget_error(budget, least, costs, over, exhausted))
     # the marking of every block alike wins when it is faster and measured within the budget
     # (the model may have thought it over: its run was measured, not predicted)
     uniform = _uniform(costs, problems, budget)
@@ -582,6 +562,31 @@ def _fit(model: torch.nn.Module, costs: BlockCosts, problems: tuple[Problem, Pro
         return plan
     settings.say(f"timing the plan for {format_bytes(budget)}")
     return dataclasses.replace(plan, measured_extra_s=_timed_extra(model, costs, solution.choices, settings))
+
+
+def _budget_error(budget: float, least: float, costs: BlockCosts, over: Sequence[int],
+                  exhausted: bool) -> BudgetError:
+    """Why no plan was found for ``budget``: every try measured over it (``exhausted``), the
+    solver found none on a lowered target after the peaks ``over``, or none at all."""
+    if exhausted:
+        measured = over[-1]
+        return BudgetError(
+            f"{API}: no plan measured within a budget of {format_bytes(budget)} "
+            f"({budget:,.0f} bytes); the last plan measured {format_bytes(measured)}; raise the budget",
+            budget_bytes=budget, floor_bytes=measured)
+    if over:
+        return BudgetError(
+            f"{API}: no plan measured within a budget of {format_bytes(budget)} ({budget:,.0f} "
+            f"bytes): the cost model's floor is {format_bytes(least)}, but the plans near it "
+            f"measured {format_bytes(min(over))} or more; raise the budget to {min(over):,.0f} bytes",
+            budget_bytes=budget, floor_bytes=min(over))
+    shown = max(least, budget + 1)
+    no_recompute = costs.peaks["keep"]
+    return BudgetError(
+        f"{API}: no plan fits a budget of {format_bytes(budget)} ({budget:,.0f} bytes); the "
+        f"smallest reachable peak is {format_bytes(shown)} ({shown:,.0f} bytes; no recompute: "
+        f"{format_bytes(no_recompute)}); raise the budget or shrink the batch",
+        budget_bytes=budget, floor_bytes=shown)
 
 
 #: interleaved rounds, per unit of ``repeat``, that time a plan against the unmarked step
