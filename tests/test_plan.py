@@ -64,7 +64,10 @@ def test_budget_held_monotone_and_gradients_bitwise_equal(make, data):
         assert p.predicted_peak_bytes <= p.budget_bytes
     for high, low in itertools.pairwise(plans):  # budgets fall along the list
         assert low.predicted_peak_bytes <= high.predicted_peak_bytes
-        assert low.predicted_extra_s >= high.predicted_extra_s
+        # the plans are chosen on FLOPs and bytes, their overheads predicted from timed runs
+        # (NOTE [Plans timing noise cannot flip]): a loaded machine's timer may invert two
+        # nearly equal predictions (0.017695 s against 0.017721 s seen), not more
+        assert low.predicted_extra_s >= 0.95 * high.predicted_extra_s
     assert plans[0].choices == dict.fromkeys(plans[0].choices, "keep")
     assert any(c != "keep" for c in plans[-1].choices.values())
     expected = grads(make(), x)
