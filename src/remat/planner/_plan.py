@@ -74,7 +74,9 @@ class Plan:
         predicted_extra_s: the solver's predicted extra seconds per step.
         step_s: the measured seconds of one step without recompute (None: not timed).
         no_recompute_peak_bytes: the step's peak with no mark.
-        floor_bytes: the smallest peak any plan reaches (every block at its lowest option).
+        floor_bytes: the smallest peak the planner reaches: the cost model's floor, raised to
+            what the plan at it measured where plans are measured (NOTE [A floor that plans
+            reach]); a budget at it gets a plan.
         measured_peak_bytes: the peak measured with the plan applied (None: not verified).
         solver: which solver chose it (``"dp"``, ``"milp"``).
         solve_s: seconds the solver took.
@@ -383,7 +385,9 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
         model, example_inputs, others: as for `remat.plan`.
 
     Returns:
-        list[remat.Plan]: one plan (or ``BudgetError``) per budget, in order.
+        list[remat.Plan]: one plan (or ``BudgetError``) per budget, in order: each the
+        fastest of the plans the sweep measured within its budget, so a lower budget never
+        gets a higher measured peak (NOTE [A sweep is monotone]).
 
     Examples:
         >>> import torch, remat
@@ -514,7 +518,7 @@ def _plans(model: torch.nn.Module, budgets: list, settings: Settings) -> list:
         costs = measure_costs(model, chosen, settings)
     problem = costs.problem()
     ranking = costs.problem(ranking=True)  # NOTE [Plans timing noise cannot flip]
-    least = floor(problem)
+    least = _reachable_floor(model, costs, (ranking, problem), floor(problem), settings)
     out = []
     for value, fractional in budgets:
         budget = value * costs.peaks["keep"] if fractional else value
@@ -524,7 +528,70 @@ def _plans(model: torch.nn.Module, budgets: list, settings: Settings) -> list:
             if not settings.floors:
                 raise
             out.append(err)
+    return _shared(out, ranking) if len(out) > 1 else out
+
+
+def _shared(found: list, ranking: Problem) -> list:
+    """Each budget of a sweep gets the fastest plan the sweep found within it.
+
+    NOTE [A sweep is monotone]
+    Every plan of a sweep was measured; one found for a lower budget fits every higher one.
+    Searching each budget alone, a cost model that errs (the U-Net's ``output`` options,
+    predicted low) can end one budget on a fallback that a lower budget's search beat: the
+    measured peak then rose as the budget fell (727,000 bytes at one budget, 734,232 at the
+    next lower). So each budget takes, of all the sweep's plans measured within it, the
+    fastest by the ranking times, the lower peak on a tie (a budget refused alone may get one
+    too). That makes the measured peaks monotone: a plan chosen for a higher budget with a
+    lower peak than a lower budget's would fit the lower budget, and be as fast, so the lower
+    budget would have chosen it.
+    """
+    plans = [p for p in found if isinstance(p, Plan)]
+
+    def key(p: Plan) -> tuple:
+        rank = evaluate(ranking, [ranking.options.index(c) for c in p.choices.values()])[1]
+        return rank, _peak(p)
+
+    out = []
+    for item in found:
+        budget = item.budget_bytes
+        fits = [p for p in plans if _peak(p) <= budget]
+        best = min(fits, key=key, default=None)
+        if best is None or (isinstance(item, Plan) and key(item) <= key(best)):
+            out.append(item)
+        else:
+            out.append(dataclasses.replace(best, budget_bytes=int(budget)))
     return out
+
+
+def _peak(plan: Plan) -> int:
+    return plan.predicted_peak_bytes if plan.measured_peak_bytes is None else plan.measured_peak_bytes
+
+
+def _reachable_floor(model: torch.nn.Module, costs: BlockCosts, problems: tuple[Problem, Problem],
+                     least: float, settings: Settings) -> float:
+    """The floor a plan is found at: the cost model's, raised to what its plan measures.
+
+    NOTE [A floor that plans reach]
+    The cost model's floor is the lowest peak it predicts. On some graphs it is optimistic:
+    the U-Net's skip connections keep more than its blocks' moments add up to, and the plan at
+    its floor measured 803,500 bytes for 770,080 predicted. Reported as it was, the floor
+    named a budget no plan met (refused with "raise the budget"), and a sweep from it started
+    with refusals. So where plans are measured (real tensors, ``verify``), the floor plan is
+    measured once, and the floor is raised to the lowest peak a known plan measured: that plan,
+    or a marking of every block alike (their runs were measured for the cost model), where one
+    measured lower (the floor plan may measure worse than a uniform one where the model errs).
+    """
+    if settings.fake or not settings.verify:
+        return least  # predictions only: composed or unmeasured
+    ranking, problem = problems
+    try:
+        solution = solve(ranking, least, resolution=max(1.0, least / 8192), solver=settings.solver)
+    except BudgetError:
+        return least
+    measured = _measure_choices(model, costs, solution.choices, settings)
+    uniform = [costs.peaks[option] for o, option in enumerate(problem.options) if option in costs.peaks
+               and all(problem.kept[i][o] is not None for i in range(problem.blocks))]
+    return max(least, min([measured, *uniform]))
 
 
 def _fit(model: torch.nn.Module, costs: BlockCosts, problems: tuple[Problem, Problem], budget: float,
