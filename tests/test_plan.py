@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import functools
 import itertools
-import sys
 
 import pytest
 import torch
@@ -64,10 +63,7 @@ def test_budget_held_monotone_and_gradients_bitwise_equal(make, data):
         assert p.predicted_peak_bytes <= p.budget_bytes
     for high, low in itertools.pairwise(plans):  # budgets fall along the list
         assert low.predicted_peak_bytes <= high.predicted_peak_bytes
-        # the plans are chosen on FLOPs and bytes, their overheads predicted from timed runs
-        # (NOTE [Plans timing noise cannot flip]): a loaded machine's timer may invert two
-        # nearly equal predictions (0.017695 s against 0.017721 s seen), not more
-        assert low.predicted_extra_s >= 0.95 * high.predicted_extra_s
+        assert low.predicted_extra_s >= high.predicted_extra_s  # NOTE [A sweep is monotone]
     assert plans[0].choices == dict.fromkeys(plans[0].choices, "keep")
     assert any(c != "keep" for c in plans[-1].choices.values())
     expected = grads(make(), x)
@@ -317,7 +313,7 @@ def test_option_times_are_calibrated_by_each_option_timed_run():
 
 
 def test_when_every_solved_plan_measures_over_a_uniform_measured_plan_is_chosen(monkeypatch):
-    front = sys.modules[sweep.__module__]
+    from remat.planner import _fitting as front
 
     net, x = tiny_gpt(), tokens()
     honest = remat.plan(net, x, budget=0.7, repeat=1)
@@ -459,7 +455,7 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
 
     from remat.models.llama import next_token_loss
     from remat.planner._cost import measure_costs
-    from remat.planner._plan import _fit
+    from remat.planner._fitting import _fit
     from remat.planner._solve import floor
     from remat.planner._trace import find_blocks
 
@@ -702,7 +698,7 @@ def test_a_plan_on_real_tensors_is_timed_against_the_unmarked_step(monkeypatch):
     """The chosen plan is timed in interleaved rounds against the unmarked step (as its peak is
     measured); the rounds are counted, the model comes back unmarked with its weights, and
     the figure is printed beside the prediction."""
-    from remat.planner import _plan
+    from remat.planner import _fitting as _plan
 
     model, x = tiny_gpt(), tokens()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -767,7 +763,7 @@ def test_no_plan_is_slower_than_a_uniform_marking_that_fits_its_budget():
     NOTE [Plans timing noise cannot flip]) is at most that of every marking of all blocks
     alike whose measured peak fits the plan's budget; the uniform marking is taken when it wins."""
     from remat.planner._cost import measure_costs
-    from remat.planner._plan import _fit
+    from remat.planner._fitting import _fit
     from remat.planner._solve import evaluate, floor
     from remat.planner._trace import find_blocks
 
@@ -797,7 +793,7 @@ def test_a_uniform_marking_measured_within_the_budget_wins_over_a_slower_plan(mo
     """The solver's plan is slower (by the ranking times) than marking every block alike
     with an option whose own run measured within the budget: the fastest such marking
     (``selective``: half a re-run per block) is taken."""
-    from remat.planner import _plan
+    from remat.planner import _fitting as _plan
     from remat.planner._solve import Solution
 
     costs = two_blocks({})

@@ -89,7 +89,7 @@ def test_composed_verification_equals_the_whole_trace_to_the_byte(make, loss_fn,
 
 
 def test_plan_verified_by_composition_measures_what_the_full_trace_measures(monkeypatch):
-    import remat.planner._plan as planning
+    import remat.planner._fitting as planning
 
     composed = []
 
@@ -166,7 +166,7 @@ def test_a_rank_plans_composed_verification_equals_the_whole_trace():
 
 
 def test_a_step_of_micro_batches_is_verified_on_the_whole_model(monkeypatch):
-    import remat.planner._plan as planning
+    import remat.planner._fitting as planning
 
     calls = []
     monkeypatch.setattr(planning, "composed_peak", lambda *a, **k: calls.append(1) or composed_peak(*a, **k))

@@ -7,8 +7,8 @@ between packages, so that no module reaches into another package's private modul
 
 from remat.memory.internal import identical_container
 from remat.planner._cost import composed_costs, measure_costs
+from remat.planner._fitting import _fit as fit
 from remat.planner._measure import measure_peak
-from remat.planner._plan import _fit as fit
 from remat.planner._settings import Settings
 from remat.planner._trace import find_blocks
 
