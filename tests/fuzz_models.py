@@ -112,16 +112,19 @@ class MLP(Block):
 
 
 class Conv(Block):
-    """Conv1d over the middle dimension: transposes in, a transposed view out."""
+    """Conv1d over the middle dimension, a batch norm after it or not: transposes in, a
+    transposed view out (a wire may change that view in place: NOTE [Views changed after
+    the region] in ``_engine/reentrant.py``)."""
 
     kind = "conv"
 
     def __init__(self, p: dict) -> None:
         super().__init__()
         self.conv = nn.Conv1d(D, D, 3, padding=1, bias=p["bias"])
+        self.norm = nn.BatchNorm1d(D) if p.get("norm") else nn.Identity()
 
     def forward(self, x):
-        return self.conv(x.transpose(1, 2)).transpose(1, 2)
+        return self.norm(self.conv(x.transpose(1, 2))).transpose(1, 2)
 
 
 class Norm(Block):
@@ -462,7 +465,7 @@ BLOCKS: dict[str, BlockKind] = {
     "linear": BlockKind(Linear, 1.0, lambda r: {"bias": r.random() < 0.6}),
     "linear_act": BlockKind(LinearAct, 2.0, lambda r: {"act": r.choice(ACTS)}),
     "mlp": BlockKind(MLP, 1.5, lambda r: {"act": r.choice(ACTS)}),
-    "conv": BlockKind(Conv, 1.0, lambda r: {"bias": r.random() < 0.7}),
+    "conv": BlockKind(Conv, 1.0, lambda r: {"bias": r.random() < 0.7, "norm": r.random() < 0.4}),
     "norm": BlockKind(Norm, 1.5, lambda r: {"batch": r.random() < 0.5}),
     "dropout": BlockKind(Drop, 0.7, lambda r: {"fused": r.random() < 0.5}),
     "residual": BlockKind(Residual, 1.0, lambda r: {"act": r.choice(ACTS)}),

@@ -364,11 +364,10 @@ def _as_written_views(ctx: Any, grads: tuple) -> tuple:
     and when it moved, the gradient is copied into the view's strides first: the view's
     backward then gives the base its own layout, as ``CopySlices`` does.
     """
-    views = getattr(ctx, "views", ())
-    if not views:
+    if not ctx.views:
         return grads
     grads = list(grads)
-    for i, stride, alias, version in views:
+    for i, stride, alias, version in ctx.views:
         g = grads[i]
         if alias._version != version and g is not None and g.stride() != stride:
             grads[i] = torch.empty_strided(g.shape, stride, dtype=g.dtype, device=g.device).copy_(g)

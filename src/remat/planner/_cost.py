@@ -294,7 +294,7 @@ def assemble(traced: Trace, runs: Runs, settings: Settings, roofline: Trace | No
         # the step users run: forward, backward and the optimizer's step
         step = (runs.steps["keep"] + runs.steps.get("optimizer", 0.0) if runs.steps
                 else (report.step_ms or 0.0) / 1e3)
-        timed = "measured, each family of options scaled by its timed runs"
+        timed = "measured, each family of options calibrated by its timed runs"
     grads = [sum(local_nbytes(p) for p in m.parameters() if p.requires_grad) for _, m in blocks]
     all_grads = sum(local_nbytes(p) for p in runs.measured.parameters() if p.requires_grad)
     return BlockCosts(
