@@ -153,6 +153,8 @@ def _change(kind: str, model: torch.nn.Module) -> None:
         model.fc.register_forward_hook(lambda m, args, out: out * 2)
     elif kind == "attribute":
         model.scale = torch.full((4,), 3.0)
+    elif kind == "moved":  # the same tensor, under the same name, in another registry
+        model.fc._buffers["bias"] = model.fc._parameters.pop("bias")
 
 
 class Block(torch.nn.Module):
@@ -173,7 +175,7 @@ class Block(torch.nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
-@pytest.mark.parametrize("kind", ["parameter", "buffer", "hook", "attribute", "inputs"])
+@pytest.mark.parametrize("kind", ["parameter", "buffer", "hook", "attribute", "moved", "inputs"])
 def test_a_region_whose_module_changed_between_calls_is_observed_again(monkeypatch, kind, mode):
     torch.manual_seed(0)
     base = Block()
@@ -186,7 +188,7 @@ def test_a_region_whose_module_changed_between_calls_is_observed_again(monkeypat
         x = torch.randn(2, 4, generator=g).requires_grad_()
         args = (x, True) if changed and kind == "inputs" else (x,)
         model(*args).pow(2).sum().backward()
-        return [p.grad for p in model.parameters()] + [x.grad]
+        return [p.grad for p in model.parameters()] + [model.fc.bias.grad, x.grad]
 
     for model in (base, marked):
         g.manual_seed(0)
@@ -197,8 +199,10 @@ def test_a_region_whose_module_changed_between_calls_is_observed_again(monkeypat
         if model is base:
             want = results
     # the first call, and the first after the change; a reentrant region whose modules
-    # carry a forward hook is watched on every call (NOTE [Escapes handed back by position])
-    assert entered.count("Block") == (3 if (kind, mode) == ("hook", "reentrant") else 2)
+    # carry a forward hook is watched on every call (NOTE [Escapes handed back by position]),
+    # and so is one that reads a tensor requiring grad that is not its modules' parameter
+    watched = mode == "reentrant" and kind in ("hook", "moved")
+    assert entered.count("Block") == (3 if watched else 2)
     for got, expected in zip(results, want, strict=True):
         assert_bitwise_equal(got, expected)
 

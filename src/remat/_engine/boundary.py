@@ -27,19 +27,20 @@ it (NOTE [Observed writes] in ``observe.py``), the re-run is refused with a
 ``RecomputeError`` instead of reading the new value.
 
 NOTE [Snapshots reused while nothing changed]
-Walking a module tree and learning each module's tensors and key at every call is
-Python work per module per step. So each module keeps what its last region call learned
-(`_Known`, in ``__dict__['_remat_snapshot']``, which a deep copy or a pickle of
-the module leaves empty): the keys and identities of its ``__dict__``, ``_parameters``,
-``_buffers`` and ``_modules`` and its hook counts, weak references to its tensors and
-children, the names of its tensor attributes; a root keeps its tree's list. A call
-reuses them while the dictionaries hold the same keys and the very same objects
-(compared as tuples of ids, in C) and every tensor seen is still alive (so no id was
-reused), and learns them anew otherwise. The cache holds no object: what a region's
-re-run needs (the shallow copies, the versions) is taken at every call and held by its
-frame only, so a value the module let go of is freed as without remat. A key is a
-serial number never reused, so the facts' keys (NOTE [Observed once, confirmed every
-call] in ``facts.py``) hold no object either.
+Walking a module tree and learning each module's tensors at every call is Python
+work per module per step. So a region's root module keeps what its last region call
+learned of its tree (`_Known`, in ``__dict__['_remat_snapshot']``, which a deep copy
+or a pickle of the module leaves empty): weak references to the modules in order and
+to their tensors, the names of each module's tensor attributes, and, over every
+module's ``__dict__``, ``_parameters``, ``_buffers``, ``_modules`` and hook
+dictionaries at once, their keys, the identities of their values and their sizes. A
+call reuses them while those three tuples, built and compared in C over the whole
+tree, are equal and every tensor seen is still alive (so no id was reused), and
+walks the tree anew otherwise. The cache holds no object: what a region's re-run
+needs (the shallow copies, the versions) is taken at every call and held by its
+frame only, so a value the module let go of is freed as without remat. A tree's key
+is a serial number never reused, so the facts' keys (NOTE [Observed once, confirmed
+every call] in ``facts.py``) hold no object either.
 
 Parameters are left to autograd and the parallel wrappers that swap them (FSDP
 re-registers its gathered parameters around each forward and backward): the
@@ -80,52 +81,75 @@ def modules_of(fn: Callable) -> list[torch.nn.Module]:
 
 
 class _Known:
-    """What the cache keeps of one module's dictionaries: their keys and identities, weak
-    references to their tensors and child modules, the names of its tensor attributes; no
-    object (NOTE [Snapshots reused while nothing changed])."""
+    """What the cache keeps of a module tree: the keys and identities of every module's
+    ``__dict__`` and registries (hook dictionaries included) and their sizes, weak
+    references to the modules and their tensors, the names of each module's tensor
+    attributes; no object (NOTE [Snapshots reused while nothing changed])."""
 
-    __slots__ = ("children", "ids", "key", "refs", "tensor_names")
+    __slots__ = ("ids", "key", "keys", "modules", "parameters", "refs", "sizes", "tensor_names")
     _serial = 0
 
-    def __init__(self, d: dict) -> None:
-        self.ids = _identities(d)
-        self.tensor_names = [k for k, v in d.items() if type(v) is torch.Tensor]
-        tensors = (*d["_parameters"].values(), *d["_buffers"].values(), *(d[k] for k in self.tensor_names))
+    def __init__(self, modules: list[torch.nn.Module], dicts: list[dict]) -> None:
+        self.modules = [weakref.ref(m) for m in modules]
+        self.keys, self.ids, self.sizes = _identities(dicts)
+        self.tensor_names = [[k for k, v in m.__dict__.items() if type(v) is torch.Tensor] for m in modules]
+        tensors = [t for d in dicts[1::_STRIDE] for t in d.values()]  # parameters
+        self.parameters = [weakref.ref(p) for p in {id(p): p for p in tensors if p is not None}.values()]
+        tensors += [t for d in dicts[2::_STRIDE] for t in d.values()]  # buffers
+        tensors += [m.__dict__[k] for m, names in zip(modules, self.tensor_names) for k in names]
         self.refs = [weakref.ref(t) for t in tensors if t is not None]
-        self.children = [weakref.ref(c) for c in d["_modules"].values() if c is not None]
         _Known._serial += 1
         self.key = _Known._serial  # never reused, unlike an id
 
-    def current(self, d: dict) -> bool:
-        """Whether the dictionaries still hold exactly these objects: the same identities
-        (in C), and every tensor still the one seen (alive: its id not reused)."""
-        return _identities(d) == self.ids and not any(map(operator.is_, map(_DEREF, self.refs), _NONE))
+    def current(self) -> tuple[list, list] | None:
+        """``(modules, their dictionaries)`` while they hold exactly the objects seen: the
+        same keys, identities and sizes (compared in C), every tensor still the one seen
+        (alive: its id not reused); None otherwise."""
+        modules = list(map(_DEREF, self.modules))
+        if any(map(operator.is_, modules, _NONE)):
+            return None
+        dicts = _dicts(modules)
+        if (_identities(dicts) != (self.keys, self.ids, self.sizes)
+                or any(map(operator.is_, map(_DEREF, self.refs), _NONE))):
+            return None
+        return modules, dicts
 
 
 _DEREF = weakref.ref.__call__  # dereference in C
 _NONE = itertools.repeat(None)  # compared by identity (``in`` would call a tensor's __eq__)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_STRIDE = 4 + len(_HOOKS)  # dictionaries per module in `_dicts`
+_EMPTY: dict = {}
 
 
-def _identities(d: dict) -> tuple:
-    """The keys and the identities of the values of a module's ``__dict__`` and its
-    registries, and its hook counts: equal only while they hold the very same objects."""
-    p, b, m = d["_parameters"], d["_buffers"], d["_modules"]
-    return (*d, *map(id, d.values()), len(p), *p, *map(id, p.values()), len(b), *b,
-            *map(id, b.values()), len(m), *m, *map(id, m.values()),
-            len(d.get("_forward_hooks", ())), len(d.get("_forward_pre_hooks", ())),
-            len(d.get("_backward_hooks", ())), len(d.get("_backward_pre_hooks", ())))
+def _dicts(modules: list[torch.nn.Module]) -> list[dict]:
+    """Per module: its ``__dict__``, parameters, buffers, children and hook dictionaries."""
+    out: list[dict] = []
+    for m in modules:
+        d = m.__dict__
+        out += (d, d["_parameters"], d["_buffers"], d["_modules"], d.get("_forward_hooks", _EMPTY),
+                d.get("_forward_pre_hooks", _EMPTY), d.get("_backward_hooks", _EMPTY),
+                d.get("_backward_pre_hooks", _EMPTY))
+    return out
+
+
+def _identities(dicts: list[dict]) -> tuple:
+    """The keys and the identities of the values of ``dicts``, and their sizes: equal only
+    while they hold the very same objects (a hook registered adds a key)."""
+    return (tuple(itertools.chain.from_iterable(dicts)),
+            tuple(map(id, itertools.chain.from_iterable(map(dict.values, dicts)))),
+            tuple(map(len, dicts)))
 
 
 class _Cached:
-    """What a module's last region call learned of it and of its tree, kept in its
-    ``__dict__`` (NOTE [Snapshots reused while nothing changed]); a copy or a pickle of
-    the module starts without it."""
+    """What a module's last region call learned of its tree, kept in its ``__dict__``
+    (NOTE [Snapshots reused while nothing changed]); a copy or a pickle of the module
+    starts without it."""
 
-    __slots__ = ("known", "tree")
+    __slots__ = ("tree",)
 
     def __init__(self) -> None:
-        self.known: _Known | None = None
-        self.tree: list[tuple[weakref.ref, _Known]] | None = None  # root.modules(), in order
+        self.tree: _Known | None = None
 
     def __deepcopy__(self, memo: dict) -> _Cached:
         return _Cached()
@@ -137,62 +161,42 @@ class _Cached:
         return (type(None), ())
 
 
-def _cached(module: torch.nn.Module) -> _Cached:
-    d = module.__dict__
+def _tree(root: torch.nn.Module) -> tuple[list, list, _Known]:
+    """``root.modules()``, their dictionaries (`_dicts`) and what is known of them: the
+    last call's while every module in it is alive and current, else walked again."""
+    d = root.__dict__
     cached = d.get("_remat_snapshot")
     if type(cached) is not _Cached:
         cached = d["_remat_snapshot"] = _Cached()
-    return cached
-
-
-def _known(module: torch.nn.Module) -> _Known:
-    """What is known of the module: the cached facts while current, else learned anew."""
-    cached = _cached(module)
-    found = cached.known
-    if found is None or not found.current(module.__dict__):
-        found = cached.known = _Known(module.__dict__)
-    return found
-
-
-def _tree(root: torch.nn.Module) -> list[tuple[torch.nn.Module, _Known]]:
-    """``root.modules()`` with what is known of each: the last call's list while every
-    module in it is alive and current, else walked again through the children."""
-    cached = _cached(root)
-    if cached.tree is not None:  # `_Known.current` inlined: this runs for every module of every call
-        tree = []
-        for ref, known in cached.tree:
-            m = ref()
-            if (m is None or _identities(m.__dict__) != known.ids
-                    or any(map(operator.is_, map(_DEREF, known.refs), _NONE))):
-                break
-            tree.append((m, known))
-        else:
-            return tree
-    tree, seen, stack = [], set(), [root]
+    known = cached.tree
+    if known is not None and (found := known.current()) is not None:
+        return found[0], found[1], known
+    modules, seen, stack = [], set(), [root]
     while stack:  # pre-order, as module.modules()
         m = stack.pop()
         if id(m) in seen:
             continue
         seen.add(id(m))
-        known = _known(m)
-        tree.append((m, known))
-        stack.extend(c for ref in reversed(known.children) if (c := ref()) is not None)
-    cached.tree = [(weakref.ref(m), known) for m, known in tree]
-    return tree
+        modules.append(m)
+        stack.extend(c for c in reversed(m.__dict__["_modules"].values()) if c is not None)
+    dicts = _dicts(modules)
+    cached.tree = known = _Known(modules, dicts)
+    return modules, dicts, known
 
 
 class _Entry:
     """One module's attributes as the forward found them (shallow copies, held by the
     region's frame only) and the versions of its buffers and tensor attributes then."""
 
-    __slots__ = ("attrs", "key", "module", "registries", "versions")
+    __slots__ = ("attrs", "module", "registries", "versions")
 
-    def __init__(self, module: torch.nn.Module, known: _Known) -> None:
-        d = module.__dict__
-        self.module, self.attrs, self.key = module, d.copy(), known.key
-        self.registries = (d["_parameters"].copy(), d["_buffers"].copy())
-        self.versions = [(k, t, t._version) for k, t in self.registries[1].items() if t is not None]
-        self.versions += [(k, t, t._version) for k in known.tensor_names if type(t := d[k]) is torch.Tensor]
+    def __init__(self, module: torch.nn.Module, d: dict, parameters: dict, buffers: dict,
+                 tensor_names: list) -> None:
+        self.module, self.attrs = module, d.copy()
+        self.registries = (parameters.copy(), buffers.copy())
+        self.versions = [(k, t, t._version) for k, t in buffers.items() if t is not None] if buffers else []
+        if tensor_names:
+            self.versions += [(k, t, t._version) for k in tensor_names if type(t := d[k]) is torch.Tensor]
 
     def rebound(self) -> list[tuple[dict, str, Any]]:
         """``(dict, key, value now)`` for each entry rebound since the forward."""
@@ -262,28 +266,42 @@ class ModuleState:
         roots: the region's modules (`modules_of`); their whole trees are kept.
     """
 
-    __slots__ = ("entries", "name", "overwritten", "root", "seen")
+    __slots__ = ("entries", "keys", "name", "overwritten", "root", "seen", "tree")
 
     def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
         self.name, self.root = name, roots[0] if roots else None
         self.overwritten: list[torch.Tensor] = []  # written by the forward, not as state
         self.entries: list[_Entry] = []
-        self.seen: set[int] = set()
-        if len(roots) == 1:
-            self.entries = [_Entry(m, known) for m, known in _tree(roots[0])]
-            self.seen = {id(entry.module) for entry in self.entries}
-            return
+        self.keys: list[int] = []  # of the trees kept (NOTE [Snapshots reused while nothing changed])
+        self.seen: set[int] | None = None  # the modules kept, once `add` needs them
+        self.tree: _Known | None = None  # what is known of the one tree kept whole
         for root in roots:
             self.add(root)
 
     def add(self, module: torch.nn.Module) -> None:
         """Keep ``module``'s tree as it is now (its modules not kept yet)."""
-        if id(module) in self.seen:
+        if self.entries and id(module) in self._seen():
             return
-        for m, known in _tree(module):
-            if id(m) not in self.seen:
-                self.seen.add(id(m))
-                self.entries.append(_Entry(m, known))
+        modules, dicts, known = _tree(module)
+        if not self.entries:  # the usual case: one tree, kept whole
+            self.entries = list(map(_Entry, modules, dicts[::_STRIDE], dicts[1::_STRIDE],
+                                    dicts[2::_STRIDE], known.tensor_names))
+            self.tree = known
+        else:
+            self.tree = None
+            seen = self._seen()
+            for i, m in enumerate(modules):
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    k = i * _STRIDE
+                    self.entries.append(_Entry(m, dicts[k], dicts[k + 1], dicts[k + 2],
+                                               known.tensor_names[i]))
+        self.keys.append(known.key)
+
+    def _seen(self) -> set[int]:
+        if self.seen is None:
+            self.seen = {id(entry.module) for entry in self.entries}
+        return self.seen
 
     @contextlib.contextmanager
     def calls_watched(self) -> Iterator[None]:
@@ -309,6 +327,8 @@ class ModuleState:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of the region's modules, each once, in module order."""
+        if self.tree is not None:  # the entries hold them: alive
+            return list(map(_DEREF, self.tree.parameters))
         seen: dict[int, torch.nn.Parameter] = {}
         for entry in self.entries:
             for p in entry.registries[0].values():
@@ -321,7 +341,7 @@ class ModuleState:
 
         NOTE [Observed once, confirmed every call] in ``facts.py``.
         """
-        return tuple(entry.key for entry in self.entries)
+        return tuple(self.keys)
 
     def settle(self, state: list) -> None:
         """The forward returned: what it left in place is what a re-run must find.
