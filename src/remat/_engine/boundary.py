@@ -190,13 +190,13 @@ class _Entry:
 
     __slots__ = ("attrs", "module", "registries", "versions")
 
-    def __init__(self, module: torch.nn.Module, d: dict, parameters: dict, buffers: dict,
+    def __init__(self, module: torch.nn.Module, attrs: dict, parameters: dict, buffers: dict,
                  tensor_names: list) -> None:
-        self.module, self.attrs = module, d.copy()
-        self.registries = (parameters.copy(), buffers.copy())
+        """``attrs``, ``parameters``, ``buffers``: copies of the module's dictionaries."""
+        self.module, self.attrs, self.registries = module, attrs, (parameters, buffers)
         self.versions = [(k, t, t._version) for k, t in buffers.items() if t is not None] if buffers else []
         if tensor_names:
-            self.versions += [(k, t, t._version) for k in tensor_names if type(t := d[k]) is torch.Tensor]
+            self.versions += [(k, t, t._version) for k in tensor_names if type(t := attrs[k]) is torch.Tensor]
 
     def rebound(self) -> list[tuple[dict, str, Any]]:
         """``(dict, key, value now)`` for each entry rebound since the forward."""
@@ -266,7 +266,8 @@ class ModuleState:
         roots: the region's modules (`modules_of`); their whole trees are kept.
     """
 
-    __slots__ = ("entries", "keys", "name", "overwritten", "root", "seen", "tree")
+    __slots__ = ("copies", "entries", "keys", "name", "overwritten", "root", "seen", "sources", "tree",
+                 "versioned")
 
     def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
         self.name, self.root = name, roots[0] if roots else None
@@ -275,6 +276,9 @@ class ModuleState:
         self.keys: list[int] = []  # of the trees kept (NOTE [Snapshots reused while nothing changed])
         self.seen: set[int] | None = None  # the modules kept, once `add` needs them
         self.tree: _Known | None = None  # what is known of the one tree kept whole
+        self.versioned: list[_Entry] = []  # the entries with buffers or tensor attributes
+        self.sources: list[dict] = []  # each module's dictionaries (__dict__, parameters, buffers)
+        self.copies: list[dict] = []  # and their copies, in the same order
         for root in roots:
             self.add(root)
 
@@ -283,20 +287,32 @@ class ModuleState:
         if self.entries and id(module) in self._seen():
             return
         modules, dicts, known = _tree(module)
-        if not self.entries:  # the usual case: one tree, kept whole
-            self.entries = list(map(_Entry, modules, dicts[::_STRIDE], dicts[1::_STRIDE],
-                                    dicts[2::_STRIDE], known.tensor_names))
-            self.tree = known
-        else:
+        if self.entries:  # a region that is a plain function: the modules it calls
+            keep = [i for i, m in enumerate(modules) if id(m) not in self._seen()]
+            self.seen.update(id(modules[i]) for i in keep)
+            modules = [modules[i] for i in keep]
+            dicts = [dicts[i * _STRIDE + k] for i in keep for k in range(_STRIDE)]
+            names = [known.tensor_names[i] for i in keep]
             self.tree = None
-            seen = self._seen()
-            for i, m in enumerate(modules):
-                if id(m) not in seen:
-                    seen.add(id(m))
-                    k = i * _STRIDE
-                    self.entries.append(_Entry(m, dicts[k], dicts[k + 1], dicts[k + 2],
-                                               known.tensor_names[i]))
+        else:  # the usual case: one tree, kept whole
+            names, self.tree = known.tensor_names, known
+        sources = (dicts[::_STRIDE], dicts[1::_STRIDE], dicts[2::_STRIDE])
+        copies = tuple(list(map(dict.copy, d)) for d in sources)
+        entries = list(map(_Entry, modules, *copies, names))
+        self.entries += entries
+        self.versioned += [entry for entry in entries if entry.versions]
+        for where, d in ((self.sources, sources), (self.copies, copies)):
+            where += (*d[0], *d[1], *d[2])
         self.keys.append(known.key)
+
+    def unchanged(self) -> bool:
+        """Whether every module's attributes, parameters and buffers are the ones the forward
+        found (compared in C: dictionaries of the same objects are equal; a value compared
+        by its ``==`` counts as changed)."""
+        try:
+            return all(map(operator.eq, self.sources, self.copies))
+        except Exception:  # noqa: BLE001 - a value whose == is elementwise or refuses
+            return False
 
     def _seen(self) -> set[int]:
         if self.seen is None:
@@ -356,23 +372,24 @@ class ModuleState:
         self._refresh()
 
     def _changed(self) -> list[tuple[_Entry, torch.Tensor]]:
-        return [(entry, t) for entry in self.entries for _, t, version in entry.versions
+        return [(entry, t) for entry in self.versioned for _, t, version in entry.versions
                 if t._version != version]
 
     def _refresh(self) -> None:
-        for entry in self.entries:
-            if entry.versions:
-                entry.versions = [(name, t, t._version) for name, t, _ in entry.versions]
+        for entry in self.versioned:
+            entry.versions = [(name, t, t._version) for name, t, _ in entry.versions]
 
     def written(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
         """The buffers and tensor attributes changed in place since the forward began."""
-        return [(entry.module, name, t) for entry in self.entries for name, t, version in entry.versions
+        return [(entry.module, name, t) for entry in self.versioned for name, t, version in entry.versions
                 if t._version != version]
 
     def check_versions(self, replayed: list) -> None:
         """Refuse a re-run whose module tensors changed in place since the forward read them."""
+        if not self.versioned:
+            return
         restored = {id(t) for t, _ in replayed} | {id(t) for t in self.overwritten}
-        for entry in self.entries:
+        for entry in self.versioned:
             for name, t, version in entry.versions:
                 if t._version != version and id(t) not in restored and t.untyped_storage().nbytes():
                     raise RecomputeError(
@@ -401,7 +418,7 @@ class _Restored:
 
     def __enter__(self) -> None:
         state = self.state
-        for entry in state.entries:
+        for entry in () if state.unchanged() else state.entries:
             for where, key, now in entry.rebound():
                 self.undo.append((where, key, now))
                 put(where, key, entry.value_then(where, key))
@@ -411,7 +428,7 @@ class _Restored:
 
     def __exit__(self, *exc_info: object) -> None:
         state, undo = self.state, self.undo
-        for entry in state.entries:  # what the re-run rebound itself
+        for entry in () if not undo and state.unchanged() else state.entries:  # what the re-run rebound itself
             for where, key, _ in entry.rebound():
                 if not any(w is where and k == key for w, k, _ in undo):
                     undo.append((where, key, entry.value_then(where, key)))
