@@ -297,7 +297,8 @@ class ModuleState:
         else:  # the usual case: one tree, kept whole
             names, self.tree = known.tensor_names, known
         sources = (dicts[::_STRIDE], dicts[1::_STRIDE], dicts[2::_STRIDE])
-        copies = tuple(list(map(dict.copy, d)) for d in sources)
+        copies = (list(map(dict.copy, sources[0])), list(map(dict.copy, sources[1])),
+                  list(map(dict.copy, sources[2])))
         entries = list(map(_Entry, modules, *copies, names))
         self.entries += entries
         self.versioned += [entry for entry in entries if entry.versions]

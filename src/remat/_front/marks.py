@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -323,6 +324,9 @@ class PerRun:
         raise NotImplementedError
 
 
+_PER_RUN = itertools.repeat(PerRun)  # `isinstance(a, PerRun)` over the arguments, in C
+
+
 def add_call_guard(guard: CallGuard) -> None:
     """Register ``guard(module, args, kwargs) -> (args, kwargs) | None`` (NOTE [Call guards])."""
     if guard not in _CALL_GUARDS:
@@ -330,7 +334,7 @@ def add_call_guard(guard: CallGuard) -> None:
 
 
 def _taken(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    if not any(isinstance(a, PerRun) for a in (*args, *kwargs.values())):
+    if not any(map(isinstance, args, _PER_RUN)) and not (kwargs and any(map(isinstance, kwargs.values(), _PER_RUN))):
         return args, kwargs
     return (
         tuple(a.take() if isinstance(a, PerRun) else a for a in args),
@@ -393,7 +397,11 @@ def _replay(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     spec = mark_of(module)
     if not _RUN_CONTEXTS or spec is None:
         return forward(*args, **kwargs)
-    contexts = [c for c in (context(module, spec) for context in _RUN_CONTEXTS) if c is not None]
+    contexts = []
+    for context in _RUN_CONTEXTS:
+        c = context(module, spec)
+        if c is not None:
+            contexts.append(c)
     if not contexts:
         return forward(*args, **kwargs)
     with contextlib.ExitStack() as stack:  # NOTE [Call guards]
