@@ -92,8 +92,10 @@ class Outputs:
     In backward the re-run's output is flattened alike and must have the forward's
     structure (the same pytree specs, dataclass types and tensor places), or the region is
     refused with a ``RecomputeError``. An object that holds tensors where neither opens it
-    (a plain object's attributes, a dataclass's attribute that is not a field) is refused
-    with a ``TypeError`` when the forward returns, with the state it wrote put back. The
+    (a plain object's attributes, a dataclass's attribute that is not a field, a dataclass
+    that is also a container pytree does not open, whose items a copy would leave stale)
+    is refused with a ``TypeError`` when the forward returns, before its escapes are
+    looked for or its facts stored, with the state it wrote put back. The
     structure kept for backward holds no tensor and no object of the output: the
     Function's outputs lead back to the frame through autograd.
     """
