@@ -44,7 +44,7 @@ D = 8  # feature width of every block
 
 
 # --- blocks ---------------------------------------------------------------------
-# Every block maps (X, Y, D) -> (X, Y, D) (or a tuple for "tuple_out"), and works on the
+# Every block maps (X, Y, D) -> (X, Y, D) (or two in a structure for "tuple_out"), and works on the
 # last dimension only, so the wiring may transpose the first two between blocks.
 
 
@@ -181,9 +181,25 @@ class Concat(Block):
         return self.fc(torch.cat([self.a(x), torch.tanh(self.b(x))], dim=-1))
 
 
+@dataclass
+class PairOut:
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+# How a "tuple_out" block packs its two outputs, and how its stage unpacks them (NOTE
+# [Outputs of any structure]): name -> (pack, unpack).
+PACKS: dict[str, tuple[Callable, Callable]] = {
+    "tuple": (lambda a, c: (a, c), lambda out: out),
+    "dataclass": (PairOut, lambda out: (out.first, out.second)),
+    "dict": (lambda a, c: {"a": a, "rest": [c], "n": 1}, lambda out: (out["a"], out["rest"][0])),
+}
+
+
 class TupleOut(Block):
-    """Two outputs; with ``pass`` the second is the block's own input, passed through
-    (a caller may change it in place: NOTE [Arguments returned as outputs])."""
+    """Two outputs, in a tuple, a dataclass or a dict holding a list (``pack``); with
+    ``pass`` the second is the block's own input, passed through (a caller may change it
+    in place: NOTE [Arguments returned as outputs])."""
 
     kind = "tuple_out"
     tuple_out = True
@@ -192,9 +208,10 @@ class TupleOut(Block):
         super().__init__()
         self.fc = nn.Linear(D, D)
         self.p_pass = p.get("pass", False)
+        self.pack = p.get("pack", "tuple")
 
     def forward(self, x):
-        return self.fc(x), (x if self.p_pass else torch.sin(x))
+        return PACKS[self.pack][0](self.fc(x), (x if self.p_pass else torch.sin(x)))
 
 
 
@@ -471,7 +488,8 @@ BLOCKS: dict[str, BlockKind] = {
     "residual": BlockKind(Residual, 1.0, lambda r: {"act": r.choice(ACTS)}),
     "concat": BlockKind(Concat, 0.7),
     "tuple_out": BlockKind(TupleOut, 0.8, lambda r: {"combine": r.choice(("add", "mul", "first", "relu_second")),
-                                                     "pass": r.random() < 0.4}),
+                                                     "pass": r.random() < 0.4,
+                                                     "pack": r.choice(("tuple", "tuple", "dataclass", "dict"))}),
     "keywords": BlockKind(Keywords, 0.8, lambda r: {
         "scale": r.choice((0.5, 2.0)), "mode": r.choice(("plain", "tanh")), "gate": r.random() < 0.5}),
     "skip": BlockKind(Skip, 0.8),
@@ -573,7 +591,7 @@ class Stage(remat.nn.Cell):
                 block.memo = torch.sigmoid(h)
             out = call(block, self.calls.get(i), args, kwargs)
             if block.tuple_out:
-                out = COMBINE[b["p"]["combine"]](*out)
+                out = COMBINE[b["p"]["combine"]](*PACKS[b["p"].get("pack", "tuple")][1](out))
             if b["kind"] in ("side_loss", "moe"):
                 out = out + block.side()  # the side channel reaches the loss outside the region
             h = WIRES[b["wire"]][0](out)
@@ -958,8 +976,10 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
 
 #: Errors the README documents as unsupported: (type, message pattern, README reference).
 DOCUMENTED_ERRORS: list[tuple[type, str, str]] = [
-    (TypeError, r"use_reentrant=True\) (got argument|returned output) .* tensors? .*inside lists",
+    (TypeError, r"use_reentrant=True\) got argument .* tensors? .*inside lists",
      "Limits of use_reentrant=True: tensors nested in lists, tuples or dicts"),
+    (TypeError, r"use_reentrant=True\) returned an object of type .* holding .* tensors? where remat cannot",
+     "Limits of use_reentrant=True: outputs holding tensors where pytree and dataclass fields do not reach"),
     (remat.RecomputeError, (r"\(use_reentrant=True\): its recomputation (reads|reaches) a tensor "
                             r"that requires grad .* which its forward did not read"),
      "Limits of use_reentrant=True: a re-run that reads other tensors than its forward"),

@@ -1,8 +1,9 @@
 """``use_reentrant=True``: a region as a custom ``autograd.Function`` (engine).
 
 The forward ran without grad; the Function's backward re-runs the region with
-grad and back-propagates through the re-run. Limits, each with a clear error:
-tensors nested in containers, a second backward after the graph was freed, a closure tensor computed from the
+grad and back-propagates through the re-run. Its output may have any structure (NOTE
+[Outputs of any structure] in ``structure.py``). Limits, each with a clear error:
+tensor arguments nested in containers, a second backward after the graph was freed, a closure tensor computed from the
 region's own parameters, an argument read and then changed in place.
 
 NOTE [Reentrant gradients]
@@ -63,7 +64,6 @@ from remat._engine.errors import RecomputeError
 from remat._engine.modes import storage_of
 from remat._engine.observe import Substitute, substituted
 from remat._engine.reentrant_backward import Link, differentiate
-from remat._engine.structure import check_outputs
 
 
 class ReentrantFrame(RegionCore):
@@ -87,6 +87,7 @@ class ReentrantFrame(RegionCore):
         self.params: list[torch.Tensor] = []  # the tensors it read besides its arguments
         self.state: list = []  # NOTE [Observed writes]
         self.pending: Any = None  # the output, until the Function returns it
+        self.structure: Any = None  # NOTE [Outputs of any structure] (structure.py)
         # NOTE [Written arguments]
         self.dirty: list[int] = []
         self.links: dict[int, torch.Tensor] = {}
@@ -137,7 +138,6 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped:
     """
     if escaped or picks is not None:
         return _with_escaped(frame, reads, state, output, escaped, picks)
-    check_outputs(frame.name, output)
     frame.params = [t for t in reads if t.requires_grad]
     frame.state = state
     tensors, aliases = frame.arguments, frame.aliases

@@ -264,6 +264,8 @@ def _rerun(frame: Any, inputs: list, aliases: dict, allowed: list
             if context is not None:
                 stack.enter_context(context)
         out = frame.fn(*args, **kwargs)
+        if frame.structure is not None:  # NOTE [Outputs of any structure] (structure.py)
+            out = frame.structure.of_rerun(frame.name, out)
         if frame.escaped or pick is not None:  # NOTE [Tensors that escape a reentrant
             out = (*(out if isinstance(out, tuple) else (out,)),  # region]: the re-run's values
                    *(w[k] for w, k in frame.escaped), *(pick.taken() if pick is not None else ()))

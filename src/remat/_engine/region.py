@@ -157,19 +157,42 @@ def close_region(handle: _Handle, output: Any) -> Any:
         except RecomputeError:
             frame.abandon()
             raise
+    if frame.spec.use_reentrant:
+        return _close_reentrant(frame, observe, output)
+    if observe is not None:
+        _facts.learn(frame, frame.facts_key, observe)
+    frame.module_state.settle(observe.state if observe is not None else [])
+    return frame.close(output)
+
+
+def _close_reentrant(frame: Any, observe: Observe | None, output: Any) -> Any:
+    """Finish a reentrant region: its output flattened (NOTE [Outputs of any structure] in
+    ``structure.py``), its escapes found, then its Function; return what the caller sees.
+
+    An output that cannot be flattened is refused before anything else, with the state
+    the forward wrote put back."""
+    structure = None
+    if not isinstance(output, torch.Tensor):  # the common case pays one check
+        try:
+            structure = _structure.outputs_of(frame.name, output)
+        except TypeError:
+            if observe is not None:
+                restore_state(observe.state)
+            frame.abandon()
+            raise
     escaped, picks = [], None
     if observe is not None:
-        if frame.spec.use_reentrant:
-            frame.uses = tuple(observe.uses.get(id(a), 0) for a in frame.aliases)
-            escaped, picks = _escapes.find(frame, observe, output)
+        frame.uses = tuple(observe.uses.get(id(a), 0) for a in frame.aliases)
+        escaped, picks = _escapes.find(frame, observe, output)
         if not escaped and picks is None:
             _facts.learn(frame, frame.facts_key, observe)
-    frame.module_state.settle(observe.state if observe is not None else [])
-    if frame.spec.use_reentrant:
-        reads = frame.module_state.parameters() if observe is None else list(observe.reads.values())
-        return _reentrant.close(frame, reads, observe.state if observe is not None else [], output,
-                                escaped, picks)
-    return frame.close(output)
+    state = observe.state if observe is not None else []
+    frame.module_state.settle(state)
+    reads = frame.module_state.parameters() if observe is None else list(observe.reads.values())
+    if structure is None:
+        return _reentrant.close(frame, reads, state, output, escaped, picks)
+    frame.structure = structure
+    return structure.rebuild(_reentrant.close(frame, reads, state, structure.tensors, escaped, picks))
 
 
 def _observer(frame: RegionCore, arguments: list, reads: bool, flowing: list | None = None

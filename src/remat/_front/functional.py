@@ -26,8 +26,9 @@ def recompute(block: Any, *args: Any, use_reentrant: bool = True, output_recompu
             callable when ``use_reentrant=False`` or ``output_recompute=True``.
         *args: positional arguments of ``block``.
         use_reentrant: True: a custom ``autograd.Function`` that does not
-            differentiate tensors inside lists or tuples (an error says so);
-            False: saved-tensor hooks, which do.
+            differentiate argument tensors inside lists or tuples (an error says
+            so; outputs of any structure carry their gradients); False:
+            saved-tensor hooks, which do.
         output_recompute: do not keep the output either (always saved-tensor hooks).
         **kwargs: keyword arguments of ``block``.
 
