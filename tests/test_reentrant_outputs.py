@@ -312,3 +312,47 @@ def test_a_hugging_face_model_output_carries_its_gradients():
     marked = _compare(HFBlock(), _module, steps=2)
     out = marked(torch.randn(3, 4))
     assert type(out) is BlockOutput and out.last.grad_fn is not None and out[0] is out.last
+
+
+@dataclasses.dataclass
+class WithAux:
+    h: torch.Tensor
+    aux: dict
+
+
+class AuxBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return WithAux(h, {"s": h.sum(), "n": 3})
+
+
+class AuxNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b, self.head = AuxBlock(), torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        out = self.b(x)
+        return self.head(out.h).sum() + out.aux["s"] * out.aux["n"]
+
+
+@pytest.mark.parametrize("mode", [{"use_reentrant": True}, {"use_reentrant": False},
+                                  {"output_recompute": True}], ids=str)
+def test_a_dataclass_output_under_remat_compile(mode):
+    """Graph mode reads the structure as eager does: the compiled step with the block
+    marked gives the unmarked eager step's gradients, and the mark is applied."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    base = AuxNet()
+    ref = copy.deepcopy(base)
+    ref(x).backward()
+    marked = copy.deepcopy(base)
+    remat.recompute_module(marked.b, **mode)
+    compiled = remat.compile(marked, backend="aot_eager")
+    compiled(x).backward()
+    assert any(r.recomputed for r in compiled.remat_reports)
+    assert_bitwise_equal([p.grad for p in marked.parameters()], [p.grad for p in ref.parameters()])
