@@ -41,6 +41,8 @@ read check and the graph check of NOTE [Observed reads]).
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 from typing import Any
 
@@ -62,9 +64,10 @@ class Facts:
         self.uses = uses
 
     def alive(self) -> bool:
-        return all(ref() is not None for ref in self.modules)
+        return not any(map(operator.is_, map(_DEREF, self.modules), itertools.repeat(None)))
 
 
+_DEREF = weakref.ref.__call__  # dereference in C
 _STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -80,11 +83,16 @@ def _leaf_key(x: Any) -> Any:
     return (type(x), x) if isinstance(x, _VALUES) else type(x)
 
 
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks", "_global_forward_hooks_always_called")
+
+
 def _global_hooks() -> tuple:
     module = torch.nn.modules.module
-    return tuple(len(getattr(module, name, ())) for name in (
-        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-        "_global_backward_pre_hooks", "_global_forward_hooks_always_called"))
+    return tuple(map(len, _global_hook_dicts(module)))
+
+
+_global_hook_dicts = operator.attrgetter(*_GLOBAL_HOOKS)
 
 
 def _forward_hooked(modules: list[torch.nn.Module]) -> bool:
@@ -97,7 +105,7 @@ def key_of(frame: Any, arguments: list) -> tuple | None:
     state = frame.module_state
     if state.root is None or frame.spec.debug:  # a plain function: watched on every call
         return None
-    inputs = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in arguments)
+    inputs = tuple([(t.shape, t.dtype, t.device, t.requires_grad) for t in arguments])
     leaves = tuple(_leaf_key(x) for x in frame.leaves) if frame.treespec is not None else ()
     autocast = (torch.is_autocast_enabled(), torch.get_autocast_dtype("cpu")
                 if torch.is_autocast_enabled() else None)

@@ -119,9 +119,12 @@ def run_context(module: torch.nn.Module, spec: RegionSpec) -> contextlib.Abstrac
     Registered with the marks (NOTE [Call guards] in ``_front/marks.py``); NOTE [Sharded
     parameters under a mark], NOTE [Output pass over FSDP units].
     """
-    if sys.modules.get("torch.distributed.fsdp") is None:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
         return None
     apply_to_units(module, spec)
+    if not isinstance(module, fsdp.FSDPModule) or not is_recomputing():
+        return None  # (entered right after it is made: the same holds then)
     return gathered_for_rerun(module)
 
 
