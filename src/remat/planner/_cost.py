@@ -7,7 +7,7 @@ its measured forward time, or on fake tensors a roofline estimate (FLOPs over
 ``throughput`` plus bytes moved over ``bandwidth``); the selective option costs
 the share of a block's operators that ``save_compute_intensive`` does not keep
 (by measured operator times on CPU tensors, by the roofline otherwise).
-See NOTE [Plan cost model] in ``_solve.py`` for how these make a peak.
+See NOTE [Plan cost model] in ``_solve/_problem.py`` for how these make a peak.
 
 The work is split by job: `remat.planner._trace.trace` runs the step once with the blocks
 hooked, `remat.planner._measure.measure_options` runs and times it once per option (the
