@@ -46,16 +46,9 @@ import time as _time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-#: the options that mark a whole block: the first four columns of every `Problem`
-BLOCK_OPTIONS = ("keep", "recompute", "selective", "output")
-KEEP, RECOMPUTE, SELECTIVE, OUTPUT = range(4)
-#: the family of options that mark children of a block, named ``"children:<child>+<child>"``
-CHILDREN = "children"
-#: the family of per-operator options: the block marked with a policy keeping the outputs of
-#: the operator calls named, ``"ops:aten::addmm#3+aten::bmm#0"`` (NOTE [Options per operator])
-OPS = "ops"
-#: the option families a plan may use (``remat.plan(options=...)``)
-OPTIONS = (*BLOCK_OPTIONS, CHILDREN, OPS)
+from remat.planner._solve._choice import BLOCK_OPTIONS
+
+KEEP, RECOMPUTE, SELECTIVE, OUTPUT = range(4)  #: the columns of `BLOCK_OPTIONS`
 
 
 class BudgetError(ValueError):
