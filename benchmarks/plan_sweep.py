@@ -37,7 +37,7 @@ import remat
 from remat.models import gpt, resnet50
 from remat.models.llama import LlamaConfig, llama, next_token_loss
 from remat.models.unet import unet
-from remat.planner import Problem, evaluate, floor, solve_chain, solve_milp, sweep
+from remat.planner import Choice, Problem, evaluate, floor, solve_chain, solve_milp, sweep
 
 KEEP = remat.planner.OPTIONS.index("keep")
 
@@ -170,11 +170,11 @@ def short(choices: dict) -> str:
     """Choices as letters (k, r, s, o), children as ``c(attn+fc)``, per-operator options as
     ``p(addmm#0+addmm#2)``."""
     def one(c: str) -> str:
-        family, _, rest = c.partition(":")
-        if family == "children":
-            return f"c({rest})"
-        if family == "ops":
-            return f"p({rest.replace('aten::', '')})"
+        choice = Choice.parse(c)
+        if choice.children:
+            return f"c({'+'.join(choice.children)})"
+        if choice.family == "ops":
+            return f"p({'+'.join(choice.calls).replace('aten::', '')})"
         return c[0]
     return " ".join(one(c) for c in choices.values())
 

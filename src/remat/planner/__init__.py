@@ -21,6 +21,7 @@ from remat.planner._solve import (
     BLOCK_OPTIONS,
     OPTIONS,
     BudgetError,
+    Choice,
     Problem,
     Solution,
     evaluate,
@@ -31,6 +32,6 @@ from remat.planner._solve import (
     solve_savings,
 )
 
-__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Decision", "PipelinePlan", "Plan", "Problem", "RankPlan", "Solution",
+__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Choice", "Decision", "PipelinePlan", "Plan", "Problem", "RankPlan", "Solution",
            "compile", "evaluate", "floor", "in_flight_counts", "parse_budget", "plan", "plan_compiled", "plan_pipeline", "schedule_actions", "solve",
            "solve_chain", "solve_milp", "solve_savings", "sweep"]

@@ -73,7 +73,7 @@ from remat.planner._loop import fit
 from remat.planner._options import inner_options
 from remat.planner._plan import Decision, Plan, _check_step, _step
 from remat.planner._settings import Settings, mark_choices
-from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, BudgetError, solve_savings
+from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, BudgetError, Choice, solve_savings
 from remat.planner._trace import find_blocks, trace
 
 API = "remat.compile"
@@ -166,9 +166,9 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
     options = list(dict.fromkeys(o for name in names for o in allowed[name]))
     # NOTE [Modules outside the blocks]: each is one more item of the knapsack, with one option
     outside = _outside(model, names, rows) if {"recompute", "output"} & set(settings.options) else {}
-    for name, option in outside.items():
-        allowed[name] = ["keep", f"{name}={option}"]
-        options.append(f"{name}={option}")
+    for name, option in outside.items():  # a column of its own: "<module>=<option>"
+        allowed[name] = ["keep", str(Choice(option, module=name))]
+        options.append(allowed[name][1])
     items = [*names, *outside]
     kept_unmarked = [float(rows[name].kept) for name in items]
     named = dict(model.named_modules())
@@ -178,7 +178,8 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
 
     def build(choices: dict[str, str]) -> _Run:
         net = copy.deepcopy(model)
-        mark_choices(dict(net.named_modules()), {name: c.rpartition("=")[2] for name, c in choices.items()})
+        mark_choices(dict(net.named_modules()),
+                     {name: Choice.parse(c).without_module() for name, c in choices.items()})
         compiled = graph_compile(net, backend=backend)
         made.run(compiled)  # compiles
         net.zero_grad(set_to_none=True)
@@ -233,7 +234,7 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
         measured_peak, lambda _over: _uniform(runs, times, columns, allowed, items, target),
         lambda _over, _exhausted: _budget_error(target, floor, keep.peak))
     # a block's kept bytes: the eager tracker's unmarked figure less the compiled saving
-    decisions = tuple(Decision(name, types[i], columns[c].rpartition("=")[2],
+    decisions = tuple(Decision(name, types[i], str(Choice.parse(columns[c]).without_module()),
                                max(0.0, kept_unmarked[i] - saving[i][c]), extra[i][c])
                       for i, (name, c) in enumerate(zip(items, choice, strict=True))
                       if name in names or c)  # a module outside the blocks: only when marked

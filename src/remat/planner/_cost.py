@@ -7,7 +7,7 @@ its measured forward time, or on fake tensors a roofline estimate (FLOPs over
 ``throughput`` plus bytes moved over ``bandwidth``); the selective option costs
 the share of a block's operators that ``save_compute_intensive`` does not keep
 (by measured operator times on CPU tensors, by the roofline otherwise).
-See NOTE [Plan cost model] in ``_solve.py`` for how these make a peak.
+See NOTE [Plan cost model] in ``_solve/_problem.py`` for how these make a peak.
 
 The work is split by job: `remat.planner._trace.trace` runs the step once with the blocks
 hooked, `remat.planner._measure.measure_options` runs and times it once per option (the
@@ -41,8 +41,8 @@ import torch
 
 from remat.memory.internal import local_nbytes, signature, truncated
 from remat.planner._measure import Runs, measure_options
-from remat.planner._settings import Settings, child_mark, children_in
-from remat.planner._solve import BLOCK_OPTIONS, OPS, OUTPUT, RECOMPUTE, Problem, evaluate
+from remat.planner._settings import Settings, child_mark
+from remat.planner._solve import BLOCK_OPTIONS, OPS, OUTPUT, RECOMPUTE, Choice, Problem, evaluate
 from remat.planner._trace import Trace, _named, trace
 
 
@@ -204,7 +204,7 @@ class BlockCosts:
         """Per block and column, the regions the option makes: one for a block option or a
         per-call policy, one per child marked (NOTE [Calibrated re-run times])."""
         per_option = [0, *[1] * (len(BLOCK_OPTIONS) - 1)] + [
-            1 if o.startswith(f"{OPS}:") else len(children_in(o)) for o in self.options[len(BLOCK_OPTIONS):]]
+            len(Choice.parse(o).children) or 1 for o in self.options[len(BLOCK_OPTIONS):]]
         return [per_option] * len(self.names)
 
     def _raw_times(self, times: Ranking | BlockCosts) -> list[list[float]]:
@@ -259,7 +259,7 @@ def _family(option: str) -> str:
         return option  # each block re-run twice in backward (NOTE [Output pass])
     if option == "recompute":
         return "blocks"
-    return "policies" if option == "selective" or option.startswith(f"{OPS}:") else "children"
+    return "policies" if option == "selective" or Choice.parse(option).family == OPS else "children"
 
 
 
@@ -350,12 +350,13 @@ def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, lis
     def inner_seconds(k: int, option: str) -> float:
         if option not in runs.inner[names[k]]:
             return 0.0
-        if not option.startswith(f"{OPS}:"):
-            return sum(child_seconds(k, c) for c in children_in(option))
+        choice = Choice.parse(option)
+        if choice.family != OPS:
+            return sum(child_seconds(k, c) for c in choice.children)
         # NOTE [Options per operator]: the re-run runs all but the kept calls
         block = traced.index[k]
         found = ops.nodes.get(block, {})
-        keys = [key for key in option.partition(":")[2].split("+") if key in found]
+        keys = [key for key in choice.calls if key in found]
         kept = sum(found[key][0] for key in keys)
         total = ops.total.get(block, 0.0)
         share = max(0.0, 1.0 - kept / total) if total else 1.0

@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from remat.planner._solve import CHILDREN, OPS, min_cut_keep
+from remat.planner._solve import CHILDREN, OPS, Choice, min_cut_keep
 
 if TYPE_CHECKING:  # a trace is read, never made, here (``_trace`` imports this module)
     from remat.planner._trace import Trace
@@ -114,7 +114,7 @@ def ops_options(calls: Mapping[str, tuple[float, float]], small: Sequence[str] =
     sizes = sorted({round(len(ranked) * share) for share in OPS_SHARES} & set(range(1, len(ranked)))
                    | ({len(ranked)} if ranked else set()))
     levels = [sorted({*small, *ranked[:size]}) for size in ([0] if small else []) + sizes]
-    return [f"{OPS}:{'+'.join(keys)}" for keys in levels]
+    return [str(Choice(OPS, tuple(keys))) for keys in levels]
 
 
 #: the shares of a block's matrix products, convolutions and attentions (the dearest to
@@ -156,8 +156,10 @@ def cut_options(nodes: Mapping[str, tuple[int, Sequence[str]]], needed: Iterable
         banned = {*small, *ranked[:max(1, round(share * len(ranked)))]} if ranked else set(small)
         kept = min_cut_keep(weights, [[where[r] for r in nodes[k][1]] for k in keys],
                             [where[k] for k in needed if k in where], [where[k] for k in banned if k in where])
-        option = f"{OPS}:{'+'.join(sorted(keys[i] for i in kept))}"
-        if kept and option not in found and not any(keys[i] in fixed for i in kept):
+        if not kept or any(keys[i] in fixed for i in kept):
+            continue
+        option = str(Choice(OPS, tuple(sorted(keys[i] for i in kept))))
+        if option not in found:
             found.append(option)
     return found
 
@@ -184,11 +186,12 @@ def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
         if total > 0 and saving >= share * total:
             scored.append((-saving, order, child))
     chosen = [child for _, _, child in sorted(sorted(scored)[:limit], key=lambda s: s[1])]
-    found = [f"{CHILDREN}:{c}" for c in chosen] + ([f"{CHILDREN}:{'+'.join(chosen)}"] if len(chosen) > 1 else [])
+    found = [str(Choice(CHILDREN, (c,))) for c in chosen] + ([str(Choice(CHILDREN, tuple(chosen)))]
+                                                           if len(chosen) > 1 else [])
     kids = dict(block.named_children())
     alone = [c for c in chosen if next(kids[c].children(), None) is None]
     if operators and 1 < len(alone) < len(chosen):
-        found.append(f"{CHILDREN}:{'+'.join(alone)}")
+        found.append(str(Choice(CHILDREN, tuple(alone))))
     return found
 
 

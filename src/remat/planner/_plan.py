@@ -1,7 +1,7 @@
 """``remat.plan``: choose what each block recomputes so a step fits a memory budget (layer 4).
 
 The cost model (``_trace.py``, ``_measure.py``, ``_cost.py``) measures every block under
-every option, the solver (``_solve.py``) picks the options of least extra time whose predicted
+every option, the solver (``_solve/``) picks the options of least extra time whose predicted
 peak fits, and the plan is then measured: when the tracker's peak exceeds the
 budget, the solver runs again on a budget lowered by the excess (NOTE [Solve, measure,
 lower the target] in ``_loop.py``). A

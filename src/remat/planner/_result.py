@@ -11,6 +11,7 @@ import torch
 from remat._front.marks import mark_of, recompute_module
 from remat.memory import format_bytes
 from remat.planner._settings import marks_of
+from remat.planner._solve import Choice
 
 API = "remat.plan"
 
@@ -22,11 +23,19 @@ class Decision:
     Args:
         name: the block's qualified module name.
         type: its class name.
-        choice: ``"keep"``, ``"recompute"``, ``"selective"``, ``"output"`` (``output_recompute``),
-            or an option inside the block, ``"children:attn"`` / ``"children:fc+gelu"``: the
-            children named are marked, not the block (NOTE [Options inside blocks]).
+        choice: the option's text: ``"keep"``, ``"recompute"``, ``"selective"``, ``"output"``
+            (``output_recompute``), or an option inside the block, ``"children:attn"`` /
+            ``"children:fc+gelu"`` (the children named are marked, not the block: NOTE [Options
+            inside blocks]) or ``"ops:aten::mm#0+aten::addmm#3"`` (the block marked, those
+            calls' outputs kept: NOTE [Options per operator]); `option` is it as a value.
         kept_bytes: bytes the block keeps for backward under ``choice``.
         extra_s: predicted extra seconds per step.
+
+    Examples:
+        >>> from remat.planner import Decision
+        >>> d = Decision("blocks.0", "Block", "children:attn+mlp", kept_bytes=1024, extra_s=0.002)
+        >>> d.option.children, d.option.family
+        (('attn', 'mlp'), 'children')
     """
 
     name: str
@@ -34,6 +43,12 @@ class Decision:
     choice: str
     kept_bytes: float
     extra_s: float
+
+    @property
+    def option(self) -> Choice:
+        """The typed option ``choice`` stands for (NOTE [Choices as values]); a ``ValueError``
+        naming ``choice`` when it is no option."""
+        return _checked(self.choice, self.name, "remat.planner.Decision.option")
 
 
 @dataclass(frozen=True)
@@ -145,10 +160,18 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Read a plan written by `to_json`."""
+        """Read a plan written by `to_json`.
+
+        Raises:
+            ValueError: the text is no remat plan, or a decision's option is no option
+                (`Choice.parse`: the message names it and the forms an option takes).
+        """
+        api = "remat.Plan.from_json"
         data = json.loads(text)
         if data.pop("remat_plan", None) != 1:
-            raise ValueError("remat.Plan.from_json: not a remat plan (no 'remat_plan': 1 field)")
+            raise ValueError(f"{api}: not a remat plan (no 'remat_plan': 1 field)")
+        for d in data["decisions"]:  # the message names this API, the block and the option
+            _checked(d.get("choice"), d.get("name"), api)
         data["decisions"] = tuple(Decision(**d) for d in data["decisions"])
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
@@ -210,6 +233,15 @@ class Plan:
             lines.append(f"{'step':<10} {predicted:>9.1f} ms "
                          + (f"{step_ms:>9.1f} ms" if step_ms else f"{'-':>12}"))
         return "\n".join(lines)
+
+
+def _checked(choice: str, block: str, api: str) -> Choice:
+    """The option ``choice`` of ``block`` stands for; a ``ValueError`` naming ``api`` if none."""
+    option = Choice.parse(choice, api=api, block=block)
+    if option.module:
+        raise ValueError(f"{api}: option {choice!r} of block {block!r} names a module of its "
+                         f"own; a block's option is {str(option.without_module())!r}")
+    return option
 
 
 def _same_row(a: Decision, b: Decision) -> bool:

@@ -22,7 +22,7 @@ from remat._front.marks import recompute_module, unmark_module
 from remat._vocab.policy import save_calls, save_compute_intensive
 from remat.memory.internal import Step
 from remat.memory.profile import OptimizerLike
-from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OPS, OPTIONS
+from remat.planner._solve import OPS, OPTIONS, Choice
 
 API = "remat.plan"
 MARKS: dict[str, dict] = {
@@ -39,37 +39,28 @@ def child_mark(child: torch.nn.Module) -> dict:
     return {} if next(child.children(), None) is not None else {"output_recompute": True}
 
 
-def children_in(option: str) -> list[str]:
-    """The children an option inside a block marks (``"children:fc+gelu"``: fc and gelu)."""
-    return option.partition(":")[2].split("+")
-
-
-def marks_of(name: str, block: torch.nn.Module, choice: str,
+def marks_of(name: str, block: torch.nn.Module, choice: str | Choice,
              api: str = API) -> list[tuple[str, torch.nn.Module, dict]]:
     """``(module name, module, recompute_module options)`` that option ``choice`` of block
     ``name`` sets: none for ``keep``, the block for the block options, children for ``children:``."""
-    if choice in MARKS:
-        return [] if choice == "keep" else [(name, block, MARKS[choice])]
-    family, _, parts = choice.partition(":")
+    parsed = choice if isinstance(choice, Choice) else Choice.parse(choice, api=api, block=name)
+    if parsed.module:
+        raise ValueError(f"{api}: option {str(parsed)!r} of block {name!r} names a module of its own; "
+                         f"a block's option is {str(parsed.without_module())!r}")
+    if parsed.family in MARKS:
+        return [] if parsed.family == "keep" else [(name, block, MARKS[parsed.family])]
+    if parsed.family == OPS:  # NOTE [Options per operator]: the kept calls, the rest rebuilt
+        return [(name, block, {"policy": save_calls(*parsed.calls)})]
     kids = dict(block.named_children())
-    if family == OPS:  # NOTE [Options per operator]: the kept calls, the rest rebuilt
-        keys = [] if parts == "" else parts.split("+")
-        try:
-            return [(name, block, {"policy": save_calls(*keys)})]
-        except ValueError as err:
-            raise ValueError(f"{api}: option {choice!r} of block {name!r}: {err}") from None
-    if family != CHILDREN or not parts:
-        raise ValueError(f"{api}: unknown option {choice!r} for block {name!r}; choose from "
-                         f"{BLOCK_OPTIONS}, '{CHILDREN}:<child>+<child>' or "
-                         f"'{OPS}:<operator>#<call>+...' ('ops:aten::mm#0')")
-    missing = [c for c in children_in(choice) if c not in kids]
+    missing = [c for c in parsed.children if c not in kids]
     if missing:
         raise ValueError(f"{api}: block {name!r} ({type(block).__name__}) has no child {missing[0]!r} "
-                         f"(option {choice!r}); its children are {sorted(kids)}")
-    return [(f"{name}.{c}", kids[c], child_mark(kids[c])) for c in children_in(choice)]
+                         f"(option {str(parsed)!r}); its children are {sorted(kids)}")
+    return [(f"{name}.{c}", kids[c], child_mark(kids[c])) for c in parsed.children]
 
 
-def mark_choices(named: Mapping[str, torch.nn.Module], choices: Mapping[str, str]) -> list[torch.nn.Module]:
+def mark_choices(named: Mapping[str, torch.nn.Module],
+                 choices: Mapping[str, str | Choice]) -> list[torch.nn.Module]:
     """Mark the blocks ``{name: option}`` of a model (``named``: its ``named_modules()``);
     return the modules marked (none when an option cannot be set)."""
     marked = []
