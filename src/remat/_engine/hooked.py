@@ -113,6 +113,11 @@ def _graph_task() -> object:
     return gid if gid != -1 else uuid.uuid4().int
 
 
+def _leaves(output: Any) -> list:
+    """A region's output as a flat list (a single tensor without pytree)."""
+    return [output] if isinstance(output, torch.Tensor) else pytree.tree_leaves(output)
+
+
 def _meta(x: torch.Tensor) -> tuple:
     return (tuple(x.shape), x.dtype, x.device)
 
@@ -211,7 +216,7 @@ class HookedFrame(RegionCore):
         if self.keep_all:
             self.finish_keeping()
             return output
-        flat = pytree.tree_leaves(output)
+        flat = _leaves(output)
         self._copy_returned_inputs(inputs, flat)
         if spec.output_recompute or spec.keep_outputs:
             self.settle_outputs(flat)
@@ -472,7 +477,7 @@ class HookedFrame(RegionCore):
                 out = None
         self._check(gid, stop_at, mismatches, during_forward)
         if need_outputs:
-            flat = pytree.tree_leaves(out)
+            flat = _leaves(out)
             self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
             self._fill_from_outputs(gid)
 
