@@ -99,6 +99,7 @@ from remat._engine.core import Contexts, RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import OpTrace, storage_of
 from remat._engine.observe import engine_ops, replayed_state
+from remat._engine.rebuilt import RecomputeHooks, Stop, check, meta
 from remat._vocab.spec import RegionSpec
 
 _sequence_nr = torch.autograd._get_sequence_nr
@@ -116,19 +117,6 @@ def _graph_task() -> object:
 def _leaves(output: Any) -> list:
     """A region's output as a flat list (a single tensor without pytree)."""
     return [output] if isinstance(output, torch.Tensor) else pytree.tree_leaves(output)
-
-
-def _meta(x: torch.Tensor) -> tuple:
-    return (tuple(x.shape), x.dtype, x.device)
-
-
-def _show_meta(meta: tuple) -> str:
-    shape, dtype, device = meta
-    return f"shape {list(shape)}, {str(dtype).replace('torch.', '')}, {device}"
-
-
-class _Stop(Exception):
-    """Raised inside a re-run once the last needed tensor is rebuilt (NOTE [Early stop])."""
 
 
 class _Holder:
@@ -278,7 +266,7 @@ class HookedFrame(RegionCore):
                 holder.probe_version = x._version
         self.holders.append(weakref.ref(holder))
         if self.spec.determinism_check == "default":
-            self.metas.append(_meta(x))
+            self.metas.append(meta(x))
         if self.keep_all:
             holder.keep(x)
         else:
@@ -464,7 +452,7 @@ class HookedFrame(RegionCore):
                 stack.enter_context(replayed_state(self.state))  # outside every mode (NOTE [Observed writes])
             stack.enter_context(self.replay.context())
             stack.enter_context(torch.enable_grad())
-            stack.enter_context(_RecomputeHooks(self, gid, stop_at, mismatches, store))
+            stack.enter_context(RecomputeHooks(self, gid, stop_at, mismatches, store))
             if self.kept_collectives is not None:
                 stack.enter_context(_collectives.replaying(self))  # NOTE [Kept collectives]
             if self.contexts is not None:
@@ -473,9 +461,9 @@ class HookedFrame(RegionCore):
                 self.recompute_trace = stack.enter_context(OpTrace())
             try:
                 out = self.fn(*args, **kwargs)
-            except _Stop:
+            except Stop:
                 out = None
-        self._check(gid, stop_at, mismatches, during_forward)
+        check(self, gid, stop_at, mismatches, during_forward)
         if need_outputs:
             flat = _leaves(out)
             self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
@@ -499,86 +487,6 @@ class HookedFrame(RegionCore):
                 j, (size, stride, offset) = holder.out_of
                 holder.rebuilt[gid] = (outputs[j].as_strided(size, stride, offset), None)
 
-    def _check(self, gid: object, stop_at: int | None, mismatches: list[str],
-               during_forward: bool = False) -> None:
-        """Compare what the re-run saved with what forward saved (torch's three cases)."""
-        if self.spec.determinism_check == "none":
-            return
-        count, saved = self.counter[gid], len(self.holders)
-        lines = []
-        if count < (saved if stop_at is None else stop_at + 1):
-            lines.append("A different number of tensors was saved during the original forward "
-                         "and recomputation.")
-            lines.append(f"number of tensors saved during the original forward and recomputation: "
-                         f"{saved} and {count}")
-        elif count > saved and not during_forward:  # without early stop; NOTE [Backward inside a region's forward]
-            lines.append(
-                f"trying to save more tensors during recomputation than during the original "
-                f"forward pass: forward saved {saved}, recomputation saved {count}"
-            )
-        if mismatches:
-            lines.append(
-                "Recomputed values for the following tensors have different metadata than "
-                "during the forward pass:"
-            )
-            lines += mismatches
-        if lines:
-            raise RecomputeError(self._mismatch_message(lines))
-
-    def _mismatch_message(self, mismatches: list[str]) -> str:
-        text = (
-            f"remat: region '{self.name}' rebuilt tensors that differ from the ones saved in "
-            f"forward:\n  " + "\n  ".join(mismatches)
-        )
-        if self.trace is not None and self.recompute_trace is not None:
-            return (
-                f"{text}\n\nOperators run in forward:\n{self.trace.render()}\n\n"
-                f"Operators run in recomputation:\n{self.recompute_trace.render()}\n\n"
-                f"Detected non-determinism while running activation checkpointing. You are "
-                f"seeing this error because you passed `debug=True` to checkpoint (or turned "
-                f"debug on with set_checkpoint_debug_enabled(True)): compare the two lists above."
-            )
-        return text + (
-            "\nPass debug=True to print the operators run in forward and in recomputation, or "
-            "wrap the code in remat.set_checkpoint_debug_enabled(True)."
-        )
-
-
 class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, frame: HookedFrame) -> None:
         super().__init__(frame.pack, frame.unpack)
-
-
-class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
-    """Collect the tensors a re-run saves into the holders of the forward."""
-
-    def __init__(self, frame: HookedFrame, gid: int, stop_at: int | None, mismatches: list,
-                 store: bool) -> None:
-        # the re-run's graph holds this hook with every tensor it saves: a strong reference to
-        # the frame would lead a tensor the re-run hands out (a hook's capture in a list the
-        # frame's module state holds) back to the frame, a cycle the collector cannot free
-        frame_ref = weakref.ref(frame)
-        del frame
-
-        def pack(x: torch.Tensor) -> torch.Tensor:
-            frame = frame_ref()
-            index = frame.counter[gid]
-            frame.counter[gid] = index + 1
-            x = x.detach() if x.requires_grad else x  # NOTE [Inputs come back as themselves]
-            if index >= len(frame.holders):
-                return x
-            if frame.metas and frame.metas[index] != _meta(x):
-                holder = frame.holders[index]()
-                by = f" (saved by {holder.saved_by})" if holder is not None and holder.saved_by else ""
-                mismatches.append(
-                    f"tensor #{index}{by}: forward {_show_meta(frame.metas[index])}; "
-                    f"recomputation {_show_meta(_meta(x))}"
-                )
-            holder = frame.holders[index]() if store else None
-            if holder is not None and holder.kept is None and gid not in holder.rebuilt:
-                holder.rebuilt[gid] = (x, x._version)  # NOTE [Rebuilt tensors keep their version]
-            if stop_at is not None and index >= stop_at:
-                raise _Stop
-            return x
-
-        super().__init__(pack, lambda x: x)

@@ -1,0 +1,114 @@
+"""What a region's re-run saves, handed to the forward's holders and checked against them (engine).
+
+The saved-tensor hooks of a ``use_reentrant=False`` region's re-run (`RecomputeHooks`):
+each tensor the re-run saves goes to the holder the forward made for it (NOTE [Rebuilt
+tensors keep their version] in ``hooked.py``), until the last one still needed (NOTE
+[Early stop]: `Stop`); then `check` compares the count and the metadata with what the
+forward saved, as torch's checkpoint does (its three cases), and raises a
+``RecomputeError`` that names the region, and with ``debug=True`` lists the operators run
+in forward and in recomputation.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from remat._engine.errors import RecomputeError
+
+
+def meta(x: torch.Tensor) -> tuple:
+    """What the count check compares of a saved tensor: its shape, dtype and device."""
+    return (tuple(x.shape), x.dtype, x.device)
+
+
+def _show_meta(found: tuple) -> str:
+    shape, dtype, device = found
+    return f"shape {list(shape)}, {str(dtype).replace('torch.', '')}, {device}"
+
+
+class Stop(Exception):
+    """Raised inside a re-run once the last needed tensor is rebuilt (NOTE [Early stop])."""
+
+
+def check(frame: Any, gid: object, stop_at: int | None, mismatches: list[str],
+          during_forward: bool = False) -> None:
+    """Compare what the re-run saved with what forward saved (torch's three cases)."""
+    if frame.spec.determinism_check == "none":
+        return
+    count, saved = frame.counter[gid], len(frame.holders)
+    lines = []
+    if count < (saved if stop_at is None else stop_at + 1):
+        lines.append("A different number of tensors was saved during the original forward "
+                     "and recomputation.")
+        lines.append(f"number of tensors saved during the original forward and recomputation: "
+                     f"{saved} and {count}")
+    elif count > saved and not during_forward:  # without early stop; NOTE [Backward inside a region's forward]
+        lines.append(
+            f"trying to save more tensors during recomputation than during the original "
+            f"forward pass: forward saved {saved}, recomputation saved {count}"
+        )
+    if mismatches:
+        lines.append(
+            "Recomputed values for the following tensors have different metadata than "
+            "during the forward pass:"
+        )
+        lines += mismatches
+    if lines:
+        raise RecomputeError(_mismatch_message(frame, lines))
+
+
+def _mismatch_message(frame: Any, mismatches: list[str]) -> str:
+    text = (
+        f"remat: region '{frame.name}' rebuilt tensors that differ from the ones saved in "
+        f"forward:\n  " + "\n  ".join(mismatches)
+    )
+    if frame.trace is not None and frame.recompute_trace is not None:
+        return (
+            f"{text}\n\nOperators run in forward:\n{frame.trace.render()}\n\n"
+            f"Operators run in recomputation:\n{frame.recompute_trace.render()}\n\n"
+            f"Detected non-determinism while running activation checkpointing. You are "
+            f"seeing this error because you passed `debug=True` to checkpoint (or turned "
+            f"debug on with set_checkpoint_debug_enabled(True)): compare the two lists above."
+        )
+    return text + (
+        "\nPass debug=True to print the operators run in forward and in recomputation, or "
+        "wrap the code in remat.set_checkpoint_debug_enabled(True)."
+    )
+
+
+class RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Collect the tensors a re-run saves into the holders of the forward."""
+
+    def __init__(self, frame: Any, gid: int, stop_at: int | None, mismatches: list,
+                 store: bool) -> None:
+        # the re-run's graph holds this hook with every tensor it saves: a strong reference to
+        # the frame would lead a tensor the re-run hands out (a hook's capture in a list the
+        # frame's module state holds) back to the frame, a cycle the collector cannot free
+        frame_ref = weakref.ref(frame)
+        del frame
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            frame = frame_ref()
+            index = frame.counter[gid]
+            frame.counter[gid] = index + 1
+            x = x.detach() if x.requires_grad else x  # NOTE [Inputs come back as themselves]
+            if index >= len(frame.holders):
+                return x
+            if frame.metas and frame.metas[index] != meta(x):
+                holder = frame.holders[index]()
+                by = f" (saved by {holder.saved_by})" if holder is not None and holder.saved_by else ""
+                mismatches.append(
+                    f"tensor #{index}{by}: forward {_show_meta(frame.metas[index])}; "
+                    f"recomputation {_show_meta(meta(x))}"
+                )
+            holder = frame.holders[index]() if store else None
+            if holder is not None and holder.kept is None and gid not in holder.rebuilt:
+                holder.rebuilt[gid] = (x, x._version)  # NOTE [Rebuilt tensors keep their version]
+            if stop_at is not None and index >= stop_at:
+                raise Stop
+            return x
+
+        super().__init__(pack, lambda x: x)
