@@ -677,7 +677,7 @@ def test_timing_noise_cannot_flip_a_plan(monkeypatch):
     are one plan; the solver ranks options by FLOPs and bytes, which do not jitter. The
     calibrated prediction moves with the noise; the choices do not."""
     from remat.memory import profile
-    from remat.planner import _measure, _trace
+    from remat.planner import _measure, _ops
 
     torch.manual_seed(0)
     model = gpt(layers=6, width=64, heads=4, seq_len=64, vocab=128)  # near ties at 80%
@@ -685,7 +685,7 @@ def test_timing_noise_cannot_flip_a_plan(monkeypatch):
     plans = []
     for seed in range(4):  # before: two plans in these four
         clock = _NoisyClock(seed, 0.02)
-        for module in (_trace, _measure, profile):
+        for module in (_ops, _measure, profile):
             monkeypatch.setattr(module, "time", clock)
         plans.append(remat.plan(model, x, budget=0.8, repeat=1))
     assert all(p.choices == plans[0].choices for p in plans), [list(p.choices.values()) for p in plans]

@@ -269,7 +269,7 @@ def assemble(traced: Trace, runs: Runs, settings: Settings, roofline: Trace | No
     options (NOTE [Plans timing noise cannot flip])."""
     names, blocks, calls = traced.names, traced.blocks, traced.calls
     rows = {o: {r.name: r for r in rep.rows} for o, rep in runs.reports.items()}
-    keep, ops = rows["keep"], traced.ops
+    keep, totals = rows["keep"], traced.ops.totals
     every = [*BLOCK_OPTIONS, *runs.columns]
     kept = [[float(rows[o][name].kept) if o in rows and (o in BLOCK_OPTIONS or o in runs.inner[name])
              else None for o in every] for name in names]
@@ -288,7 +288,7 @@ def assemble(traced: Trace, runs: Runs, settings: Settings, roofline: Trace | No
         ranking = Ranking(*_times(roofline or traced, runs, True, groups, per_call=True))
     report = runs.reports["keep"]
     if settings.fake:
-        step = 3 * calls * sum(ops.total.values())
+        step = 3 * calls * sum(totals.total.values())
         timed = f"roofline ({settings.device})"
     else:
         # the step users run: forward, backward and the optimizer's step
@@ -328,7 +328,8 @@ def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, lis
     blocks. With ``roofline``: the trace's operators costed by FLOPs and bytes (with
     ``per_call``, plus the engine's share per call: `RERUN_CALL_S`, `POLICY_CALL_S`);
     else the unmarked run's measured forward times (the trace's operator times share them out)."""
-    names, blocks, calls, ops = traced.names, traced.blocks, traced.calls, traced.ops
+    names, blocks, calls = traced.names, traced.blocks, traced.calls
+    totals, parts, graph = traced.ops.totals, traced.ops.parts, traced.ops.graph
     keep = {r.name: r for r in runs.reports["keep"].rows}
     rerun, policy = (RERUN_CALL_S, POLICY_CALL_S) if roofline and per_call else (0.0, 0.0)
 
@@ -337,15 +338,15 @@ def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, lis
 
     def child_seconds(k: int, child: str) -> float:
         part = (traced.index[k], child)
-        once = (ops.part_total.get(part, 0.0) + rerun * ops.part_count.get(part, 0.0) if roofline
+        once = (parts.total.get(part, 0.0) + rerun * parts.count.get(part, 0.0) if roofline
                 else seconds(f"{names[k]}.{child}"))
         # an operator mark runs twice in backward: once to hand its output to whoever saved
         # it, once to rebuild what it saved itself (NOTE [Output pass] in _engine/hooked.py)
         return once if child_mark(dict(blocks[k][1].named_children())[child]) == {} else 2 * once
 
-    forward = ([ops.total.get(i, 0.0) for i in traced.index] if roofline
+    forward = ([totals.total.get(i, 0.0) for i in traced.index] if roofline
                else [seconds(name) for name in names])
-    count = [ops.count.get(i, 0.0) for i in traced.index]
+    count = [totals.count.get(i, 0.0) for i in traced.index]
 
     def inner_seconds(k: int, option: str) -> float:
         if option not in runs.inner[names[k]]:
@@ -355,16 +356,16 @@ def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, lis
             return sum(child_seconds(k, c) for c in choice.children)
         # NOTE [Options per operator]: the re-run runs all but the kept calls
         block = traced.index[k]
-        found = ops.nodes.get(block, {})
+        found = graph.nodes.get(block, {})
         keys = [key for key in choice.calls if key in found]
         kept = sum(found[key][0] for key in keys)
-        total = ops.total.get(block, 0.0)
+        total = totals.total.get(block, 0.0)
         share = max(0.0, 1.0 - kept / total) if total else 1.0
         return forward[k] * share + rerun * max(0.0, count[k] - len(keys)) + policy * count[k]
 
     child_s = [[inner_seconds(k, o) for o in runs.columns] for k in range(len(names))]
-    share = [ops.recomputed.get(i, 0.0) / ops.total[i] if ops.total.get(i) else 1.0 for i in traced.index]
-    selective = [f * s + rerun * ops.recomputed_count.get(i, 0.0) + policy * n
+    share = [totals.recomputed.get(i, 0.0) / totals.total[i] if totals.total.get(i) else 1.0 for i in traced.index]
+    selective = [f * s + rerun * totals.recomputed_count.get(i, 0.0) + policy * n
                  for f, s, i, n in zip(forward, share, traced.index, count)]
     forward = [f + rerun * n for f, n in zip(forward, count)]
     for members in groups.values():

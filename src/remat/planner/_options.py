@@ -49,7 +49,7 @@ The ranked options keep products and reductions only, so a value backward reads 
 cheap operator makes from a product (a rotary embedding of a query, a residual sum) is
 rebuilt by re-running the product. The min-cut options keep, of every call of the block,
 the fewest bytes from which backward rebuilds all it reads while re-running only what
-it may: the traced unmarked run records each call (``_Ops.nodes`` in ``_trace.py``: its
+it may: the traced unmarked run records each call (``CutGraph.nodes`` in ``_ops.py``: its
 output bytes, the calls of the same block it reads, storage by storage), and which outputs
 the block's own backward reads (the saved-tensor hook, while the block runs);
 `remat.planner._solve.min_cut_keep` then solves the cut with the block's small reductions
@@ -206,8 +206,8 @@ def inner_options(traced: Trace, unmarked: Mapping[str, Any], options: Sequence[
             inner[name] += child_options(name, block, unmarked, traced.leaving[name], traced.calls,
                                          share=share, limit=limit, operators=operators)
         if OPS in options:
-            found = traced.ops
-            inner[name] += ops_options(found.candidates(traced.index[k]), found.small_results(traced.index[k]))
-            inner[name] += [o for o in found.cut_options(traced.index[k]) if o not in inner[name]]
+            i, candidates = traced.index[k], traced.ops.candidates
+            inner[name] += ops_options(candidates.of(i), candidates.small_results(i))
+            inner[name] += [o for o in traced.ops.cut_options(i) if o not in inner[name]]
     return inner
 
