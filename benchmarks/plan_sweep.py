@@ -206,7 +206,7 @@ def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 
     blocks_only = Problem(**{**full.__dict__, "kept": [
         [None if full.options[o].startswith("children:") else k for o, k in enumerate(row)]
         for row in full.kept]})
-    budgets = [peak, *(int(peak + f * (costs.peaks["keep"] - peak)) for f in between)]
+    budgets = [peak, *(int(peak + f * (costs.memory.peaks["keep"] - peak)) for f in between)]
     plans = {}
     for b in budgets:
         for key, problem in (("blocks", blocks_only), ("children", full)):
@@ -249,7 +249,7 @@ def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 
         return {"median": statistics.median(values), "q1": q[0], "q3": q[2],
                 "min": min(values), "max": max(values)}
 
-    out = {"model": name, "per_block_peak": peak, "no_recompute_peak": costs.peaks["keep"],
+    out = {"model": name, "per_block_peak": peak, "no_recompute_peak": costs.memory.peaks["keep"],
            "budgets": budgets, "rounds": rounds, "planned_s": planned_s, "options": costs.options,
            "overhead": {k: spread(v) for k, v in over.items()},
            "ratio_to_per_block": {k: spread(v) for k, v in ratios.items()},
@@ -260,7 +260,7 @@ def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 
                                     "measured_peak": p.measured_peak_bytes}
                      for (b, key), p in plans.items()}}
     print(f"[inside {name}] per-block checkpointing's measured peak {peak:,} (no recompute "
-          f"{costs.peaks['keep']:,}); {rounds} interleaved rounds; options {costs.options[4:]}")
+          f"{costs.memory.peaks['keep']:,}); {rounds} interleaved rounds; options {costs.options[4:]}")
     o = out["overhead"]["per-block"]
     print(f"    per-block            overhead median {o['median']:+.3f} (IQR {o['q1']:+.3f}..{o['q3']:+.3f})")
     for (b, key), p in plans.items():
@@ -431,7 +431,7 @@ def speed(full_70b: bool) -> dict:
         costs = measure_costs(model, find_blocks(model), Settings(
             step=Step(inputs=inputs, loss_fn=next_token_loss), optimizer="adam", fake=True, device="cpu"))
     problem = costs.problem()
-    low, high = floor(problem), costs.peaks["keep"]
+    low, high = floor(problem), costs.memory.peaks["keep"]
     times = []
     for k in range(10):
         budget = low + (high - low) * k / 9
@@ -483,7 +483,7 @@ def speed(full_70b: bool) -> dict:
                       "estimate_compose_s": quick_s, "estimate_compose_peak": quick.peak_bytes,
                       "plan_full_verify_s": whole_s, "full_verify_measured": whole.measured_peak_bytes,
                       "same_plan": whole.choices == p.choices, "load_1min": load,
-                      "composed_peak": composed.peaks["keep"], "traced_peak": traced,
+                      "composed_peak": composed.memory.peaks["keep"], "traced_peak": traced,
                       "estimate_peak": full.peak_bytes,
                       "plan_s": plan_s, "budget": p.budget_bytes, "predicted": p.predicted_peak_bytes,
                       "measured": p.measured_peak_bytes, "no_recompute": p.no_recompute_peak_bytes,
@@ -491,8 +491,9 @@ def speed(full_70b: bool) -> dict:
         print(f"[speed] Llama {label} (seq 4096, batch {batch}, bf16) on fake tensors: remat.estimate "
               f"{full_s:.2f} s (peak {full.peak_bytes:,}), with compose=True {quick_s:.2f} s (peak "
               f"{quick.peak_bytes:,}, equal: {quick.peak_bytes == full.peak_bytes}); the planner's step (logits held through "
-              f"backward) composed from short models {composed_s:.2f} s, peak {composed.peaks['keep']:,} vs "
-              f"{traced:,} every block traced (equal: {composed.peaks['keep'] == traced}); remat.plan end "
+              f"backward) composed from short models {composed_s:.2f} s, peak "
+              f"{composed.memory.peaks['keep']:,} vs {traced:,} every block traced (equal: "
+              f"{composed.memory.peaks['keep'] == traced}); remat.plan end "
               f"to end at {fraction}x: {plan_s:.1f} s, predicted {p.predicted_peak_bytes:,}, measured "
               f"{p.measured_peak_bytes:,} (verified by composition); with verify='full' {whole_s:.1f} s, "
               f"measured {whole.measured_peak_bytes:,}, same plan: {whole.choices == p.choices}; "

@@ -375,12 +375,13 @@ def test_a_rank_plan_composes_identical_blocks_from_runs_with_three_and_four():
     config = LlamaConfig(layers=6, width=512, heads=4, hidden=1408, vocab=8000)
     costs = _rank_costs(config, _shard_llama, 8, 64)
     whole = _rank_costs(config, _shard_llama, 8, 64, whole=True)  # every block traced
-    assert costs.peaks["keep"] == whole.peaks["keep"]
-    assert costs.baseline_bytes == whole.baseline_bytes
+    assert costs.memory.peaks["keep"] == whole.memory.peaks["keep"]
+    assert costs.memory.baseline_bytes == whole.memory.baseline_bytes
     freed = remat.estimate(config, torch.zeros(1, 64, dtype=torch.long), loss_fn=next_token_loss,
                            world_size=8, parallelize=_shard_llama)  # the logits freed before backward
-    assert costs.baseline_bytes == freed.baseline_bytes and costs.peaks["keep"] >= freed.peak_bytes
-    assert "composed from runs with 3 and 4" in costs.timed
+    assert costs.memory.baseline_bytes == freed.baseline_bytes
+    assert costs.memory.peaks["keep"] >= freed.peak_bytes
+    assert "composed from runs with 3 and 4" in costs.step.timing
 
 
 def test_a_composed_rank_plan_grows_each_phase_at_its_own_rate():
@@ -391,10 +392,11 @@ def test_a_composed_rank_plan_grows_each_phase_at_its_own_rate():
     config = LlamaConfig(layers=10, width=256, heads=8, hidden=704, vocab=16000)
     costs = _rank_costs(config, tensor_parallel, 8, 256)
     whole = _rank_costs(config, tensor_parallel, 8, 256, whole=True)
-    assert (costs.peaks["keep"], costs.phases["keep"]) == (whole.peaks["keep"], "backward")
+    memory = costs.memory
+    assert (memory.peaks["keep"], memory.phases["keep"]) == (whole.memory.peaks["keep"], "backward")
     # times from the rank's own operators: DTensor's sharding propagation, which runs once
     # per shape (here in the run with 3 blocks, not with 4), is not this rank's work
-    assert costs.step_s == pytest.approx(whole.step_s)
+    assert costs.step.seconds == pytest.approx(whole.step.seconds)
 
 
 # --- errors: typed, named, and nothing left behind ------------------------------------------------

@@ -241,8 +241,8 @@ def test_identical_blocks_composed_from_two_and_three_equal_the_whole_model():
         whole = measure_costs(model, blocks, settings)
         composed = composed_costs(model, blocks, container, settings)
     assert len(model.blocks) == 5  # the container is whole again
-    assert composed.peaks == whole.peaks
-    assert composed.kept == whole.kept and composed.baseline_bytes == whole.baseline_bytes
+    assert composed.memory.peaks == whole.memory.peaks
+    assert composed.kept == whole.kept and composed.memory.baseline_bytes == whole.memory.baseline_bytes
     assert identical_container(model, blocks[:3]) is None  # too few to gain anything
 
 
@@ -286,17 +286,19 @@ def test_verifying_without_the_optimizer_step_gives_the_full_step_peak():
 def two_blocks(steps: dict, inner: str | tuple[str, ...] | None = None):
     """Cost model of two identical blocks (1 s of forward, half of it selective's; each option
     inside them, if given, re-runs 0.5 s), each option timed as ``steps`` says."""
-    from remat.planner._cost import BlockCosts
+    from remat.planner._cost import BlockCosts, BlockTimes, StepMemory, StepTime
     from remat.planner._solve import BLOCK_OPTIONS
 
     inner = (inner,) if isinstance(inner, str) else tuple(inner or ())
     options = [*BLOCK_OPTIONS, *inner]
     return BlockCosts(names=["a", "b"], types=["T", "T"],
                       kept=[[8.0, 2.0, 4.0, 0.0, 5.0, 6.0][:len(options)]] * 2,
-                      forward_s=[1.0, 1.0], selective_s=[0.5, 0.5], output_bytes=[2, 2],
-                      grad_bytes=[1, 1], chain=[True, True], baseline_bytes=10, other_grad_bytes=0,
-                      peaks=dict.fromkeys(options, 40), options=options,
-                      child_s=[[0.5] * len(inner)] * 2 if inner else [], option_step_s=steps)
+                      times=BlockTimes(forward_s=[1.0, 1.0], selective_s=[0.5, 0.5],
+                                       child_s=[[0.5] * len(inner)] * 2 if inner else []),
+                      output_bytes=[2, 2], grad_bytes=[1, 1], chain=[True, True],
+                      memory=StepMemory(baseline_bytes=10, other_grad_bytes=0,
+                                        peaks=dict.fromkeys(options, 40)),
+                      step=StepTime(per_option=steps), options=options)
 
 
 def test_option_times_are_calibrated_by_each_option_timed_run():
@@ -465,7 +467,7 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
         settings = Settings(step=Step(inputs=inputs, loss_fn=next_token_loss), optimizer="adam",
                             fake=True, device="cpu")
         costs = measure_costs(model, find_blocks(model), settings)
-        budget = costs.peaks["recompute"]  # every block marked alike: per-block checkpointing
+        budget = costs.memory.peaks["recompute"]  # every block marked alike: per-block checkpointing
         full = costs.problem()
         inside = [o for o, name in enumerate(full.options) if name.startswith("children:")]
         assert [full.options[o] for o in inside] == ["children:attn", "children:fc", "children:gelu",
@@ -585,12 +587,11 @@ def test_a_region_s_fixed_cost_is_calibrated_apart_from_its_forward_seconds():
     both) predicted the mixed plan at 2.79 s instead of 3.15 s; the two terms predict it."""
     from remat.planner._solve import evaluate
 
-    costs = dataclasses.replace(
-        two_blocks({"keep": 10.0, "recompute": 12.0, "selective": 11.0, "output": 13.0,
-                    "children:gelu": 10.0 + 2 * (1.5 * 0.1 + 0.5),
-                    "children:attn+fc": 10.0 + 2 * (1.5 * 1.0 + 2 * 0.5)},
-                   inner=("children:gelu", "children:attn+fc")),
-        child_s=[[0.1, 1.0]] * 2)
+    costs = two_blocks({"keep": 10.0, "recompute": 12.0, "selective": 11.0, "output": 13.0,
+                        "children:gelu": 10.0 + 2 * (1.5 * 0.1 + 0.5),
+                        "children:attn+fc": 10.0 + 2 * (1.5 * 1.0 + 2 * 0.5)},
+                       inner=("children:gelu", "children:attn+fc"))
+    costs = dataclasses.replace(costs, times=dataclasses.replace(costs.times, child_s=[[0.1, 1.0]] * 2))
     assert costs.time_model[4] == pytest.approx((1.5, 0.5))
     assert costs.time_model[5] == pytest.approx((1.5, 0.5))
     assert costs.time_model[1] == (1.0, 0.0)  # a single timed option: its scale alone, exact
@@ -618,13 +619,13 @@ def test_the_problem_is_built_without_writing_to_the_cost_model():
     # the calibration and what each option's backward holds beyond its kept bytes are figures
     # of the measured fields: problem() reads them and writes nothing, so the problems of one
     # cost model are the same whichever is asked first, and however often
-    from remat.planner._cost import Ranking
+    from remat.planner._cost import BlockTimes
     from remat.planner._solve import evaluate
 
     costs = dataclasses.replace(
         two_blocks({"keep": 10.0, "recompute": 11.4, "selective": 11.0, "output": 13.0,
                     "children:attn": 11.0}, inner="children:attn"),
-        ranking=Ranking(forward_s=[2.0, 2.0], selective_s=[1.0, 1.0], child_s=[[1.0], [1.0]]))
+        ranking=BlockTimes(forward_s=[2.0, 2.0], selective_s=[1.0, 1.0], child_s=[[1.0], [1.0]]))
     before = copy.deepcopy(costs)
     ranked, calibrated = costs.problem(ranking=True), costs.problem()
     assert costs == before
@@ -743,7 +744,7 @@ def test_one_optimizer_for_every_option_run_gives_each_runs_own_peaks(tokens_per
         costs = measure_costs(model, find_blocks(model), Settings(step=step, optimizer="adam", fake=True))
         phases = set()
         for o, option in enumerate(costs.options):
-            if option not in costs.peaks:
+            if option not in costs.memory.peaks:
                 continue
             chosen = {name: option for i, name in enumerate(costs.names) if costs.kept[i][o] is not None}
             marked = mark_choices(dict(model.named_modules()), chosen)
@@ -752,9 +753,10 @@ def test_one_optimizer_for_every_option_run_gives_each_runs_own_peaks(tokens_per
             finally:
                 for m in marked:
                     remat.unmark(m)
-            assert (costs.peaks[option], costs.phase_peaks[option]) == (own.peak_bytes, own.phase_peaks), option
+            measured = (costs.memory.peaks[option], costs.memory.phase_peaks[option])
+            assert measured == (own.peak_bytes, own.phase_peaks), option
             phases.add(own.peak_phase)
-    assert len(costs.peaks) > 4
+    assert len(costs.memory.peaks) > 4
     assert ("optimizer" in phases) == (tokens_per_row == 4)
 
 
@@ -775,14 +777,15 @@ def test_no_plan_is_slower_than_a_uniform_marking_that_fits_its_budget():
     least, n = floor(problem), len(costs.names)
     compared = 0
     for fraction in (0.9, 0.8, 0.7, 0.6, 0.5):
-        budget = fraction * costs.peaks["keep"]
+        budget = fraction * costs.memory.peaks["keep"]
         if budget < least:
             continue
         plan = _fit(model, costs, (ranking, problem), budget, least, settings)
         mine = evaluate(ranking, [ranking.options.index(c) for c in plan.choices.values()])[1]
         for o, option in enumerate(ranking.options):
             uniform = [o] * n
-            if any(ranking.kept[i][o] is None for i in range(n)) or costs.peaks.get(option, budget + 1) > budget:
+            measured = costs.memory.peaks.get(option, budget + 1)
+            if any(ranking.kept[i][o] is None for i in range(n)) or measured > budget:
                 continue  # (its measured run: every block marked alike)
             compared += 1
             assert mine <= evaluate(ranking, uniform)[1] * (1 + 1e-9), (fraction, option, plan.choices)
@@ -797,9 +800,9 @@ def test_a_uniform_marking_measured_within_the_budget_wins_over_a_slower_plan(mo
     from remat.planner._solve import Solution
 
     costs = two_blocks({})
-    costs.peaks["keep"] = 60  # no recompute: over the budget
+    costs.memory.peaks["keep"] = 60  # no recompute: over the budget
     problem = costs.problem()
-    budget = costs.peaks["recompute"]
+    budget = costs.memory.peaks["recompute"]
     slow = Solution(("output", "output"), 0.0, 0.0, "dynamic program")  # 2x a re-run, and chained
     monkeypatch.setattr(_plan, "solve", lambda *a, **k: slow)
     plan = _plan._fit(None, costs, (problem, problem), budget, 0.0, Settings(step=Step(), verify=False))

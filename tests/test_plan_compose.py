@@ -74,16 +74,16 @@ def test_composed_verification_equals_the_whole_trace_to_the_byte(make, loss_fn,
             marked = mark_choices(dict(model.named_modules()), chosen)
             try:
                 whole = measure_peak(model, step, optimizer=optimizer, fake=True,
-                                     optimizer_peak=costs.optimizer_peak)
+                                     optimizer_peak=costs.memory.optimizer_peak)
             finally:
                 for m in marked:
                     unmark_module(m)
             composed = composed_peak(model, costs.names, choices, container, settings,
-                                     costs.optimizer_peak, cheaper=False)
+                                     costs.memory.optimizer_peak, cheaper=False)
             assert composed is not None, runs_of(choices)
             assert composed == whole, (runs_of(choices), composed - whole)
             composed_any += any(n > 4 for _, n in runs_of(choices))
-            beyond_optimizer += whole > (costs.optimizer_peak or 0)
+            beyond_optimizer += whole > (costs.memory.optimizer_peak or 0)
         assert composed_any >= 4  # most plans have a run that the short models cut
         assert beyond_optimizer >= 4  # and the peak is the forward's or the backward's
 
@@ -157,11 +157,11 @@ def test_a_rank_plans_composed_verification_equals_the_whole_trace():
                         ["recompute"] * 3 + ["selective"] * 8 + ["keep"] * 3,
                         ["selective"] * 2 + ["keep"] * 9 + ["recompute"] * 3):
             whole = measure_peak(build(dict(zip(names, choices, strict=True))), step, optimizer="adam",
-                                 fake=True, optimizer_peak=costs.optimizer_peak)
-            composed = composed_peak(template, names, choices, container, settings, costs.optimizer_peak,
-                                     cheaper=False)
+                                 fake=True, optimizer_peak=costs.memory.optimizer_peak)
+            composed = composed_peak(template, names, choices, container, settings,
+                                     costs.memory.optimizer_peak, cheaper=False)
             assert composed == whole, (runs_of(choices), None if composed is None else composed - whole)
-            beyond_optimizer += whole > costs.optimizer_peak
+            beyond_optimizer += whole > costs.memory.optimizer_peak
         assert beyond_optimizer >= 2
 
 

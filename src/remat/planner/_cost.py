@@ -34,7 +34,7 @@ and bytes do not jitter: the same model, inputs and budget give the same plan.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -47,13 +47,45 @@ from remat.planner._trace import Trace, _named, trace
 
 
 @dataclass(frozen=True)
-class Ranking:
-    """Per block, times from FLOPs and bytes that rank the options on real tensors (NOTE
-    [Plans timing noise cannot flip]): as `BlockCosts`' fields of the same names."""
+class BlockTimes:
+    """Per block, the seconds its re-runs cost before calibration: of the whole block
+    (``forward_s``), under its selective policy (``selective_s``) and of each option inside it
+    (``child_s``: one entry per column of `BlockCosts.options` after `BLOCK_OPTIONS`; empty:
+    none). `BlockCosts.times` are measured (on fake tensors, the roofline's); its ``ranking``
+    are costed by FLOPs and bytes (NOTE [Plans timing noise cannot flip])."""
 
     forward_s: list[float]
     selective_s: list[float]
-    child_s: list
+    child_s: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What the whole step holds, measured once per option (marking every block alike)."""
+
+    #: bytes alive before the step (parameters, inputs, the optimizer's state)
+    baseline_bytes: int
+    #: the gradients of the parameters outside blocks
+    other_grad_bytes: int
+    #: per option, the step's peak and the phase it is reached in
+    peaks: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, str] = field(default_factory=dict)
+    #: per option, the highest footprint reached in each phase (``ProfileReport.phase_peaks``)
+    phase_peaks: dict[str, dict] = field(default_factory=dict)
+    #: the unmarked step's peak in the optimizer's step (None: no optimizer)
+    optimizer_peak: int | None = None
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The unmarked step's seconds, how they were found, and each option's timed step."""
+
+    #: forward, backward and the optimizer's step (None: not timed)
+    seconds: float | None = None
+    #: how ``seconds`` was found (measured or a roofline; `Plan.timing`)
+    timing: str = "measured"
+    #: per option, the seconds of its uniform run's step (the calibration of its family)
+    per_option: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -66,30 +98,19 @@ class BlockCosts:
     names: list[str]
     types: list[str]
     kept: list[list[float | None]]
-    forward_s: list[float]
-    selective_s: list[float]
+    times: BlockTimes
     output_bytes: list[int]
     grad_bytes: list[int]
     chain: list[bool]
-    baseline_bytes: int
-    other_grad_bytes: int
-    peaks: dict[str, int] = field(default_factory=dict)
-    phases: dict[str, str] = field(default_factory=dict)
-    #: per option, the highest footprint reached in each phase (``ProfileReport.phase_peaks``)
-    phase_peaks: dict[str, dict] = field(default_factory=dict)
-    step_s: float | None = None
-    timed: str = "measured"
-    optimizer_peak: int | None = None
-    option_step_s: dict = field(default_factory=dict)
+    memory: StepMemory
+    step: StepTime = field(default_factory=StepTime)
     #: the columns of ``kept``: `BLOCK_OPTIONS`, then options inside blocks
     options: list = field(default_factory=lambda: list(BLOCK_OPTIONS))
-    #: per block, the forward seconds of each option inside blocks (``options[4:]``)
-    child_s: list = field(default_factory=list)
     #: forwards of each block per step: above 1 (gradient accumulation), every gradient
     #: exists while the later micro-batches run, and the model counts them all
     calls: int = 1
-    #: on real tensors, the times that rank the options (None: ``forward_s`` and the others do)
-    ranking: Ranking | None = None
+    #: on real tensors, the times that rank the options (None: ``times`` do)
+    ranking: BlockTimes | None = None
 
     def problem(self, *, ranking: bool = False) -> Problem:
         """The solver's problem (NOTE [Plan cost model]), calibrated on the measured peaks
@@ -98,10 +119,12 @@ class BlockCosts:
         n = len(self.names)
         fixed = self._fixed()
         keep_kept = [k[0] for k in self.kept]
-        end = self.peaks["keep"] - sum(keep_kept)
-        base = max((p for o, p in self.peaks.items() if self.phases.get(o) == "optimizer"), default=0)
-        times: Ranking | BlockCosts = self.ranking if ranking and self.ranking is not None else self
-        model = self.time_model if times is self else [(1.0, 0.0)] * len(self.options)
+        memory = self.memory
+        end = memory.peaks["keep"] - sum(keep_kept)
+        base = max((p for o, p in memory.peaks.items() if memory.phases.get(o) == "optimizer"), default=0)
+        ranked = ranking and self.ranking is not None
+        times = self.ranking if ranked else self.times
+        model = [(1.0, 0.0)] * len(self.options) if ranked else self.time_model
         # Times on a binary grid (2**-30 s): sums of them are exact in any order, so plans of
         # equal cost are exact ties, broken the same way run after run (identical blocks)
         time_of = [[_grid(t * model[o][0] + u * model[o][1]) for o, (t, u) in enumerate(zip(row, units))]
@@ -118,7 +141,7 @@ class BlockCosts:
     @property
     def time_scale(self) -> list[float]:
         """Per column of ``options``, the factor `problem` scales its measured forward times by
-        (all 1.0 without the options' timed steps, ``option_step_s``): `time_model`'s first term."""
+        (all 1.0 without the options' timed steps, ``step.per_option``): `time_model`'s first term."""
         return [a for a, _ in self.time_model]
 
     @property
@@ -149,11 +172,11 @@ class BlockCosts:
         price per region (not negative; the scale within [0.5, 4]); otherwise the price is 0
         and the scale alone is fitted, as a single timed option defines it exactly."""
         n, columns = len(self.names), len(self.options)
-        raw_times, units = self._raw_times(self), self._regions()
-        keep_s = self.option_step_s.get("keep")
+        raw_times, units = self._raw_times(self.times), self._regions()
+        keep_s = self.step.per_option.get("keep")
         fitted: dict[str, list[tuple[float, float, float]]] = {}
         for o in range(1, columns):
-            step_s = self.option_step_s.get(self.options[o])
+            step_s = self.step.per_option.get(self.options[o])
             if keep_s is None or step_s is None:
                 continue
             choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
@@ -187,9 +210,9 @@ class BlockCosts:
                         options=self.options)
         gaps = [0.0] * columns
         for o in range(columns):
-            if self.options[o] in self.peaks:
+            if self.options[o] in self.memory.peaks:
                 choice = [o if self.kept[i][o] is not None else 0 for i in range(n)]
-                gaps[o] = max(0.0, self.peaks[self.options[o]] - evaluate(rough, choice)[0])
+                gaps[o] = max(0.0, self.memory.peaks[self.options[o]] - evaluate(rough, choice)[0])
         return gaps
 
     def _fixed(self) -> list[float]:
@@ -198,7 +221,7 @@ class BlockCosts:
         several micro-batches, whose gradients exist while the later ones run)."""
         n = len(self.names)
         later = [sum(self.grad_bytes[i + 1 if self.calls == 1 else 0:]) for i in range(n)]
-        return [self.baseline_bytes + self.other_grad_bytes + g for g in later]
+        return [self.memory.baseline_bytes + self.memory.other_grad_bytes + g for g in later]
 
     def _regions(self) -> list[list[int]]:
         """Per block and column, the regions the option makes: one for a block option or a
@@ -207,9 +230,9 @@ class BlockCosts:
             len(Choice.parse(o).children) or 1 for o in self.options[len(BLOCK_OPTIONS):]]
         return [per_option] * len(self.names)
 
-    def _raw_times(self, times: Ranking | BlockCosts) -> list[list[float]]:
-        """Per block and column, the extra seconds of ``times`` (this cost model or its
-        `Ranking`) before calibration."""
+    def _raw_times(self, times: BlockTimes) -> list[list[float]]:
+        """Per block and column, the extra seconds of ``times`` (this cost model's `times` or
+        its `ranking`) before calibration."""
         columns = len(self.options)
         inner = times.child_s or [[]] * len(self.names)
         # An ``output`` block runs twice in backward, chained or not: once to hand its output
@@ -282,10 +305,10 @@ def assemble(traced: Trace, runs: Runs, settings: Settings, roofline: Trace | No
     groups: dict[tuple, list[int]] = {}
     for k, (_, module) in enumerate(blocks):
         groups.setdefault((signature(module), tuple(kept[k])), []).append(k)
-    forward, selective, child_s = _times(traced, runs, settings.fake, groups)
+    times = _times(traced, runs, settings.fake, groups)
     ranking = None
     if not settings.fake:
-        ranking = Ranking(*_times(roofline or traced, runs, True, groups, per_call=True))
+        ranking = _times(roofline or traced, runs, True, groups, per_call=True)
     report = runs.reports["keep"]
     if settings.fake:
         step = 3 * calls * sum(totals.total.values())
@@ -299,16 +322,17 @@ def assemble(traced: Trace, runs: Runs, settings: Settings, roofline: Trace | No
     all_grads = sum(local_nbytes(p) for p in runs.measured.parameters() if p.requires_grad)
     return BlockCosts(
         names=names, types=[type(m).__name__ for _, m in traced.blocks],
-        kept=kept, forward_s=forward, selective_s=selective,
+        kept=kept, times=times,
         output_bytes=[keep[name].output_bytes // calls for name in names], grad_bytes=grads,
-        chain=traced.chain, baseline_bytes=report.baseline_bytes,
-        other_grad_bytes=all_grads - sum(grads),
-        peaks={o: r.peak_bytes for o, r in runs.reports.items()},
-        phases={o: r.peak_phase for o, r in runs.reports.items()}, step_s=step, timed=timed,
-        phase_peaks={o: dict(r.phase_peaks) for o, r in runs.reports.items()},
-        optimizer_peak=report.phase_peaks.get("optimizer"), option_step_s=runs.steps,
-        options=every, child_s=child_s, calls=calls,
-        ranking=ranking,
+        chain=traced.chain,
+        memory=StepMemory(
+            baseline_bytes=report.baseline_bytes, other_grad_bytes=all_grads - sum(grads),
+            peaks={o: r.peak_bytes for o, r in runs.reports.items()},
+            phases={o: r.peak_phase for o, r in runs.reports.items()},
+            phase_peaks={o: dict(r.phase_peaks) for o, r in runs.reports.items()},
+            optimizer_peak=report.phase_peaks.get("optimizer")),
+        step=StepTime(seconds=step, timing=timed, per_option=runs.steps),
+        options=every, calls=calls, ranking=ranking,
     )
 
 
@@ -322,7 +346,7 @@ POLICY_CALL_S = 2e-5
 
 
 def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, list[int]], *,
-           per_call: bool = False) -> tuple:
+           per_call: bool = False) -> BlockTimes:
     """Per block: the seconds a re-run of it costs, those of its selective policy's re-run, and
     those of each option inside it (``runs.columns``), averaged over each group of identical
     blocks. With ``roofline``: the trace's operators costed by FLOPs and bytes (with
@@ -377,7 +401,7 @@ def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, lis
             mean = sum(child_s[k][c] for k in members) / len(members)
             for k in members:
                 child_s[k][c] = mean
-    return forward, selective, child_s
+    return BlockTimes(forward, selective, child_s)
 
 
 def measure_costs(model: torch.nn.Module, blocks: list, settings: Settings) -> BlockCosts:
@@ -442,27 +466,35 @@ def composed_costs(model: torch.nn.Module, blocks: list, container: torch.nn.Mod
     def spread(values: list) -> list:
         return [values[0], *[values[1]] * (n - 2), values[-1]]
 
+    times = three.times
+    return BlockCosts(
+        names=[name for name, _ in blocks], types=spread(three.types), kept=spread(three.kept),
+        times=BlockTimes(spread(times.forward_s), spread(times.selective_s), spread(times.child_s)),
+        output_bytes=spread(three.output_bytes), grad_bytes=spread(three.grad_bytes),
+        chain=spread(three.chain), memory=_composed_memory(two.memory, three.memory, grow),
+        step=StepTime(
+            seconds=grow(two.step.seconds, three.step.seconds) if two.step.seconds is not None else None,
+            timing=f"{three.step.timing}; {n} identical blocks composed from runs with {small} and {large}"),
+        options=three.options, calls=three.calls,
+    )
+
+
+def _composed_memory(two: StepMemory, three: StepMemory,
+                     grow: Callable[[float, float], float]) -> StepMemory:
+    """The memory of the whole step from that of the short models' (`composed_costs`), each
+    figure grown by ``grow`` but the gradients outside blocks, which do not grow."""
     # Each phase's peak grows linearly, at its own rate: the step's peak is the largest grown
     # one, which may be in another phase than the short models' (a rank's backward outgrows
     # its optimizer step, whose peak is mostly replicated parameters and their state).
     grown = {o: {phase: grow(two.phase_peaks[o][phase], peak)
                  for phase, peak in three.phase_peaks.get(o, {}).items()
                  if phase in two.phase_peaks.get(o, {})} for o in three.peaks}
-    peaks = {o: int(max(g.values())) if g else int(grow(two.peaks[o], three.peaks[o]))
-             for o, g in grown.items()}
-    phases = {o: max(g, key=g.get) if g else three.phases[o] for o, g in grown.items()}
-
-    return BlockCosts(
-        names=[name for name, _ in blocks], types=spread(three.types), kept=spread(three.kept),
-        forward_s=spread(three.forward_s), selective_s=spread(three.selective_s),
-        output_bytes=spread(three.output_bytes), grad_bytes=spread(three.grad_bytes),
-        chain=spread(three.chain), baseline_bytes=int(grow(two.baseline_bytes, three.baseline_bytes)),
+    return StepMemory(
+        baseline_bytes=int(grow(two.baseline_bytes, three.baseline_bytes)),
         other_grad_bytes=three.other_grad_bytes,
-        peaks=peaks,
+        peaks={o: int(max(g.values())) if g else int(grow(two.peaks[o], three.peaks[o]))
+               for o, g in grown.items()},
+        phases={o: max(g, key=g.get) if g else three.phases[o] for o, g in grown.items()},
+        phase_peaks={o: {ph: int(v) for ph, v in g.items()} for o, g in grown.items()},
         optimizer_peak=(None if three.optimizer_peak is None
-                        else int(grow(two.optimizer_peak, three.optimizer_peak))),
-        phases=phases, phase_peaks={o: {ph: int(v) for ph, v in g.items()} for o, g in grown.items()},
-        step_s=grow(two.step_s, three.step_s) if two.step_s is not None else None,
-        timed=three.timed + f"; {n} identical blocks composed from runs with {small} and {large}",
-        options=three.options, child_s=spread(three.child_s), calls=three.calls,
-    )
+                        else int(grow(two.optimizer_peak, three.optimizer_peak))))

@@ -35,7 +35,7 @@ def _plans(model: torch.nn.Module, budgets: list, settings: Settings) -> list:
     least = _reachable_floor(model, costs, (ranking, problem), floor(problem), settings)
     out = []
     for value, fractional in budgets:
-        budget = value * costs.peaks["keep"] if fractional else value
+        budget = value * costs.memory.peaks["keep"] if fractional else value
         try:
             out.append(_fit(model, costs, (ranking, problem), budget, least, settings))
         except BudgetError as err:
@@ -105,7 +105,8 @@ def _reachable_floor(model: torch.nn.Module, costs: BlockCosts, problems: tuple[
     except BudgetError:
         return least
     measured = _measure_choices(model, costs, solution.choices, settings)
-    uniform = [costs.peaks[option] for o, option in enumerate(problem.options) if option in costs.peaks
+    peaks = costs.memory.peaks
+    uniform = [peaks[option] for o, option in enumerate(problem.options) if option in peaks
                and all(problem.kept[i][o] is not None for i in range(problem.blocks))]
     return max(least, min([measured, *uniform]))
 
@@ -164,7 +165,7 @@ def _budget_error(budget: float, least: float, costs: BlockCosts, over: Sequence
             f"measured {format_bytes(min(over))} or more; raise the budget to {min(over):,.0f} bytes",
             budget_bytes=budget, floor_bytes=min(over))
     shown = max(least, budget + 1)
-    no_recompute = costs.peaks["keep"]
+    no_recompute = costs.memory.peaks["keep"]
     return BudgetError(
         f"{API}: no plan fits a budget of {format_bytes(budget)} ({budget:,.0f} bytes); the "
         f"smallest reachable peak is {format_bytes(shown)} ({shown:,.0f} bytes; no recompute: "
@@ -209,7 +210,7 @@ def _uniform(costs: Any, problems: tuple[Problem, Problem], budget: float) -> tu
     ranking, problem = problems
     best = None
     for o, option in enumerate(problem.options):
-        measured = costs.peaks.get(option, float("inf"))
+        measured = costs.memory.peaks.get(option, float("inf"))
         if measured > budget or any(problem.kept[i][o] is None for i in range(problem.blocks)):
             continue  # (the run marked every block alike; a plan that cannot is another plan)
         rank = evaluate(ranking, [o] * problem.blocks)[1]
@@ -228,10 +229,12 @@ def _measure_choices(model: torch.nn.Module, costs: BlockCosts, choices: Sequenc
         named = dict(model.named_modules())
         container = identical_container(model, [(name, named[name]) for name in costs.names])
         if container is not None:  # NOTE [Verifying by composition]
-            peak = composed_peak(model, costs.names, choices, container, settings, costs.optimizer_peak)
+            peak = composed_peak(model, costs.names, choices, container, settings,
+                                 costs.memory.optimizer_peak)
             if peak is not None:
                 return peak
-    measure = {"optimizer": settings.optimizer, "fake": settings.fake, "optimizer_peak": costs.optimizer_peak}
+    measure = {"optimizer": settings.optimizer, "fake": settings.fake,
+               "optimizer_peak": costs.memory.optimizer_peak}
     if settings.build is not None:  # NOTE [Planning a rank]: a fresh model, marked, then sharded
         return measure_peak(settings.build(chosen), settings.step, **measure)
     marked = mark_choices(dict(model.named_modules()), chosen)
@@ -253,6 +256,6 @@ def _make(costs: Any, problem: Problem, solution: Any, budget: float, least: flo
         decisions.append(Decision(name, kind, choice, float(problem.kept[i][o]), extra))
     return Plan(decisions=tuple(decisions), budget_bytes=int(budget),
                 predicted_peak_bytes=int(solution.peak), predicted_extra_s=solution.time,
-                step_s=costs.step_s, no_recompute_peak_bytes=int(costs.peaks["keep"]),
+                step_s=costs.step.seconds, no_recompute_peak_bytes=int(costs.memory.peaks["keep"]),
                 floor_bytes=int(least), measured_peak_bytes=measured, solver=solution.solver,
-                solve_s=solution.seconds, timing=costs.timed)
+                solve_s=solution.seconds, timing=costs.step.timing)
