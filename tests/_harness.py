@@ -11,6 +11,7 @@ import queue as queue_module
 import socket
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -82,6 +83,22 @@ def assert_close_within_tolerance(a: dict, b: dict, rtol: float = 1e-5, atol: fl
     assert a.keys() == b.keys()
     for name, value in a.items():
         torch.testing.assert_close(value, b[name], rtol=rtol, atol=atol, msg=name)
+
+
+def observed_calls(monkeypatch: Any) -> list[str]:
+    """The names of the regions whose forward runs watched (``Observe`` entered), in order,
+    from now on (NOTE [Observed once, confirmed every call] in ``_engine/facts.py``)."""
+    from remat._engine import observe as _observe
+
+    entered: list[str] = []
+    enter = _observe.Observe.__enter__
+
+    def counting(self: Any) -> Any:
+        entered.append(self.name)
+        return enter(self)
+
+    monkeypatch.setattr(_observe.Observe, "__enter__", counting)
+    return entered
 
 
 def run_program(source: str, seed: int = 0) -> tuple[dict, str]:

@@ -13,9 +13,8 @@ import torch
 import torch.nn.utils.prune
 
 import remat
-from remat._engine import observe as _observe
 from remat._engine.errors import RecomputeError
-from tests._harness import assert_bitwise_equal
+from tests._harness import assert_bitwise_equal, observed_calls
 
 MODES = {
     "non-reentrant": {},
@@ -131,18 +130,6 @@ def test_a_buffer_changed_in_place_after_forward_is_refused_not_read(mode):
         out.backward()
 
 
-def _observed_calls(monkeypatch) -> list:
-    entered = []
-    enter = _observe.Observe.__enter__
-
-    def counting(self):
-        entered.append(self.name)
-        return enter(self)
-
-    monkeypatch.setattr(_observe.Observe, "__enter__", counting)
-    return entered
-
-
 def _change(kind: str, model: torch.nn.Module) -> None:
     """Change what the block's forward depends on, between two calls."""
     if kind == "parameter":
@@ -180,7 +167,7 @@ def test_a_region_whose_module_changed_between_calls_is_observed_again(monkeypat
     torch.manual_seed(0)
     base = Block()
     marked = remat.recompute_module(copy.deepcopy(base), **MODES[mode])
-    entered = _observed_calls(monkeypatch)
+    entered = observed_calls(monkeypatch)
     g = torch.Generator().manual_seed(0)
 
     def step(model, changed):

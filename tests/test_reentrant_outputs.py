@@ -16,8 +16,7 @@ import pytest
 import torch
 
 import remat
-from remat._engine import observe as _observe
-from tests._harness import assert_bitwise_equal
+from tests._harness import assert_bitwise_equal, observed_calls
 
 
 @dataclasses.dataclass
@@ -167,14 +166,7 @@ def test_every_front_end_carries_a_dataclass_output():
 
 
 def test_two_steps_the_second_on_observed_facts(monkeypatch):
-    entered = []
-    enter = _observe.Observe.__enter__
-
-    def counting(self):
-        entered.append(self.name)
-        return enter(self)
-
-    monkeypatch.setattr(_observe.Observe, "__enter__", counting)
+    entered = observed_calls(monkeypatch)
     marked = _compare(Block(SHAPES["nested dict and list"]), _module, steps=3)
     assert len(entered) == 1  # the first call only (NOTE [Observed once, confirmed every call])
     assert marked.runs == [6]
