@@ -1316,6 +1316,9 @@ def _run_case(case: Case) -> Result:
                 where, name, first = failure
                 if where is None:
                     return Result(case.seed, "crash", f"{phase}: {name}: {first}")
+                # what the model itself still holds of a step (a hook's capture) keeps that
+                # step's outputs, and their registry entries, alive: dropped first, as below
+                _drop_captures(marked.model, case)
                 changed = _unchanged(marked, snap) or _engine_clean()
                 if changed:
                     return Result(case.seed, "crash", f"{phase}: documented error ({where}) but {changed}")
@@ -1328,14 +1331,7 @@ def _run_case(case: Case) -> Result:
                 tolerated += n
                 _resync(base, marked)
             del expected, got
-        for m in marked.model.modules():  # the model's own reference to a step's tensor
-            if isinstance(m, Closure):
-                m.memo = None
-            if "captured" in m.__dict__:
-                if case.rebind_captures:  # dropped without emptying: freed with what it holds
-                    m.captured = []
-                else:
-                    m.__dict__["captured"].clear()  # emptied in place
+        _drop_captures(marked.model, case)
         left = _engine_clean()
         if left:
             return Result(case.seed, "leak", left, tolerated)
@@ -1344,6 +1340,18 @@ def _run_case(case: Case) -> Result:
         return Result(case.seed, "ok", "", tolerated)
     finally:
         _reset_engine()
+
+
+def _drop_captures(model: nn.Module, case: Case) -> None:
+    """Drop the model's own references to a step's tensors (a memo, a hook's captures)."""
+    for m in model.modules():
+        if isinstance(m, Closure):
+            m.memo = None
+        if "captured" in m.__dict__:
+            if case.rebind_captures:  # dropped without emptying: freed with what it holds
+                m.captured = []
+            else:
+                m.__dict__["captured"].clear()  # emptied in place
 
 
 def _snapshot_model(model: nn.Module) -> tuple:
