@@ -864,6 +864,9 @@ class Case:
     penalty: bool = False
     func_check: bool = False  # torch.func.grad over the model (refused with marks, before any work)
     rebind_captures: bool = False  # a hook's capture list dropped without emptying it
+    #: the model changed between two steps, alike on both sides (`CHANGES`): what a region
+    #: learned of its modules in the first step must not be trusted in the second
+    change: dict | None = None
 
     @property
     def reentrant(self) -> bool:
@@ -874,7 +877,7 @@ class Case:
         lines = [(f"case {self.seed}: x{list(self.x_shape)} requires_grad={self.x_requires_grad} "
                   f"opt={self.optimizer} retain_twice={self.retain_twice} grad={self.grad_check} "
                   f"penalty={self.penalty} func={self.func_check} rebind={self.rebind_captures} "
-                  f"compiled={self.compiled}")]
+                  f"compiled={self.compiled}" + (f" change={self.change}" if self.change else ""))]
         for i, stage in enumerate(self.desc["stages"]):
             for j, b in enumerate(stage):
                 lines.append(f"  stages.{i}.blocks.{j}: {b['kind']} {b['p']} wire={b['wire']}")
@@ -969,7 +972,63 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
         case.plan.append(mark)
     case.func_check = r.random() < 0.05
     case.rebind_captures = r.random() < 0.5
+    if r.random() < 0.25:
+        kind = r.choice(sorted(CHANGES))
+        paths = [n for n, m in modules.items() if n and CHANGES[kind][0](m)]
+        if paths:
+            case.change = {"kind": kind, "path": r.choice(sorted(paths))}
     return case
+
+
+# --- the model changed between steps ---------------------------------------------------
+
+
+def _halve_output(module: nn.Module, args: tuple, output: Any) -> Any:
+    return output * 0.5 if isinstance(output, torch.Tensor) and output.is_floating_point() else None
+
+
+def _halve_input(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a * 0.5 if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def _rebind_parameters(module: nn.Module) -> None:
+    """Each parameter of ``module`` replaced by a new one of the same value (a new object)."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        setattr(module, name, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
+
+
+def _parameter_to_buffer(module: nn.Module) -> None:
+    """A parameter moved to the buffers under its own name (the same keys, other sizes)."""
+    name, param = next(iter(module.named_parameters(recurse=False)))
+    del module._parameters[name]
+    module.register_buffer(name, param.detach().clone())
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(recurse=False), None) is not None
+
+
+def _leaf(module: nn.Module) -> bool:
+    return next(module.children(), None) is None and _has_parameters(module)
+
+
+def _add_forward_hook(module: nn.Module) -> None:
+    module.register_forward_hook(_halve_output)
+
+
+def _add_pre_hook(module: nn.Module) -> None:
+    module.register_forward_pre_hook(_halve_input)
+
+
+#: kind -> (which modules it can change, how): applied between the first step and the second
+CHANGES: dict[str, tuple[Callable[[nn.Module], bool], Callable[[nn.Module], None]]] = {
+    "forward_hook": (_leaf, _add_forward_hook),
+    "pre_hook": (_leaf, _add_pre_hook),
+    "new_parameters": (_has_parameters, _rebind_parameters),
+    "parameter_to_buffer": (_leaf, _parameter_to_buffer),
+    "new_buffer": (_leaf, lambda m: m.register_buffer("_fuzz_extra", torch.ones(1))),
+    "new_attribute": (_leaf, lambda m: setattr(m, "fuzz_note", 1.5)),
+}
 
 
 # --- running and comparing --------------------------------------------------------
@@ -1201,8 +1260,15 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
         found = torch.func.grad(loss_of)(params)
         return [("torch.func.grad " + n, g) for n, g in found.items()]
 
-    phases = [("step 1", train(1, case.retain_twice)), ("step 1 update", update),
-              ("step 2", train(2, False)), ("step 2 update", update)]
+    def change(side: _Side):
+        """The model changed alike on both sides between two steps (`CHANGES`)."""
+        CHANGES[case.change["kind"]][1](side.model.get_submodule(case.change["path"]))
+        return [(n, p) for n, p in side.model.named_parameters()]
+
+    phases = [("step 1", train(1, case.retain_twice)), ("step 1 update", update)]
+    if case.change:
+        phases.append((f"changed between steps: {case.change['kind']}", change))
+    phases += [("step 2", train(2, False)), ("step 2 update", update)]
     if case.grad_check:
         phases.append(("autograd.grad", grad))
     if case.penalty:

@@ -24,6 +24,7 @@ import json
 import os
 import warnings
 
+import pytest
 import torch
 
 import remat
@@ -135,6 +136,7 @@ def test_generator_covers_every_block_wire_and_mark_kind():
                 seen_calls.add((m["kind"], call["api"], o.get("form", "module"),
                                 bool(o.get("use_reentrant")), o.get("early_stop", True)))
     assert seen_blocks == set(fm.BLOCKS)
+    assert {fm.make_case(seed).change["kind"] for seed in range(600) if fm.make_case(seed).change} == set(fm.CHANGES)
     assert seen_wires == set(fm.WIRES)
     assert seen_marks == set(fm.MARKS)
     assert seen_policies >= set(fm.POLICIES) | set(fm.CONTEXTS)
@@ -174,6 +176,27 @@ def test_harness_reports_a_gradient_wrong_in_the_last_bit(monkeypatch):
     result = fm.run_case(case)
     assert result.tolerated > 0  # the reentrant tolerance, and only there
     assert result.verdict == "ok", result.detail
+
+
+@pytest.mark.parametrize("kind", ["new_parameters", "parameter_to_buffer"])
+def test_harness_reports_facts_trusted_after_the_model_changed(monkeypatch, kind):
+    """The door of a model changed between steps: an engine that trusted what it learned of a
+    region's modules in the first step (its tree never walked again) trains the second step
+    wrong, and the harness says so; the engine as it is re-observes and matches."""
+    from remat._engine import boundary
+
+    case = _plain_case()
+    case.plan = [{"kind": "cell", "path": "stages.0.blocks.0", "opts": {"use_reentrant": True}}]
+    case.change = {"kind": kind, "path": "stages.0.blocks.0.fc1"}
+    assert fm.run_case(case).verdict == "ok"
+
+    def stale(known):  # the modules' dictionaries as they are now, never compared
+        modules = [ref() for ref in known.modules]
+        return modules, boundary._dicts(modules)
+
+    monkeypatch.setattr(boundary._Known, "current", stale)
+    result = fm.run_case(case)
+    assert result.verdict in ("mismatch", "crash"), result.detail
 
 
 def test_harness_reports_a_leaked_hook(monkeypatch):
