@@ -366,9 +366,13 @@ class MarkedForward:
         return self._remat_module
 
     def plain(self) -> Callable:
-        """The forward the mark wraps."""
+        """The forward the mark wraps.
+
+        The class's function with the module bound by a partial, not ``__get__``: dynamo reads
+        ``type(m).forward.__get__(m)`` as ``m.forward``, which is this mark, so a compiled
+        forward that broke its graph inside a marked module called the mark again, forever."""
         module = self._remat_module
-        return self.inner if self.inner is not None else type(module).forward.__get__(module)
+        return self.inner if self.inner is not None else functools.partial(type(module).forward, module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._remat_module
@@ -393,7 +397,7 @@ def _replay(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """What a marked module's region runs, in forward and in recomputation: its plain forward."""
     args, kwargs = _taken(args, kwargs)
     marked = module.__dict__.get("forward")
-    forward = marked.plain() if isinstance(marked, MarkedForward) else type(module).forward.__get__(module)
+    forward = marked.plain() if isinstance(marked, MarkedForward) else functools.partial(type(module).forward, module)
     spec = mark_of(module)
     if not _RUN_CONTEXTS or spec is None:
         return forward(*args, **kwargs)
