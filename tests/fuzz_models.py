@@ -159,6 +159,27 @@ class Drop(Block):
         return self.drop(self.fc(x))
 
 
+class Stochastic(Block):
+    """A draw of torch's generator decides what runs (stochastic depth, a random branch): on
+    the host (``.item()``, a graph break under torch.compile) or on the device (``torch.where``)."""
+
+    kind = "stochastic"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc, self.left, self.right = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+        self.host = p.get("host", True)
+
+    def forward(self, x):
+        if self.host:
+            if torch.rand(()).item() < 0.5:  # the residual branch taken
+                x = x + torch.tanh(self.fc(x))
+            return (self.left if torch.randint(0, 2, ()).item() else self.right)(x)
+        take = torch.rand(()) < 0.5
+        x = torch.where(take, x + torch.tanh(self.fc(x)), x)
+        return torch.where(torch.rand(()) < 0.5, self.left(x), self.right(x))
+
+
 class Residual(Block):
     kind = "residual"
 
@@ -486,6 +507,7 @@ BLOCKS: dict[str, BlockKind] = {
     "norm": BlockKind(Norm, 1.5, lambda r: {"batch": r.random() < 0.5}),
     "dropout": BlockKind(Drop, 0.7, lambda r: {"fused": r.random() < 0.5}),
     "residual": BlockKind(Residual, 1.0, lambda r: {"act": r.choice(ACTS)}),
+    "stochastic": BlockKind(Stochastic, 0.5, lambda r: {"host": r.random() < 0.6}),
     "concat": BlockKind(Concat, 0.7),
     "tuple_out": BlockKind(TupleOut, 0.8, lambda r: {"combine": r.choice(("add", "mul", "first", "relu_second")),
                                                      "pass": r.random() < 0.4,

@@ -83,6 +83,7 @@ class RegionCore:
         self.facts_key = _facts.key_of(self, self.arguments)  # NOTE [Observed once, confirmed every call]
         self.watched = True  # its forward ran under Observe
         self.uses: tuple = ()  # per tensor argument, the operators that took it (reentrant)
+        self.known: Any = None  # unwatched: the facts it runs on (`facts.Facts`)
 
     def module_state_restored(self, replayed: list) -> contextlib.AbstractContextManager:
         """The re-run's view of its modules: as the forward found them (``boundary.py``)."""

@@ -34,9 +34,31 @@ branch on a module attribute changes the key, one on a plain value held elsewher
 does not.
 
 An unwatched reentrant region's re-run is not watched either: the forward that was
-observed read only its modules' parameters, and every parameter of its modules is an
-input of its Function (a path to any other tensor would have been refused then, by the
-read check and the graph check of NOTE [Observed reads]).
+observed read only its modules' parameters, and the ones it read are the inputs of its
+Function (a path to any other tensor would have been refused then, by the read check and
+the graph check of NOTE [Observed reads]).
+
+NOTE [Reads that vary]
+Which parameters a reentrant region reads can change from call to call: a branch on a
+random draw or on data (stochastic depth, an MoE layer that skips the experts no token
+chose) reads one set in one call and another in the next. An input of the Function that
+a call did not read gets no gradient, and autograd still calls its tensor hooks, with
+None, where the unmarked model never calls them; a parameter read but not an input
+would lose its gradient. So an unwatched call hands its Function exactly the parameters
+the observed call read (`Facts.reads`), never all its modules' parameters (a module's
+unused parameter would get a hook call with None on every step), and:
+
+- a forward that was seen reading a tensor's values on the host (``.item()``,
+  ``bool(t)``, ``torch.where(mask)``'s data-dependent shape: `observe._HOST_READS`) may
+  branch on them, so such a region is watched on every call: each call's Function gets
+  the parameters that call read;
+- where the reads still vary unseen (a branch on a Python value held outside the
+  region's modules, or on values read by ``.tolist()`` or ``.numpy()``, which no
+  operator runs), the re-run's backward also differentiates the modules' other
+  parameters (`outside_reads`; free where none is reached): one that gets a gradient
+  was read without being an input, and a ``RecomputeError`` says so, and the region is
+  watched on every call from then on (`watch_always`); a parameter the call did not
+  read gets its hooks called with None, as an input without a gradient.
 """
 
 from __future__ import annotations
@@ -54,17 +76,23 @@ _CAPACITY = 8  # observations kept per module (input shapes, train and eval, ...
 
 
 class Facts:
-    """What one observed call of a module region found: its modules, and how many operators
-    took each tensor argument (NOTE [Per-use gradients] in ``per_use.py``)."""
+    """What one observed call of a module region found: its modules, how many operators
+    took each tensor argument (NOTE [Per-use gradients] in ``per_use.py``) and, under
+    ``use_reentrant=True``, the parameters it read (NOTE [Reads that vary])."""
 
-    __slots__ = ("modules", "uses")
+    __slots__ = ("modules", "reads", "uses")
 
-    def __init__(self, modules: list[torch.nn.Module], uses: tuple) -> None:
+    def __init__(self, modules: list[torch.nn.Module], uses: tuple, reads: list = ()) -> None:
         self.modules = [weakref.ref(m) for m in modules]
         self.uses = uses
+        self.reads = [weakref.ref(t) for t in reads]
 
     def alive(self) -> bool:
-        return not any(map(operator.is_, map(_DEREF, self.modules), itertools.repeat(None)))
+        return not any(map(operator.is_, map(_DEREF, (*self.modules, *self.reads)), itertools.repeat(None)))
+
+    def read(self) -> list[torch.Tensor]:
+        """The parameters the observed call read, in the order it read them."""
+        return list(map(_DEREF, self.reads))
 
 
 _DEREF = weakref.ref.__call__  # dereference in C
@@ -117,7 +145,7 @@ def known(frame: Any, key: tuple | None) -> Facts | None:
     """What an earlier call with ``key`` found, when it found the region needs no watching."""
     if key is None:
         return None
-    facts = _STORE.get(frame.module_state.root, {}).get(key)
+    facts = _STORE.get(frame.module_state.root, {}).get(key)  # None: watched on every call
     return facts if facts is not None and facts.alive() else None
 
 
@@ -125,16 +153,35 @@ def learn(frame: Any, key: tuple | None, observe: Any) -> None:
     """Store what an observed call found, when it lets the next calls run unwatched."""
     if key is None or observe.state or frame.module_state.written():
         return  # state to replay: watched on every call
+    table = _STORE.setdefault(frame.module_state.root, {})
+    if key in table and table[key] is None:
+        return  # its reads were seen to vary (`watch_always`)
+    reads = []
     if frame.spec.use_reentrant:
         own = {id(p) for p in frame.module_state.parameters()}
-        if any(id(t) not in own for t in observe.reads.values()):
+        reads = list(observe.reads.values())
+        if any(id(t) not in own for t in reads):
             return  # it reads tensors other than its modules' parameters
         if _forward_hooked(frame.module_state.modules()):
             return  # a hook may capture on some calls only (NOTE [Escapes handed back by position])
-    table = _STORE.setdefault(frame.module_state.root, {})
+        if observe.host_reads:
+            return  # it may branch on its tensors' values (NOTE [Reads that vary])
     if len(table) >= _CAPACITY:
         table.pop(next(iter(table)))
-    table[key] = Facts(frame.module_state.modules(), tuple(frame.uses))
+    table[key] = Facts(frame.module_state.modules(), tuple(frame.uses), reads)
+
+
+def watch_always(frame: Any, key: tuple | None) -> None:
+    """Watch the region's calls with ``key`` from now on (NOTE [Reads that vary])."""
+    if key is not None:
+        _STORE.setdefault(frame.module_state.root, {})[key] = None
+
+
+def outside_reads(frame: Any) -> list[torch.Tensor]:
+    """The parameters of an unwatched reentrant region's modules that require grad and are
+    not inputs of its Function: its re-run must reach none of them (NOTE [Reads that vary])."""
+    inputs = {id(p) for p in frame.params}
+    return [p for p in frame.module_state.parameters() if p.requires_grad and id(p) not in inputs]
 
 
 def forget(frame: Any, key: tuple | None) -> None:

@@ -161,6 +161,7 @@ class Observe(_Watch):
         self.produced: set[int] = set()  # ids of tensors the region's operators returned
         self.fresh: set[int] = set()  # storages the region's operators allocated
         self.reads: dict[int, torch.Tensor] = {}
+        self.host_reads = False  # it read a tensor's values on the host (NOTE [Reads that vary])
         self.uses: dict[int, int] = {}  # operators that took each argument (NOTE [Per-use gradients])
         self.state: list[tuple[torch.Tensor, torch.Tensor]] = []  # (written tensor, value before)
         self._state_ids: set[int] = set()
@@ -181,6 +182,8 @@ class Observe(_Watch):
                     self.reads.setdefault(id(t), t)
         if func._schema.is_mutable or func in _UNANNOTATED:
             self._note_writes(func, args, kwargs)
+        if func in _HOST_READS:
+            self.host_reads = True
         if outside and _allocates(func):  # a view reads nothing yet
             self._read_storages.update(_storage(t) for t in outside)
         out = self._call(func, args, kwargs, tensors)
@@ -242,6 +245,23 @@ class Observe(_Watch):
 
 
 _STOPS_GRADIENT = {torch.ops.aten.detach.default}
+
+
+def _host_reads() -> frozenset:
+    """Operators whose result on the host depends on a tensor's values: ``.item()``,
+    ``bool(t)``, ``int(t)`` (``_local_scalar_dense``), ``torch.equal``, and the operators whose
+    output's shape does (``nonzero``: ``torch.where(mask)``, an MoE layer's tokens per expert).
+    A forward that runs one may branch on its tensors' values (NOTE [Reads that vary])."""
+    aten = torch.ops.aten
+    names = [("_local_scalar_dense", "default"), ("is_nonzero", "default"), ("equal", "default"),
+             ("nonzero", "default"), ("nonzero_static", "default"), ("masked_select", "default"),
+             ("_unique2", "default"), ("unique_dim", "default"), ("unique_consecutive", "default"),
+             ("repeat_interleave", "Tensor"), ("bincount", "default")]
+    return frozenset(getattr(getattr(aten, op), overload) for op, overload in names
+                     if hasattr(getattr(aten, op, None), overload))
+
+
+_HOST_READS = _host_reads()
 
 _OVERWRITE = {"copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "exponential_",
               "random_", "geometric_", "cauchy_", "log_normal_", "set_"}

@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from remat._engine import collectives as _collectives
+from remat._engine import facts as _facts
 from remat._engine import per_use as _per_use
 from remat._engine import state as _state
 from remat._engine.core import Contexts
@@ -163,9 +164,9 @@ def _differentiate_once(frame: Any, tensors: tuple, grads: tuple, accumulate: bo
     found: list = [None] * len(wrt)
     sent = None
     if outs and wrt:
-        # unwatched: its modules' parameters are all in wrt (NOTE [Observed reads],
-        # [Observed once, confirmed every call])
-        outside = reached_outside(outs, wrt, made) if frame.watched else []
+        # unwatched: the parameters the observed call read are in wrt, its modules' others
+        # are differentiated too, to refuse one this call read (NOTE [Reads that vary])
+        outside = reached_outside(outs, wrt, made) if frame.watched else _facts.outside_reads(frame)
         hooked = [p for p in frame.params if p._backward_hooks]
         if frame.shared and not accumulate:
             sent = _per_use.hook_edges(frame, outs, wrts)
@@ -181,7 +182,10 @@ def _differentiate_once(frame: Any, tensors: tuple, grads: tuple, accumulate: bo
                                                   create_graph=create_graph)))
         finally:
             stop[0] = False
-        refuse_lost(frame.name, outside, found[len(wrt):])
+        if frame.watched:
+            refuse_lost(frame.name, outside, found[len(wrt):])
+        else:
+            _refuse_unforeseen(frame, outside, found[len(wrt):])
         found = found[:len(wrt)]
     _wait_issued(replay)
     for p in reversed(nonleaf):  # the alias's gradient goes to the tensor it stands for
@@ -193,6 +197,23 @@ def _differentiate_once(frame: Any, tensors: tuple, grads: tuple, accumulate: bo
     input_grads = [None if w is None else found.pop() for w in wrts]
     extra = _per_use.per_input(frame, input_grads, sent)
     return (None, None, *input_grads, *reversed(found), *bases, *extra)
+
+
+def _refuse_unforeseen(frame: Any, unread: list, grads: list) -> None:
+    """An unwatched call read a parameter the observed call did not: watch the region on
+    every call from now on, and refuse this backward (NOTE [Reads that vary])."""
+    read = [p for p, g in zip(unread, grads, strict=True) if g is not None]
+    if not read:
+        return
+    _facts.watch_always(frame, frame.facts_key)
+    raise RecomputeError(
+        f"remat: region '{frame.name}' (use_reentrant=True) read a parameter (shape "
+        f"{list(read[0].shape)}) that an earlier call with the same inputs and modules did not "
+        f"read, so remat did not watch this call and did not make that parameter an input of "
+        f"the region: its gradient would be lost. The region branches on something remat cannot "
+        f"see (a Python value held outside its modules, or values read with .tolist() or "
+        f".numpy()); it is watched on every call from the next one on: run this step again"
+    )
 
 
 @contextlib.contextmanager

@@ -188,7 +188,8 @@ def _close_reentrant(frame: Any, observe: Observe | None, output: Any) -> Any:
             _facts.learn(frame, frame.facts_key, observe)
     state = observe.state if observe is not None else []
     frame.module_state.settle(state)
-    reads = frame.module_state.parameters() if observe is None else list(observe.reads.values())
+    # NOTE [Reads that vary]: unwatched, the parameters the observed call read
+    reads = frame.known.read() if observe is None else list(observe.reads.values())
     if structure is None:
         return _reentrant.close(frame, reads, state, output, escaped, picks)
     frame.structure = structure
@@ -200,7 +201,7 @@ def _observer(frame: RegionCore, arguments: list, reads: bool, flowing: list | N
     """The mode that watches the forward; None when earlier calls showed it needs no watching."""
     facts = _facts.known(frame, frame.facts_key)  # NOTE [Observed once, confirmed every call]
     if facts is not None:
-        frame.uses = facts.uses
+        frame.uses, frame.known = facts.uses, facts
         return None
     return Observe(frame.name, arguments, reads=reads, flowing=flowing)
 

@@ -1,0 +1,186 @@
+"""Reentrant regions whose parameters are read on some calls only (NOTE [Reads that vary]).
+
+A parameter a call does not read gets no gradient unmarked, and its tensor hooks are not
+called. A reentrant region that handed every parameter of its modules to its Function
+called them with None from its second call on (an unused parameter on every step; the
+expert an MoE layer skipped; the branch a random draw did not take), so a hook that clips
+its gradient failed, and counting hooks counted wrong. Each test compares gradients bit for
+bit and every parameter hook's calls with the unmarked model over several steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from tests._harness import assert_bitwise_equal
+
+
+class Unused(nn.Module):
+    """A module with a parameter its forward never reads (a pooler left unused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.used(x))
+
+
+class RandomBranch(nn.Module):
+    """One of two linears, chosen by a draw read on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh((self.left if torch.rand(()).item() < 0.5 else self.right)(x))
+
+
+class SkippingMoE(nn.Module):
+    """Mixtral's loop: each expert runs on the tokens routed to it, and an expert no token
+    chose is skipped (``torch.where(mask)``: a shape that depends on the data)."""
+
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(6, experts)
+        self.experts = nn.ModuleList(nn.Linear(6, 6) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights = torch.softmax(self.router(flat), dim=-1)
+        choice = weights.argmax(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            (tokens,) = torch.where(choice == e)
+            if tokens.shape[0] == 0:
+                continue
+            out = out.index_add(0, tokens, expert(flat[tokens]) * weights[tokens, e, None])
+        return out.reshape(x.shape)
+
+
+FLAG = {"left": True}
+
+
+class GlobalBranch(nn.Module):
+    """A branch on a Python value held outside the module: remat cannot see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh((self.left if FLAG["left"] else self.right)(x))
+
+
+def _model(block: type) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), block(), nn.Linear(6, 1))
+
+
+def _mark(model: nn.Sequential, how: str) -> nn.Module:
+    if how == "cell":
+        remat.recompute_module(model[1], use_reentrant=True)
+    elif how == "apply":
+        remat.apply(model, where=type(model[1]), use_reentrant=True)
+    elif how == "checkpoint":
+        inner = model[1]
+        model[1] = _Call(inner)
+    return model
+
+
+class _Call(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return remat.checkpoint(self.inner, x, use_reentrant=True)
+
+
+def _train(model: nn.Module, steps: int, between=None) -> tuple[list, list]:
+    """Gradients of each step and every parameter hook's calls (None: called with None)."""
+    calls: list = []
+    for name, p in model.named_parameters():
+        short = name.replace("inner.", "")
+        p.register_hook(lambda g, n=short: calls.append((n, None if g is None else "grad")))
+    x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for step in range(steps):
+        if between is not None:
+            between(step)
+        torch.manual_seed(10 + step)
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        grads += [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        calls.append("step")
+    return grads, sorted_calls(calls)
+
+
+def sorted_calls(calls: list) -> list:
+    """Per step, the hook calls as a sorted list (the order within a step is autograd's)."""
+    out, step = [], []
+    for c in calls:
+        if c == "step":
+            out.append(sorted(step))
+            step = []
+        else:
+            step.append(c)
+    return out
+
+
+@pytest.mark.parametrize("how", ["cell", "apply", "checkpoint"])
+@pytest.mark.parametrize("block", [Unused, RandomBranch, SkippingMoE])
+def test_hooks_called_as_unmarked(block, how):
+    grads, calls = _train(_model(block), steps=6)
+    marked_grads, marked_calls = _train(_mark(_model(block), how), steps=6)
+    assert_bitwise_equal(grads, marked_grads, "gradient")
+    assert calls == marked_calls
+    assert all(g != (name, None) for step in marked_calls for name, g in [(c[0], c) for c in step])
+
+
+def test_the_draws_skip_parameters():
+    """The comparison could fail: some step leaves a parameter without a gradient."""
+    for block in (Unused, RandomBranch, SkippingMoE):
+        grads, _ = _train(_model(block), steps=6)
+        assert any(g is None for g in grads), block.__name__
+
+
+def test_a_region_reading_its_tensors_on_the_host_is_watched_on_every_call(monkeypatch):
+    """`.item()` and data-dependent shapes make a region watched on every call; one that
+    reads no values on the host runs unwatched from its second call."""
+    from tests._harness import observed_calls
+
+    for block, watched in ((RandomBranch, 3), (SkippingMoE, 3), (Unused, 1)):
+        model = _mark(_model(block), "cell")
+        seen = observed_calls(monkeypatch)
+        for step in range(3):
+            torch.manual_seed(step)
+            model(torch.randn(2, 6)).sum().backward()
+        assert len(seen) == watched, (block.__name__, seen)
+        monkeypatch.undo()
+
+
+def test_reads_varying_unseen_are_refused_then_watched():
+    """A branch on a Python value outside the region: the call that reads a parameter the
+    observed call did not is refused in backward with a RecomputeError, and from the next
+    call the region is watched: every later step trains bitwise as unmarked."""
+    def flip(step: int) -> None:
+        FLAG["left"] = step % 2 == 0
+
+    expected, expected_calls = _train(_model(GlobalBranch), steps=5, between=flip)
+    model = _mark(_model(GlobalBranch), "cell")
+    x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(1))
+    FLAG["left"] = True
+    model(x).sum().backward()  # observed: reads left
+    FLAG["left"] = False
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(remat.RecomputeError, match="did not read"):
+        model(x).sum().backward()  # unwatched: reads right, not an input
+    grads, calls = _train(model, steps=5, between=flip)
+    FLAG["left"] = True
+    assert_bitwise_equal(expected, grads, "gradient")
+    assert calls == expected_calls
