@@ -1026,6 +1026,12 @@ def _parameter_to_buffer(module: nn.Module) -> None:
     module.register_buffer(name, param.detach().clone())
 
 
+def _toggle_frozen(module: nn.Module) -> None:
+    """Freeze the module's parameters, or unfreeze them if they are frozen (fine-tuning)."""
+    for param in module.parameters(recurse=False):
+        param.requires_grad_(not param.requires_grad)
+
+
 def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(recurse=False), None) is not None
 
@@ -1050,6 +1056,7 @@ CHANGES: dict[str, tuple[Callable[[nn.Module], bool], Callable[[nn.Module], None
     "parameter_to_buffer": (_leaf, _parameter_to_buffer),
     "new_buffer": (_leaf, lambda m: m.register_buffer("_fuzz_extra", torch.ones(1))),
     "new_attribute": (_leaf, lambda m: setattr(m, "fuzz_note", 1.5)),
+    "toggle_frozen": (_has_parameters, _toggle_frozen),
 }
 
 

@@ -105,6 +105,8 @@ def _train(model: nn.Module, steps: int, between=None) -> tuple[list, list]:
     """Gradients of each step and every parameter hook's calls (None: called with None)."""
     calls: list = []
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         short = name.replace("inner.", "")
         p.register_hook(lambda g, n=short: calls.append((n, None if g is None else "grad")))
     x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(1))
@@ -182,5 +184,31 @@ def test_reads_varying_unseen_are_refused_then_watched():
         model(x).sum().backward()  # unwatched: reads right, not an input
     grads, calls = _train(model, steps=5, between=flip)
     FLAG["left"] = True
+    assert_bitwise_equal(expected, grads, "gradient")
+    assert calls == expected_calls
+
+
+@pytest.mark.parametrize("unfreeze", [True, False])
+def test_parameters_frozen_or_unfrozen_between_steps(unfreeze):
+    """Progressive unfreezing (and freezing): a parameter that did not require grad when
+    the region was observed, and does later, is an input of its Function then (it was
+    read, frozen); one frozen later is not."""
+    def between(model):
+        def flip(step: int) -> None:
+            if step == 2:
+                for p in model[1].parameters():
+                    p.requires_grad_(unfreeze)
+        return flip
+
+    def build() -> nn.Sequential:
+        model = _model(Unused)
+        for p in model[1].parameters():
+            p.requires_grad_(not unfreeze)
+        return model
+
+    base = build()
+    expected, expected_calls = _train(base, steps=4, between=between(base))
+    marked = _mark(build(), "cell")
+    grads, calls = _train(marked, steps=4, between=between(marked))
     assert_bitwise_equal(expected, grads, "gradient")
     assert calls == expected_calls

@@ -45,8 +45,9 @@ chose) reads one set in one call and another in the next. An input of the Functi
 a call did not read gets no gradient, and autograd still calls its tensor hooks, with
 None, where the unmarked model never calls them; a parameter read but not an input
 would lose its gradient. So an unwatched call hands its Function exactly the parameters
-the observed call read (`Facts.reads`), never all its modules' parameters (a module's
-unused parameter would get a hook call with None on every step), and:
+the observed call read (`Facts.reads`, frozen ones too: one unfrozen later is an input
+while it requires grad), never all its modules' parameters (a module's unused parameter
+would get a hook call with None on every step), and:
 
 - a forward that was seen reading a tensor's values on the host (``.item()``,
   ``bool(t)``, ``torch.where(mask)``'s data-dependent shape: `observe._HOST_READS`) may
@@ -159,7 +160,7 @@ def learn(frame: Any, key: tuple | None, observe: Any) -> None:
     reads = []
     if frame.spec.use_reentrant:
         own = {id(p) for p in frame.module_state.parameters()}
-        reads = list(observe.reads.values())
+        reads = [*observe.reads.values(), *observe.frozen.values()]  # a frozen one may thaw
         if any(id(t) not in own for t in reads):
             return  # it reads tensors other than its modules' parameters
         if _forward_hooked(frame.module_state.modules()):

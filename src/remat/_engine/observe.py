@@ -162,6 +162,7 @@ class Observe(_Watch):
         self.fresh: set[int] = set()  # storages the region's operators allocated
         self.reads: dict[int, torch.Tensor] = {}
         self.host_reads = False  # it read a tensor's values on the host (NOTE [Reads that vary])
+        self.frozen: dict[int, torch.Tensor] = {}  # parameters it read that do not require grad
         self.uses: dict[int, int] = {}  # operators that took each argument (NOTE [Per-use gradients])
         self.state: list[tuple[torch.Tensor, torch.Tensor]] = []  # (written tensor, value before)
         self._state_ids: set[int] = set()
@@ -180,6 +181,8 @@ class Observe(_Watch):
                     self.uses[id(t)] = self.uses.get(id(t), 0) + 1
                 elif t.requires_grad:
                     self.reads.setdefault(id(t), t)
+                elif type(t) is torch.nn.Parameter:  # frozen now, maybe not later (NOTE [Reads that vary])
+                    self.frozen.setdefault(id(t), t)
         if func._schema.is_mutable or func in _UNANNOTATED:
             self._note_writes(func, args, kwargs)
         if func in _HOST_READS:
