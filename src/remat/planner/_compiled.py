@@ -72,7 +72,8 @@ from remat.planner._budget import parse_budget
 from remat.planner._loop import fit
 from remat.planner._options import inner_options
 from remat.planner._plan import Decision, Plan, _check_step, _step
-from remat.planner._settings import Settings, mark_choices
+from remat.planner._result import Measured
+from remat.planner._settings import Settings, Solving, mark_choices
 from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, BudgetError, Choice, solve_savings
 from remat.planner._trace import find_blocks, trace
 
@@ -126,7 +127,7 @@ def plan_compiled(model: torch.nn.Module, *example_inputs: Any, budget: float | 
     _check_step(example_inputs, batch, loss_fn, step)
     made = _step(example_inputs, batch, loss_fn, step)
     settings = Settings(step=made, optimizer=None, blocks=blocks,
-                        options=tuple(dict.fromkeys(("keep", *options))), verify=False, repeat=0,
+                        options=tuple(dict.fromkeys(("keep", *options))), solving=Solving(verify=False), repeat=0,
                         progress=progress)
     import torch._dynamo.config as dynamo_config
 
@@ -242,7 +243,7 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
                 predicted_peak_bytes=int(keep.peak - sum(saving[i][c] for i, c in enumerate(choice))),
                 predicted_extra_s=sum(extra[i][c] for i, c in enumerate(choice)),
                 step_s=times["keep"], no_recompute_peak_bytes=keep.peak,
-                floor_bytes=floor, measured_peak_bytes=measured,
+                floor_bytes=floor, measured=Measured(peak_bytes=measured),
                 solver="compiled knapsack", solve_s=time.perf_counter() - start,
                 timing=f"compiled ({backend}): copies' FLOPs x{compute:.2f} and bytes x{memory:.2f} "
                        f"on the roofline, fitted to every option's timed step")

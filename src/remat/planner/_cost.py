@@ -305,14 +305,14 @@ def assemble(traced: Trace, runs: Runs, settings: Settings, roofline: Trace | No
     groups: dict[tuple, list[int]] = {}
     for k, (_, module) in enumerate(blocks):
         groups.setdefault((signature(module), tuple(kept[k])), []).append(k)
-    times = _times(traced, runs, settings.fake, groups)
+    times = _times(traced, runs, settings.machine.fake, groups)
     ranking = None
-    if not settings.fake:
+    if not settings.machine.fake:
         ranking = _times(roofline or traced, runs, True, groups, per_call=True)
     report = runs.reports["keep"]
-    if settings.fake:
+    if settings.machine.fake:
         step = 3 * calls * sum(totals.total.values())
-        timed = f"roofline ({settings.device})"
+        timed = f"roofline ({settings.machine.device})"
     else:
         # the step users run: forward, backward and the optimizer's step
         step = (runs.steps["keep"] + runs.steps.get("optimizer", 0.0) if runs.steps
@@ -411,9 +411,9 @@ def measure_costs(model: torch.nn.Module, blocks: list, settings: Settings) -> B
     With ``settings.build`` (a rank's plan, NOTE [Planning a rank]) each run is of a fresh
     model from it; ``model`` only names the blocks."""
     settings.say("tracing blocks")
-    state = None if settings.fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = None if settings.machine.fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
     # on CPU tensors the selective share comes from operator times (a warm-up step first)
-    timed = not settings.fake and settings.device == "cpu"
+    timed = not settings.machine.fake and settings.machine.device == "cpu"
     roofline = None
     try:
         if timed:  # (also the warm-up of the timed trace) NOTE [Plans timing noise cannot flip]

@@ -156,8 +156,9 @@ def trace(model: torch.nn.Module, blocks: list, settings: Settings, *, timed: bo
     Raises:
         TypeError: a block does not run, or blocks run unequal numbers of times.
     """
-    ops = Ops(settings.throughput or THROUGHPUT.get(settings.device, THROUGHPUT["cpu"]),
-               settings.bandwidth or BANDWIDTH.get(settings.device, BANDWIDTH["cpu"]), timed=timed)
+    machine = settings.machine
+    ops = Ops(machine.throughput or THROUGHPUT.get(machine.device, THROUGHPUT["cpu"]),
+              machine.bandwidth or BANDWIDTH.get(machine.device, BANDWIDTH["cpu"]), timed=timed)
     order, ins, outs = _run_traced(model, settings.step, blocks, ops)
     counts = {i: order.count(i) for i in set(order)}
     unused = [blocks[i][0] for i in range(len(blocks)) if i not in counts]
