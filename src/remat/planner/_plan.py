@@ -211,7 +211,8 @@ class _Call:
 
 def _sweep(model: Any, example_inputs: tuple, budgets: Sequence[int | float | str],
            given: Mapping[str, Any]) -> list[Plan | BudgetError]:
-    """`sweep` on the arguments of a `plan` or `sweep` call, by name (``given``)."""
+    """`sweep` on the arguments of a `plan` or `sweep` call by name (``given``: the call's
+    ``locals()``, so that neither lists the keywords they share again)."""
     ranks = Ranks(given["world_size"], given["parallelize"], given["rank"], api=API)
     parsed = [parse_budget(b) for b in budgets]
     call = _call(example_inputs, given, ranks)
