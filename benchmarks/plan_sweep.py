@@ -188,7 +188,7 @@ def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 
     from remat.cli.plan import mark_strategy
     from remat.memory.internal import Step
     from remat.memory.profile import default_loss
-    from remat.planner.internal import Settings, find_blocks, fit, measure_costs
+    from remat.planner.internal import Machine, Settings, find_blocks, fit, measure_costs
 
     def fresh():
         torch.manual_seed(0)
@@ -199,8 +199,8 @@ def inside_blocks(name: str, build, inputs, loss_fn, rounds: int, repeat: int = 
     peak = remat.profile(per_block, *inputs, loss_fn=loss_fn, optimizer="adam", repeat=0).peak_bytes
     model = fresh()
     start = time.perf_counter()
-    settings = Settings(step=Step(inputs=inputs, loss_fn=loss_fn), optimizer="adam", device="cpu",
-                        repeat=repeat)
+    settings = Settings(step=Step(inputs=inputs, loss_fn=loss_fn), optimizer="adam",
+                        machine=Machine(device="cpu"), repeat=repeat)
     costs = measure_costs(model, find_blocks(model), settings)
     full = costs.problem()
     blocks_only = Problem(**{**full.__dict__, "kept": [
@@ -416,6 +416,7 @@ def speed(full_70b: bool) -> dict:
     from remat.memory.internal import Step, build_in
     from remat.planner import solve
     from remat.planner.internal import (
+        Machine,
         Settings,
         composed_costs,
         find_blocks,
@@ -429,7 +430,8 @@ def speed(full_70b: bool) -> dict:
         model = gpt(layers=32, width=256, heads=4, seq_len=256, vocab=4096)
         inputs = (torch.zeros(4, 256, dtype=torch.long),)
         costs = measure_costs(model, find_blocks(model), Settings(
-            step=Step(inputs=inputs, loss_fn=next_token_loss), optimizer="adam", fake=True, device="cpu"))
+            step=Step(inputs=inputs, loss_fn=next_token_loss), optimizer="adam",
+            machine=Machine(fake=True, device="cpu")))
     problem = costs.problem()
     low, high = floor(problem), costs.memory.peaks["keep"]
     times = []
@@ -460,7 +462,8 @@ def speed(full_70b: bool) -> dict:
             blocks = find_blocks(model)
             step = Step(inputs=inputs(), loss_fn=next_token_loss)  # the planner's: logits held
             composed = composed_costs(model, blocks, identical_container(model, blocks), Settings(
-                step=step, optimizer="adam", fake=True, device="cpu", options=("keep",)))
+                step=step, optimizer="adam", machine=Machine(fake=True, device="cpu"),
+                options=("keep",)))
             composed_s = time.perf_counter() - start
             traced = measure_peak(model, step, optimizer="adam", fake=True)  # the same step, every block
         start = time.perf_counter()

@@ -351,7 +351,7 @@ def _rank_costs(config: object, parallelize: object, world: int, seq: int, whole
     from remat.memory.internal import identical_container
     from remat.models.llama import Llama, next_token_loss
     from remat.planner._cost import composed_costs, measure_costs
-    from remat.planner._settings import Builder, Settings
+    from remat.planner._settings import Builder, Machine, Settings
     from remat.planner._trace import find_blocks
 
     ranks = Ranks(world, parallelize, 0)
@@ -361,7 +361,7 @@ def _rank_costs(config: object, parallelize: object, world: int, seq: int, whole
         build = Builder(make=functools.partial(Llama, config), finish=lambda m: ranks.apply(m, "cpu"))
         tokens = (torch.zeros(1, seq, dtype=torch.long),)
         settings = Settings(step=Step(inputs=tokens, loss_fn=next_token_loss), optimizer="adam",
-                            fake=True, device="cpu", options=("keep",), build=build)
+                            machine=Machine(fake=True, device="cpu"), options=("keep",), build=build)
         if whole:
             return measure_costs(template, blocks, settings)
         return composed_costs(template, blocks, identical_container(template, blocks), settings)

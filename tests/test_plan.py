@@ -15,7 +15,7 @@ from remat.memory._step import Step
 from remat.models import gpt, resnet
 from remat.models.unet import unet
 from remat.planner import parse_budget, sweep
-from remat.planner._settings import Settings
+from remat.planner._settings import Machine, Settings, Solving
 from remat.planner._solve import Problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -236,7 +236,7 @@ def test_identical_blocks_composed_from_two_and_three_equal_the_whole_model():
         blocks = find_blocks(model)
         container = identical_container(model, blocks)
         assert container is model.blocks
-        settings = Settings(step=Step(inputs=x), optimizer="adam", fake=True, device="cpu",
+        settings = Settings(step=Step(inputs=x), optimizer="adam", machine=Machine(fake=True, device="cpu"),
                             options=("keep", "recompute"))
         whole = measure_costs(model, blocks, settings)
         composed = composed_costs(model, blocks, container, settings)
@@ -465,7 +465,7 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
         model, inputs = small_gpt(), small_gpt_tokens()
         model.train()
         settings = Settings(step=Step(inputs=inputs, loss_fn=next_token_loss), optimizer="adam",
-                            fake=True, device="cpu")
+                            machine=Machine(fake=True, device="cpu"))
         costs = measure_costs(model, find_blocks(model), settings)
         budget = costs.memory.peaks["recompute"]  # every block marked alike: per-block checkpointing
         full = costs.problem()
@@ -741,7 +741,8 @@ def test_one_optimizer_for_every_option_run_gives_each_runs_own_peaks(tokens_per
         model = gpt(layers=3, width=64, heads=4, seq_len=64, vocab=100)
         inputs = (torch.zeros(2, tokens_per_row, dtype=torch.long),)
         step = Step(inputs=inputs, loss_fn=next_token_loss)
-        costs = measure_costs(model, find_blocks(model), Settings(step=step, optimizer="adam", fake=True))
+        costs = measure_costs(model, find_blocks(model), Settings(step=step, optimizer="adam",
+                                                                  machine=Machine(fake=True)))
         phases = set()
         for o, option in enumerate(costs.options):
             if option not in costs.memory.peaks:
@@ -770,7 +771,8 @@ def test_no_plan_is_slower_than_a_uniform_marking_that_fits_its_budget():
     from remat.planner._trace import find_blocks
 
     model, x = tiny_gpt(), tokens()
-    settings = Settings(step=Step(inputs=(x,)), optimizer="adam", verify=False, repeat=1)
+    settings = Settings(step=Step(inputs=(x,)), optimizer="adam", solving=Solving(verify=False),
+                        repeat=1)
     costs = measure_costs(model, find_blocks(model), settings)
     problem, ranking = costs.problem(), costs.problem(ranking=True)
     assert ranking.time != problem.time  # the ranking times are not the calibrated ones
@@ -805,9 +807,9 @@ def test_a_uniform_marking_measured_within_the_budget_wins_over_a_slower_plan(mo
     budget = costs.memory.peaks["recompute"]
     slow = Solution(("output", "output"), 0.0, 0.0, "dynamic program")  # 2x a re-run, and chained
     monkeypatch.setattr(_plan, "solve", lambda *a, **k: slow)
-    plan = _plan._fit(None, costs, (problem, problem), budget, 0.0, Settings(step=Step(), verify=False))
+    plan = _plan._fit(None, costs, (problem, problem), budget, 0.0, Settings(step=Step(), solving=Solving(verify=False)))
     assert list(plan.choices.values()) == ["selective", "selective"]
     assert plan.solver == "uniform fallback" and plan.measured_peak_bytes == budget
     monkeypatch.setattr(_plan, "solve", lambda *a, **k: Solution(("keep", "selective"), 0.0, 0.0, "dp"))
-    plan = _plan._fit(None, costs, (problem, problem), budget, 0.0, Settings(step=Step(), verify=False))
+    plan = _plan._fit(None, costs, (problem, problem), budget, 0.0, Settings(step=Step(), solving=Solving(verify=False)))
     assert list(plan.choices.values()) == ["keep", "selective"]  # faster than any uniform marking

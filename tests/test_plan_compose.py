@@ -17,7 +17,7 @@ from remat.models import gpt
 from remat.models.llama import Llama, LlamaConfig, next_token_loss
 from remat.planner._cost import composed_costs
 from remat.planner._measure import measure_peak
-from remat.planner._settings import Settings, mark_choices
+from remat.planner._settings import Machine, Settings, mark_choices
 from remat.planner._trace import find_blocks
 from remat.planner._verify import composed_peak, runs_of
 
@@ -64,7 +64,7 @@ def test_composed_verification_equals_the_whole_trace_to_the_byte(make, loss_fn,
         step = Step(inputs=(torch.zeros(batch, 16, dtype=torch.long),), loss_fn=loss_fn)
         blocks = find_blocks(model)
         container = identical_container(model, blocks)
-        settings = Settings(step=step, optimizer=optimizer, fake=True, device="cpu")
+        settings = Settings(step=step, optimizer=optimizer, machine=Machine(fake=True, device="cpu"))
         costs = composed_costs(model, blocks, container, settings)
         options = [o for o in costs.options if all(k[costs.options.index(o)] is not None for k in costs.kept)]
         assert any(o.startswith("children:") for o in options)  # options inside blocks are composed too
@@ -148,7 +148,7 @@ def test_a_rank_plans_composed_verification_equals_the_whole_trace():
         container = identical_container(template, blocks)
         build = Builder(make=functools.partial(Llama, config), finish=lambda m: ranks.apply(m, "cpu"))
         step = Step(inputs=(torch.zeros(4, 32, dtype=torch.long),), loss_fn=next_token_loss)
-        settings = Settings(step=step, optimizer="adam", fake=True, device="cpu",
+        settings = Settings(step=step, optimizer="adam", machine=Machine(fake=True, device="cpu"),
                             options=("keep", "recompute", "selective"), build=build)
         costs = composed_costs(template, blocks, container, settings)
         names = costs.names

@@ -1,6 +1,6 @@
 """``remat.planner``: the planner behind `remat.plan`, choosing what to recompute for a
 memory budget (layer 4). The function is ``remat.plan``; this package holds its vocabulary
-(``remat.planner.OPTIONS``, ``BLOCK_OPTIONS``) and its data (``Plan``, ``Decision``).
+(``remat.planner.OPTIONS``, ``BLOCK_OPTIONS``) and its data (``Plan``, ``Decision``, ``Measured``, ``JobRank``).
 
 Examples:
     >>> import torch, remat
@@ -15,7 +15,7 @@ Examples:
 from remat.planner._budget import parse_budget
 from remat.planner._compiled import compile, plan_compiled
 from remat.planner._pipeline import PipelinePlan, RankPlan, plan_pipeline
-from remat.planner._plan import Decision, Plan, plan, sweep
+from remat.planner._plan import Decision, JobRank, Measured, Plan, plan, sweep
 from remat.planner._schedule import in_flight_counts, schedule_actions
 from remat.planner._solve import (
     BLOCK_OPTIONS,
@@ -32,6 +32,6 @@ from remat.planner._solve import (
     solve_savings,
 )
 
-__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Choice", "Decision", "PipelinePlan", "Plan", "Problem", "RankPlan", "Solution",
+__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Choice", "Decision", "JobRank", "Measured", "PipelinePlan", "Plan", "Problem", "RankPlan", "Solution",
            "compile", "evaluate", "floor", "in_flight_counts", "parse_budget", "plan", "plan_compiled", "plan_pipeline", "schedule_actions", "solve",
            "solve_chain", "solve_milp", "solve_savings", "sweep"]

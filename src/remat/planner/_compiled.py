@@ -53,8 +53,6 @@ model). A fraction scales the unmarked compiled step's peak.
 
 from __future__ import annotations
 
-import copy
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,15 +62,16 @@ import torch
 
 from remat._front.marks import marked_modules
 from remat._graph import compile as graph_compile
-from remat._graph.internal import allocation_peak
 from remat.memory import format_bytes
 from remat.memory.internal import Step, StepFn, local_nbytes
 from remat.memory.profile import measure
 from remat.planner._budget import parse_budget
+from remat.planner._compiled_runs import Run, build_run, interleaved, machine
 from remat.planner._loop import fit
 from remat.planner._options import inner_options
 from remat.planner._plan import Decision, Plan, _check_step, _step
-from remat.planner._settings import Settings, mark_choices
+from remat.planner._result import Measured
+from remat.planner._settings import Settings, Solving
 from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, BudgetError, Choice, solve_savings
 from remat.planner._trace import find_blocks, trace
 
@@ -82,25 +81,6 @@ API = "remat.compile"
 #: compiled step])
 WIDE_SHARE = 0.03
 WIDE_LIMIT = 4
-
-
-@dataclass(frozen=True)
-class _Run:
-    """One compiled configuration: its model, the compiled callable, its measured peak, and
-    what its copies compute (FLOPs, bytes moved, nodes: the graph pass's reports)."""
-
-    model: torch.nn.Module
-    compiled: Any
-    peak: int
-    flops: float = 0.0
-    moved: float = 0.0
-    nodes: int = 0
-
-    def parts(self, machine: tuple[float, float, float]) -> tuple[float, float]:
-        """Seconds the copies take on ``machine`` ``(FLOP/s, bytes/s, seconds per node)``: their
-        arithmetic, and their memory traffic with each node's own cost."""
-        throughput, bandwidth, per_node = machine
-        return self.flops / throughput, self.moved / bandwidth + self.nodes * per_node
 
 
 def plan_compiled(model: torch.nn.Module, *example_inputs: Any, budget: float | str, batch: Any = None,
@@ -126,7 +106,7 @@ def plan_compiled(model: torch.nn.Module, *example_inputs: Any, budget: float | 
     _check_step(example_inputs, batch, loss_fn, step)
     made = _step(example_inputs, batch, loss_fn, step)
     settings = Settings(step=made, optimizer=None, blocks=blocks,
-                        options=tuple(dict.fromkeys(("keep", *options))), verify=False, repeat=0,
+                        options=tuple(dict.fromkeys(("keep", *options))), solving=Solving(verify=False), repeat=0,
                         progress=progress)
     import torch._dynamo.config as dynamo_config
 
@@ -142,13 +122,78 @@ def plan_compiled(model: torch.nn.Module, *example_inputs: Any, budget: float | 
 
 def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step, settings: Settings,
           value: float, fractional: bool, backend: str, rounds: int) -> Plan:
-    say = settings.say
+    """The plan of NOTE [Planning a compiled step]: the options from the unmarked eager step
+    (1), each compiled and measured (2), the separable model's least-time choice saving enough
+    (3), measured until one fits (4)."""
     start = time.perf_counter()
+    items = _items(model, example_inputs, batch, made, settings)
+
+    def build(choices: dict[str, str]) -> Run:
+        return build_run(model, made, backend, items.base, choices)
+
+    runs, marked = _compile_options(items, build, settings.say)
+    settings.say(f"timing the {len(runs)} compiled options, interleaved")
+    times = interleaved(made, runs, rounds)
+    keep = runs["keep"]
+    target = value * keep.peak if fractional else value
+    columns = list(runs)
+    saving = _savings(runs, marked, items)
+    compute, memory, extra = _extra_times(model, runs, times, marked, len(items.items))
+    floor = min(r.peak for r in runs.values())
+
+    def measured_peak(choice: tuple[int, ...]) -> int:
+        choices = {name: columns[c] for name, c in zip(items.items, choice, strict=True) if c}
+        settings.say(f"measuring the compiled plan for {format_bytes(target)}")
+        return keep.peak if not choices else build(choices).peak
+
+    # NOTE [Solve, measure, lower the target]: a choice measured over the budget is never
+    # solved for again (the separable model erred: save the excess more, never this one)
+    choice, measured, _ = fit(
+        target, lambda lowered, rejected: solve_savings(saving, extra, keep.peak - lowered, exclude=rejected),
+        measured_peak, lambda _over: _uniform(runs, times, columns, items.allowed, items.items, target),
+        lambda _over, _exhausted: _budget_error(target, floor, keep.peak))
+    return Plan(decisions=_decisions(items, columns, choice, saving, extra), budget_bytes=int(target),
+                predicted_peak_bytes=int(keep.peak - sum(saving[i][c] for i, c in enumerate(choice))),
+                predicted_extra_s=sum(extra[i][c] for i, c in enumerate(choice)),
+                step_s=times["keep"], no_recompute_peak_bytes=keep.peak,
+                floor_bytes=floor, measured=Measured(peak_bytes=measured),
+                solver="compiled knapsack", solve_s=time.perf_counter() - start,
+                timing=f"compiled ({backend}): copies' FLOPs x{compute:.2f} and bytes x{memory:.2f} "
+                       f"on the roofline, fitted to every option's timed step")
+
+
+@dataclass(frozen=True)
+class _Items:
+    """The compiled plan's knapsack: its items and the options each allows, and what the
+    unmarked eager step tells of them.
+
+    Args:
+        names: the blocks, in call order.
+        items: the blocks, then the modules outside them (NOTE [Modules outside the blocks]).
+        allowed: per item, its options (``"keep"`` first).
+        options: every option to compile, in order (a module outside: ``"<module>=<option>"``).
+        types: per item, its class name.
+        kept_unmarked: per item, the bytes the eager tracker counts it keeping unmarked.
+        base: the bytes alive when the step starts (parameters, buffers, the inputs).
+    """
+
+    names: list[str]
+    items: list[str]
+    allowed: dict[str, list[str]]
+    options: list[str]
+    types: list[str]
+    kept_unmarked: list[float]
+    base: int
+
+
+def _items(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
+           settings: Settings) -> _Items:
+    """The knapsack's items and their options (NOTE [Planning a compiled step], 1)."""
     chosen = find_blocks(model, settings.blocks)
     # the options, from the unmarked eager step (traced once, tracked once): whole blocks, and
     # inside them more children than the eager planner measures (each compiled option costs a
     # compile, not a tracked run per option) and the cheap single operators together
-    say("tracing blocks")
+    settings.say("tracing blocks")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
         traced = trace(model, chosen, settings)
@@ -170,85 +215,68 @@ def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step,
         allowed[name] = ["keep", str(Choice(option, module=name))]
         options.append(allowed[name][1])
     items = [*names, *outside]
-    kept_unmarked = [float(rows[name].kept) for name in items]
     named = dict(model.named_modules())
-    types = [type(named[name]).__name__ for name in items]
     base = sum(local_nbytes(t) for t in (*model.parameters(), *model.buffers())) + sum(
         local_nbytes(t) for t in _tensors((example_inputs, batch)))
+    return _Items(names=names, items=items, allowed=allowed, options=options,
+                  types=[type(named[name]).__name__ for name in items],
+                  kept_unmarked=[float(rows[name].kept) for name in items], base=base)
 
-    def build(choices: dict[str, str]) -> _Run:
-        net = copy.deepcopy(model)
-        mark_choices(dict(net.named_modules()),
-                     {name: Choice.parse(c).without_module() for name, c in choices.items()})
-        compiled = graph_compile(net, backend=backend)
-        made.run(compiled)  # compiles
-        net.zero_grad(set_to_none=True)
-        if not compiled.remat_reports:
-            raise RuntimeError(f"{API}: torch.compile ran the model without compiling it (a graph "
-                               f"break or Dynamo's recompile limit); budget= plans compiled steps "
-                               f"only: compile without budget= and mark with remat.plan's plan")
-        peak = allocation_peak(lambda: _step_once(made, compiled, net))
-        reports = compiled.remat_reports
-        return _Run(net, compiled, base + peak, flops=sum(r.copy_flops for r in reports),
-                    moved=sum(r.copy_bytes for r in reports),
-                    nodes=sum(len(r.duplicated) for r in reports))
 
-    runs: dict[str, _Run] = {}
+def _compile_options(items: _Items, build: Callable[[dict[str, str]], Run],
+                     say: Callable[[str], None]) -> tuple[dict[str, Run], dict[str, int]]:
+    """Each option compiled with every item allowing it marked (``"keep"``: none): the runs,
+    and how many items each marks (NOTE [Planning a compiled step], 2)."""
+    runs: dict[str, Run] = {}
     marked: dict[str, int] = {}
-    for option in options:
-        having = {name: option for name in items if option in allowed[name]}
+    for option in items.options:
+        having = {name: option for name in items.items if option in items.allowed[name]}
         if option != "keep" and not having:
             continue
         say(f"compiling '{option}' on {len(having) if option != 'keep' else 0} blocks")
         runs[option] = build({} if option == "keep" else having)
         marked[option] = len(having)
-    say(f"timing the {len(runs)} compiled options, interleaved")
-    times = _interleaved(made, runs, rounds)
+    return runs, marked
+
+
+def _savings(runs: dict[str, Run], marked: dict[str, int], items: _Items) -> list[list[float | None]]:
+    """Per item and option (the columns of ``runs``), the bytes of the peak it saves: its
+    run's saving shared among the items the run marks (None: not an option of the item)."""
     keep = runs["keep"]
-    target = value * keep.peak if fractional else value
-    columns = list(runs)
-    saving = [[(keep.peak - runs[o].peak) / marked[o] if o == "keep" or o in allowed[name] else None
-               for o in columns] for name in items]
+    saving = [[(keep.peak - runs[o].peak) / marked[o] if o == "keep" or o in items.allowed[name] else None
+               for o in runs] for name in items.items]
     for row in saving:
         row[0] = 0.0
+    return saving
+
+
+def _extra_times(model: torch.nn.Module, runs: dict[str, Run], times: dict[str, float],
+                 marked: dict[str, int], count: int) -> tuple[float, float, list[list[float]]]:
+    """The factors of FLOPs and of bytes fitted to the options' timed steps, and per item (of
+    ``count``) and option the seconds its copies cost (NOTE [Planning a compiled step], 3)."""
     # Time: what each option's copies compute, on the device's roofline, weighted by two factors
     # fitted to all the options' timed steps at once (a timer's noise on one option cannot
     # reorder the options: NOTE [Planning a compiled step])
-    machine = _machine(next((p.device for p in model.parameters()), torch.device("cpu")))
-    parts = {o: runs[o].parts(machine) for o in columns}
+    columns = list(runs)
+    figures = machine(next((p.device for p in model.parameters()), torch.device("cpu")))
+    parts = {o: runs[o].parts(figures) for o in columns}
     gained = {o: times[o] - times["keep"] for o in columns if o != "keep"}
     compute, memory = _fit(parts, gained)
     work = {o: compute * parts[o][0] + memory * parts[o][1] for o in columns}
-    extra = [[work[o] / max(marked[o], 1) for o in columns] for _ in items]
-    floor = min(r.peak for r in runs.values())
-
-    def measured_peak(choice: tuple[int, ...]) -> int:
-        choices = {name: columns[c] for name, c in zip(items, choice, strict=True) if c}
-        say(f"measuring the compiled plan for {format_bytes(target)}")
-        return keep.peak if not choices else build(choices).peak
-
-    # NOTE [Solve, measure, lower the target]: a choice measured over the budget is never
-    # solved for again (the separable model erred: save the excess more, never this one)
-    choice, measured, _ = fit(
-        target, lambda lowered, rejected: solve_savings(saving, extra, keep.peak - lowered, exclude=rejected),
-        measured_peak, lambda _over: _uniform(runs, times, columns, allowed, items, target),
-        lambda _over, _exhausted: _budget_error(target, floor, keep.peak))
-    # a block's kept bytes: the eager tracker's unmarked figure less the compiled saving
-    decisions = tuple(Decision(name, types[i], str(Choice.parse(columns[c]).without_module()),
-                               max(0.0, kept_unmarked[i] - saving[i][c]), extra[i][c])
-                      for i, (name, c) in enumerate(zip(items, choice, strict=True))
-                      if name in names or c)  # a module outside the blocks: only when marked
-    return Plan(decisions=decisions, budget_bytes=int(target),
-                predicted_peak_bytes=int(keep.peak - sum(saving[i][c] for i, c in enumerate(choice))),
-                predicted_extra_s=sum(extra[i][c] for i, c in enumerate(choice)),
-                step_s=times["keep"], no_recompute_peak_bytes=keep.peak,
-                floor_bytes=floor, measured_peak_bytes=measured,
-                solver="compiled knapsack", solve_s=time.perf_counter() - start,
-                timing=f"compiled ({backend}): copies' FLOPs x{compute:.2f} and bytes x{memory:.2f} "
-                       f"on the roofline, fitted to every option's timed step")
+    return compute, memory, [[work[o] / max(marked[o], 1) for o in columns] for _ in range(count)]
 
 
-def _uniform(runs: dict[str, _Run], times: dict[str, float], columns: list[str],
+def _decisions(items: _Items, columns: list[str], choice: tuple[int, ...], saving: list,
+               extra: list) -> tuple[Decision, ...]:
+    """The plan's decisions: every block's, and each module outside the blocks that the choice
+    marks; a block's kept bytes the eager tracker's unmarked figure less the compiled saving."""
+    return tuple(Decision(name, items.types[i], str(Choice.parse(columns[c]).without_module()),
+                          max(0.0, items.kept_unmarked[i] - saving[i][c]), extra[i][c])
+                 for i, (name, c) in enumerate(zip(items.items, choice, strict=True))
+                 if name in items.names or c)  # a module outside the blocks: only when marked
+
+
+def _uniform(runs: dict[str, Run], times: dict[str, float], columns: list[str],
              allowed: dict[str, list[str]], items: list[str], target: float) -> tuple[tuple[int, ...], int] | None:
     """When the separable model keeps erring: the fastest option marking every block alike
     whose own compiled run (measured while planning) fits ``target``, as a choice with its
@@ -309,54 +337,10 @@ def _fit(parts: dict[str, tuple[float, float]], gained: dict[str, float]) -> tup
     return clamp(one), clamp(one)
 
 
-def _machine(device: torch.device) -> tuple[float, float, float]:
-    """``(FLOP/s, bytes/s, seconds per operator)`` of ``device``, timed once on a matrix product,
-    an addition and a one-element operator (the best of a few runs)."""
-    def best(fn: Callable[[], Any], repeat: int = 5) -> float:
-        fn()
-        seconds = []
-        for _ in range(repeat):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            begin = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - begin)
-        return min(seconds)
-
-    n = 512 if device.type == "cpu" else 4096
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    one = torch.ones(1, device=device)
-    per_node = best(lambda: one + 1)
-    throughput = 2 * n ** 3 / max(best(lambda: a @ b) - per_node, 1e-9)
-    bandwidth = 3 * a.numel() * a.element_size() / max(best(lambda: a + b) - per_node, 1e-9)
-    return throughput, bandwidth, per_node
-
-
 def _tensors(obj: Any) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_leaves
 
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
-
-
-def _step_once(step: Step, compiled: Any, net: torch.nn.Module) -> None:
-    held = step.run(compiled)
-    del held
-    net.zero_grad(set_to_none=True)
-
-
-def _interleaved(step: Step, runs: dict[str, _Run], rounds: int) -> dict[str, float]:
-    """Median seconds of each compiled step over ``rounds`` rounds in alternating order."""
-    order = list(runs)
-    times: dict[str, list[float]] = {o: [] for o in order}
-    for r in range(rounds):
-        for option in order if r % 2 == 0 else reversed(order):
-            run = runs[option]
-            begin = time.perf_counter()
-            _step_once(step, run.compiled, run.model)
-            times[option].append(time.perf_counter() - begin)
-    return {o: statistics.median(t) for o, t in times.items()}
 
 
 def compile(model_or_fn: Any, *, backend: str = "aot_eager", save_graphs: str | None = None,

@@ -11,8 +11,9 @@ See NOTE [Plan cost model] in ``_solve/_problem.py`` for how these make a peak.
 
 The work is split by job: `remat.planner._trace.trace` runs the step once with the blocks
 hooked, `remat.planner._measure.measure_options` runs and times it once per option (the
-options inside blocks from ``_options.py``), and here `assemble` makes `BlockCosts` of their
-figures, from which `BlockCosts.problem` builds the solver's problem.
+options inside blocks from ``_options.py``), `remat.planner._times.block_times` makes the
+blocks' re-run times of them, and here `assemble` makes `BlockCosts` of their figures, from
+which `BlockCosts.problem` builds the solver's problem.
 
 NOTE [Plans timing noise cannot flip]
 On real tensors the times are measured: each block's forward, each child's, each
@@ -34,29 +35,17 @@ and bytes do not jitter: the same model, inputs and budget give the same plan.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from remat.memory.internal import local_nbytes, signature, truncated
 from remat.planner._measure import Runs, measure_options
-from remat.planner._settings import Settings, child_mark
+from remat.planner._settings import Settings
 from remat.planner._solve import BLOCK_OPTIONS, OPS, OUTPUT, RECOMPUTE, Choice, Problem, evaluate
+from remat.planner._times import BlockTimes, block_times
 from remat.planner._trace import Trace, _named, trace
-
-
-@dataclass(frozen=True)
-class BlockTimes:
-    """Per block, the seconds its re-runs cost before calibration: of the whole block
-    (``forward_s``), under its selective policy (``selective_s``) and of each option inside it
-    (``child_s``: one entry per column of `BlockCosts.options` after `BLOCK_OPTIONS`; empty:
-    none). `BlockCosts.times` are measured (on fake tensors, the roofline's); its ``ranking``
-    are costed by FLOPs and bytes (NOTE [Plans timing noise cannot flip])."""
-
-    forward_s: list[float]
-    selective_s: list[float]
-    child_s: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -291,117 +280,64 @@ def assemble(traced: Trace, runs: Runs, settings: Settings, roofline: Trace | No
     ``roofline``: on real tensors, a trace costed by FLOPs and bytes, whose times rank the
     options (NOTE [Plans timing noise cannot flip])."""
     names, blocks, calls = traced.names, traced.blocks, traced.calls
-    rows = {o: {r.name: r for r in rep.rows} for o, rep in runs.reports.items()}
-    keep, totals = rows["keep"], traced.ops.totals
-    every = [*BLOCK_OPTIONS, *runs.columns]
-    kept = [[float(rows[o][name].kept) if o in rows and (o in BLOCK_OPTIONS or o in runs.inner[name])
-             else None for o in every] for name in names]
-    for k, row in enumerate(kept):
-        if not traced.chain[k] and row[OUTPUT] is not None:
-            row[OUTPUT] = None
+    keep = {r.name: r for r in runs.reports["keep"].rows}
+    every, kept = _kept_bytes(traced, runs)
     # Identical blocks (one class, one set of parameter shapes, the same bytes kept under every
     # option) cost the same: their times are averaged, so the timer cannot make one
     # of them look cheaper to recompute than its twin (a plan that is stable run after run)
     groups: dict[tuple, list[int]] = {}
     for k, (_, module) in enumerate(blocks):
         groups.setdefault((signature(module), tuple(kept[k])), []).append(k)
-    times = _times(traced, runs, settings.fake, groups)
+    times = block_times(traced, runs, settings.machine.fake, groups)
     ranking = None
-    if not settings.fake:
-        ranking = _times(roofline or traced, runs, True, groups, per_call=True)
-    report = runs.reports["keep"]
-    if settings.fake:
-        step = 3 * calls * sum(totals.total.values())
-        timed = f"roofline ({settings.device})"
-    else:
-        # the step users run: forward, backward and the optimizer's step
-        step = (runs.steps["keep"] + runs.steps.get("optimizer", 0.0) if runs.steps
-                else (report.step_ms or 0.0) / 1e3)
-        timed = "measured, each family of options calibrated by its timed runs"
+    if not settings.machine.fake:
+        ranking = block_times(roofline or traced, runs, True, groups, per_call=True)
     grads = [sum(local_nbytes(p) for p in m.parameters() if p.requires_grad) for _, m in blocks]
-    all_grads = sum(local_nbytes(p) for p in runs.measured.parameters() if p.requires_grad)
     return BlockCosts(
         names=names, types=[type(m).__name__ for _, m in traced.blocks],
         kept=kept, times=times,
         output_bytes=[keep[name].output_bytes // calls for name in names], grad_bytes=grads,
-        chain=traced.chain,
-        memory=StepMemory(
-            baseline_bytes=report.baseline_bytes, other_grad_bytes=all_grads - sum(grads),
-            peaks={o: r.peak_bytes for o, r in runs.reports.items()},
-            phases={o: r.peak_phase for o, r in runs.reports.items()},
-            phase_peaks={o: dict(r.phase_peaks) for o, r in runs.reports.items()},
-            optimizer_peak=report.phase_peaks.get("optimizer")),
-        step=StepTime(seconds=step, timing=timed, per_option=runs.steps),
-        options=every, calls=calls, ranking=ranking,
+        chain=traced.chain, memory=_step_memory(runs, sum(grads)),
+        step=_step_time(traced, runs, settings), options=every, calls=calls, ranking=ranking,
     )
 
 
-#: NOTE [Plans timing noise cannot flip]: what the engine adds per call on top of the call
-#: itself, in the ranking times: a call re-run (saved-tensor hooks, the region's modes), and a
-#: call run under a per-call policy (``selective``, ``ops:``; its dispatch mode, forward and
-#: re-run). Measured on CPU (tiny tensors, 600 calls: 38 us and 58 us per call in all, the
-#: calls' own cost included); Python's share of a call, so of the same order on CUDA.
-RERUN_CALL_S = 3e-5
-POLICY_CALL_S = 2e-5
+def _kept_bytes(traced: Trace, runs: Runs) -> tuple[list[str], list[list[float | None]]]:
+    """The columns (`BLOCK_OPTIONS`, then ``runs.columns``) and, per block and column, the bytes
+    the block keeps under that option (None: not an option of the block)."""
+    rows = {o: {r.name: r for r in rep.rows} for o, rep in runs.reports.items()}
+    every = [*BLOCK_OPTIONS, *runs.columns]
+    kept = [[float(rows[o][name].kept) if o in rows and (o in BLOCK_OPTIONS or o in runs.inner[name])
+             else None for o in every] for name in traced.names]
+    for k, row in enumerate(kept):
+        if not traced.chain[k] and row[OUTPUT] is not None:
+            row[OUTPUT] = None
+    return every, kept
 
 
-def _times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple, list[int]], *,
-           per_call: bool = False) -> BlockTimes:
-    """Per block: the seconds a re-run of it costs, those of its selective policy's re-run, and
-    those of each option inside it (``runs.columns``), averaged over each group of identical
-    blocks. With ``roofline``: the trace's operators costed by FLOPs and bytes (with
-    ``per_call``, plus the engine's share per call: `RERUN_CALL_S`, `POLICY_CALL_S`);
-    else the unmarked run's measured forward times (the trace's operator times share them out)."""
-    names, blocks, calls = traced.names, traced.blocks, traced.calls
-    totals, parts, graph = traced.ops.totals, traced.ops.parts, traced.ops.graph
-    keep = {r.name: r for r in runs.reports["keep"].rows}
-    rerun, policy = (RERUN_CALL_S, POLICY_CALL_S) if roofline and per_call else (0.0, 0.0)
+def _step_memory(runs: Runs, block_grads: int) -> StepMemory:
+    """What the whole step holds under each option (``block_grads``: the blocks' gradients)."""
+    report = runs.reports["keep"]
+    all_grads = sum(local_nbytes(p) for p in runs.measured.parameters() if p.requires_grad)
+    return StepMemory(
+        baseline_bytes=report.baseline_bytes, other_grad_bytes=all_grads - block_grads,
+        peaks={o: r.peak_bytes for o, r in runs.reports.items()},
+        phases={o: r.peak_phase for o, r in runs.reports.items()},
+        phase_peaks={o: dict(r.phase_peaks) for o, r in runs.reports.items()},
+        optimizer_peak=report.phase_peaks.get("optimizer"))
 
-    def seconds(name: str) -> float:
-        return (keep[name].forward_ms or 0.0) / 1e3 / calls
 
-    def child_seconds(k: int, child: str) -> float:
-        part = (traced.index[k], child)
-        once = (parts.total.get(part, 0.0) + rerun * parts.count.get(part, 0.0) if roofline
-                else seconds(f"{names[k]}.{child}"))
-        # an operator mark runs twice in backward: once to hand its output to whoever saved
-        # it, once to rebuild what it saved itself (NOTE [Output pass] in _engine/hooked.py)
-        return once if child_mark(dict(blocks[k][1].named_children())[child]) == {} else 2 * once
-
-    forward = ([totals.total.get(i, 0.0) for i in traced.index] if roofline
-               else [seconds(name) for name in names])
-    count = [totals.count.get(i, 0.0) for i in traced.index]
-
-    def inner_seconds(k: int, option: str) -> float:
-        if option not in runs.inner[names[k]]:
-            return 0.0
-        choice = Choice.parse(option)
-        if choice.family != OPS:
-            return sum(child_seconds(k, c) for c in choice.children)
-        # NOTE [Options per operator]: the re-run runs all but the kept calls
-        block = traced.index[k]
-        found = graph.nodes.get(block, {})
-        keys = [key for key in choice.calls if key in found]
-        kept = sum(found[key][0] for key in keys)
-        total = totals.total.get(block, 0.0)
-        share = max(0.0, 1.0 - kept / total) if total else 1.0
-        return forward[k] * share + rerun * max(0.0, count[k] - len(keys)) + policy * count[k]
-
-    child_s = [[inner_seconds(k, o) for o in runs.columns] for k in range(len(names))]
-    share = [totals.recomputed.get(i, 0.0) / totals.total[i] if totals.total.get(i) else 1.0 for i in traced.index]
-    selective = [f * s + rerun * totals.recomputed_count.get(i, 0.0) + policy * n
-                 for f, s, i, n in zip(forward, share, traced.index, count)]
-    forward = [f + rerun * n for f, n in zip(forward, count)]
-    for members in groups.values():
-        for values in (forward, selective):
-            mean = sum(values[k] for k in members) / len(members)
-            for k in members:
-                values[k] = mean
-        for c in range(len(runs.columns)):
-            mean = sum(child_s[k][c] for k in members) / len(members)
-            for k in members:
-                child_s[k][c] = mean
-    return BlockTimes(forward, selective, child_s)
+def _step_time(traced: Trace, runs: Runs, settings: Settings) -> StepTime:
+    """The unmarked step's seconds (on fake tensors, the roofline's) and how they were found."""
+    if settings.machine.fake:
+        step = 3 * traced.calls * sum(traced.ops.totals.total.values())
+        timed = f"roofline ({settings.machine.device})"
+    else:
+        # the step users run: forward, backward and the optimizer's step
+        step = (runs.steps["keep"] + runs.steps.get("optimizer", 0.0) if runs.steps
+                else (runs.reports["keep"].step_ms or 0.0) / 1e3)
+        timed = "measured, each family of options calibrated by its timed runs"
+    return StepTime(seconds=step, timing=timed, per_option=runs.steps)
 
 
 def measure_costs(model: torch.nn.Module, blocks: list, settings: Settings) -> BlockCosts:
@@ -411,9 +347,9 @@ def measure_costs(model: torch.nn.Module, blocks: list, settings: Settings) -> B
     With ``settings.build`` (a rank's plan, NOTE [Planning a rank]) each run is of a fresh
     model from it; ``model`` only names the blocks."""
     settings.say("tracing blocks")
-    state = None if settings.fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = None if settings.machine.fake else {k: v.detach().clone() for k, v in model.state_dict().items()}
     # on CPU tensors the selective share comes from operator times (a warm-up step first)
-    timed = not settings.fake and settings.device == "cpu"
+    timed = not settings.machine.fake and settings.machine.device == "cpu"
     roofline = None
     try:
         if timed:  # (also the warm-up of the timed trace) NOTE [Plans timing noise cannot flip]

@@ -15,7 +15,7 @@ from remat.memory.internal import identical_container
 from remat.planner._cost import BlockCosts, composed_costs, measure_costs
 from remat.planner._loop import fit
 from remat.planner._measure import interleaved_steps, measure_peak
-from remat.planner._result import Decision, Plan
+from remat.planner._result import Decision, Measured, Plan
 from remat.planner._settings import Settings, mark_choices
 from remat.planner._solve import BudgetError, Problem, Solution, evaluate, floor, solve
 from remat.planner._trace import find_blocks
@@ -26,7 +26,7 @@ API = "remat.plan"
 
 def _plans(model: torch.nn.Module, budgets: list, settings: Settings) -> list:
     chosen = find_blocks(model, settings.blocks)
-    container = identical_container(model, chosen) if settings.fake and settings.compose else None
+    container = identical_container(model, chosen) if settings.machine.fake and settings.compose else None
     costs = composed_costs(model, chosen, container, settings) if container else None
     if costs is None:
         costs = measure_costs(model, chosen, settings)
@@ -39,7 +39,7 @@ def _plans(model: torch.nn.Module, budgets: list, settings: Settings) -> list:
         try:
             out.append(_fit(model, costs, (ranking, problem), budget, least, settings))
         except BudgetError as err:
-            if not settings.floors:
+            if not settings.solving.floors:
                 raise
             out.append(err)
     return _shared(out) if len(out) > 1 else out
@@ -97,11 +97,11 @@ def _reachable_floor(model: torch.nn.Module, costs: BlockCosts, problems: tuple[
     or a marking of every block alike (their runs were measured for the cost model), where one
     measured lower (the floor plan may measure worse than a uniform one where the model errs).
     """
-    if settings.fake or not settings.verify:
+    if settings.machine.fake or not settings.solving.verify:
         return least  # predictions only: composed or unmeasured
     ranking, problem = problems
     try:
-        solution = solve(ranking, least, resolution=max(1.0, least / 8192), solver=settings.solver)
+        solution = solve(ranking, least, resolution=max(1.0, least / 8192), solver=settings.solving.solver)
     except BudgetError:
         return least
     measured = _measure_choices(model, costs, solution.choices, settings)
@@ -122,12 +122,12 @@ def _fit(model: torch.nn.Module, costs: BlockCosts, problems: tuple[Problem, Pro
     def solved(target: float, _rejected: Sequence[Solution]) -> Solution | None:
         try:
             return _predicted(problem, solve(ranking, target, resolution=max(1.0, target / 8192),
-                                             solver=settings.solver))
+                                             solver=settings.solving.solver))
         except BudgetError:
             return None
 
     def measured_peak(solution: Solution) -> int | None:
-        if not settings.verify:
+        if not settings.solving.verify:
             return None
         settings.say(f"measuring the plan for {format_bytes(budget)}")
         return _measure_choices(model, costs, solution.choices, settings)
@@ -142,10 +142,12 @@ def _fit(model: torch.nn.Module, costs: BlockCosts, problems: tuple[Problem, Pro
     if uniform is not None and _ranked(ranking, uniform[0]) < _ranked(ranking, solution):
         solution, measured = uniform
     plan = _make(costs, problem, solution, budget, least, measured)
-    if settings.fake or settings.build is not None or not settings.verify or not settings.repeat:
+    if (settings.machine.fake or settings.build is not None or not settings.solving.verify
+            or not settings.repeat):
         return plan
     settings.say(f"timing the plan for {format_bytes(budget)}")
-    return dataclasses.replace(plan, measured_extra_s=_timed_extra(model, costs, solution.choices, settings))
+    extra = _timed_extra(model, costs, solution.choices, settings)
+    return dataclasses.replace(plan, measured=dataclasses.replace(plan.measured, extra_s=extra))
 
 
 def _budget_error(budget: float, least: float, costs: BlockCosts, over: Sequence[int],
@@ -225,7 +227,7 @@ def _measure_choices(model: torch.nn.Module, costs: BlockCosts, choices: Sequenc
     """The measured peak of the step with the blocks marked as ``choices`` say."""
     chosen = dict(zip(costs.names, choices))
     # (with micro-batches a block's moments recur after the gradients exist: traced whole)
-    if settings.verify != "full" and settings.compose and settings.fake and costs.calls == 1:
+    if settings.solving.verify != "full" and settings.compose and settings.machine.fake and costs.calls == 1:
         named = dict(model.named_modules())
         container = identical_container(model, [(name, named[name]) for name in costs.names])
         if container is not None:  # NOTE [Verifying by composition]
@@ -233,7 +235,7 @@ def _measure_choices(model: torch.nn.Module, costs: BlockCosts, choices: Sequenc
                                  costs.memory.optimizer_peak)
             if peak is not None:
                 return peak
-    measure = {"optimizer": settings.optimizer, "fake": settings.fake,
+    measure = {"optimizer": settings.optimizer, "fake": settings.machine.fake,
                "optimizer_peak": costs.memory.optimizer_peak}
     if settings.build is not None:  # NOTE [Planning a rank]: a fresh model, marked, then sharded
         return measure_peak(settings.build(chosen), settings.step, **measure)
@@ -257,5 +259,5 @@ def _make(costs: Any, problem: Problem, solution: Any, budget: float, least: flo
     return Plan(decisions=tuple(decisions), budget_bytes=int(budget),
                 predicted_peak_bytes=int(solution.peak), predicted_extra_s=solution.time,
                 step_s=costs.step.seconds, no_recompute_peak_bytes=int(costs.memory.peaks["keep"]),
-                floor_bytes=int(least), measured_peak_bytes=measured, solver=solution.solver,
+                floor_bytes=int(least), measured=Measured(peak_bytes=measured), solver=solution.solver,
                 solve_s=solution.seconds, timing=costs.step.timing)

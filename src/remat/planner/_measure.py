@@ -55,12 +55,12 @@ def _measure_one(model: torch.nn.Module, blocks: list, chosen: dict, settings: S
     if settings.build is not None:  # NOTE [Planning a rank]
         net = settings.build(chosen)
         return measure(net, settings.step.inputs, step=settings.step, optimizer=settings.optimizer,
-                       estimated=settings.fake, api=API), net
+                       estimated=settings.machine.fake, api=API), net
     marked = mark_choices(dict(blocks), chosen)
     try:
         report = measure(model, settings.step.inputs, step=settings.step,
                          optimizer=settings.optimizer if optimizer is None else optimizer,
-                         repeat=settings.repeat if keep_timing else 0, estimated=settings.fake,
+                         repeat=settings.repeat if keep_timing else 0, estimated=settings.machine.fake,
                          api=API, optimizer_step=unmarked is None)
         return (report if unmarked is None else _with_optimizer_phase(report, unmarked)), model
     finally:
@@ -104,7 +104,7 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
     reports = {}
     measured = model
     opt = None  # NOTE [One optimizer phase]
-    if settings.fake and settings.build is None and settings.optimizer is not None:
+    if settings.machine.fake and settings.build is None and settings.optimizer is not None:
         opt = make_optimizer(settings.optimizer, model, API)
         prime_optimizer(opt)
     while pending:
@@ -112,7 +112,7 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
         chosen = {name: option for name in names if option in BLOCK_OPTIONS or option in inner[name]}
         uniform[option] = chosen
         settings.say(f"measuring '{option}' on {len(chosen)} blocks")
-        timing = not settings.fake and option == "keep"
+        timing = not settings.machine.fake and option == "keep"
         unmarked = None if opt is None or option == "keep" else reports["keep"]
         reports[option], net = _measure_one(model, blocks, chosen, settings, timing, state, opt, unmarked)
         if option == "keep" and settings.build is not None:
@@ -122,7 +122,7 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
             columns = list(dict.fromkeys(c for name in names for c in inner[name]))
             pending += columns
     steps: dict[str, float] = {}
-    if not settings.fake and settings.build is None and settings.repeat:
+    if not settings.machine.fake and settings.build is None and settings.repeat:
         settings.say(f"timing the {len(uniform)} options, interleaved")
         steps = interleaved_steps(model, settings.step, dict(blocks), uniform, settings.repeat,
                                    settings.optimizer)

@@ -14,24 +14,26 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from remat._front.marks import marked_modules
+from remat.memory.estimate import Ranks
 from remat.memory.internal import Step, StepFn
 from remat.memory.profile import OptimizerLike, check_trainable
 from remat.planner._budget import parse_budget
 from remat.planner._fitting import _plans
-from remat.planner._result import Decision, Plan
-from remat.planner._settings import Builder, Settings
+from remat.planner._result import Decision, JobRank, Measured, Plan
+from remat.planner._settings import Builder, Machine, Settings, Solving
 from remat.planner._solve import OPTIONS, BudgetError
 
 API = "remat.plan"
 
-__all__ = ["Decision", "Plan", "plan", "sweep"]
+__all__ = ["Decision", "JobRank", "Measured", "Plan", "plan", "sweep"]
 
 
 def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = None,
@@ -149,11 +151,7 @@ def plan(model: Any, *example_inputs: Any, budget: float | str, batch: Any = Non
         >>> (p.world_size, p.measured_peak_bytes <= p.budget_bytes)
         (2, True)
     """
-    return sweep(model, *example_inputs, budgets=[budget], batch=batch, loss_fn=loss_fn, step=step,
-                 optimizer=optimizer, blocks=blocks, options=options, device=device,
-                 throughput=throughput, dtype=dtype, verify=verify, solver=solver, repeat=repeat,
-                 progress=progress, compose=compose, world_size=world_size,
-                 parallelize=parallelize, rank=rank)[0]
+    return _sweep(model, example_inputs, [budget], locals())[0]
 
 
 def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str], batch: Any = None,
@@ -186,57 +184,112 @@ def sweep(model: Any, *example_inputs: Any, budgets: Sequence[int | float | str]
         >>> " then ".join(type(p).__name__ for p in plans)
         'Plan then BudgetError'
     """
-    from remat.memory.estimate import Ranks
+    return _sweep(model, example_inputs, budgets, locals())
 
-    ranks = Ranks(world_size, parallelize, rank, api=API)
+
+@dataclass(frozen=True)
+class _Call:
+    """What a call of `plan` or `sweep` asks beyond the model, its inputs and the budgets,
+    checked: the `Settings` of its plans (the step and the device to come from the inputs)
+    and what makes the step and the model.
+
+    Args:
+        settings: the settings of every plan of the call.
+        batch, loss_fn, step, dtype: the arguments of `plan` of those names.
+        device: the device asked for (None: the model's or the inputs').
+        ranks: the rank planned (`remat.memory.estimate.Ranks`; inactive: one process).
+    """
+
+    settings: Settings
+    batch: Any
+    loss_fn: Callable | None
+    step: StepFn | None
+    dtype: torch.dtype | None
+    device: str | None
+    ranks: Ranks
+
+
+def _sweep(model: Any, example_inputs: tuple, budgets: Sequence[int | float | str],
+           given: Mapping[str, Any]) -> list[Plan | BudgetError]:
+    """`sweep` on the arguments of a `plan` or `sweep` call by name (``given``: the call's
+    ``locals()``, so that neither lists the keywords they share again)."""
+    ranks = Ranks(given["world_size"], given["parallelize"], given["rank"], api=API)
     parsed = [parse_budget(b) for b in budgets]
+    call = _call(example_inputs, given, ranks)
+    if isinstance(model, torch.nn.Module):
+        return _sweep_built(model, example_inputs, parsed, call)
+    plans = _sweep_fake(model, example_inputs, parsed, call)
+    if not ranks.active:
+        return plans
+    job = JobRank(rank=ranks.rank, world_size=ranks.world_size)
+    return [dataclasses.replace(p, job=job) if isinstance(p, Plan) else p for p in plans]
+
+
+def _call(inputs: tuple, given: Mapping[str, Any], ranks: Ranks) -> _Call:
+    """The keywords `plan` and `sweep` share (``given``, by name) as one checked value: the one
+    place they become `Settings`."""
+    options = given["options"]
     bad = [o for o in options if o not in OPTIONS]
     if bad:
         raise ValueError(f"{API}: unknown option(s) {bad}; choose from {OPTIONS}")
-    _check_step(example_inputs, batch, loss_fn, step)
-    _check_verify(verify)
-    settings = Settings(step=Step(), optimizer=optimizer, blocks=blocks,
-                        options=tuple(dict.fromkeys(("keep", *options))), throughput=throughput,
-                        verify=verify, solver=solver, repeat=repeat, progress=progress,
-                        compose=compose, floors=floors)
-    if isinstance(model, torch.nn.Module):
-        if ranks.active:
-            raise ValueError(f"{API}: world_size= plans a rank from a factory that builds the model "
-                             f"(marks go on before parallelize); pass the factory, not a built "
-                             f"{type(model).__name__}")
-        if marked_modules(model):
-            raise ValueError(f"{API}: {type(model).__name__} already has recompute marks on "
-                             f"{sorted(marked_modules(model))[:3]}; call remat.unmark(model) first")
-        check_trainable(API, model, optimizer)
-        if device is None:
-            param = next(model.parameters(), None)
-            device = param.device.type if param is not None else "cpu"
-        made = _step(example_inputs, batch, loss_fn, step)
-        with _optimizer_kept(optimizer):
-            return _plans(model, parsed, settings.replace(step=made, device=device))
+    _check_step(inputs, given["batch"], given["loss_fn"], given["step"])
+    _check_verify(given["verify"])
+    settings = Settings(step=Step(), optimizer=given["optimizer"], blocks=given["blocks"],
+                        options=tuple(dict.fromkeys(("keep", *options))),
+                        machine=Machine(throughput=given["throughput"]),
+                        solving=Solving(solver=given["solver"], verify=given["verify"],
+                                        floors=given.get("floors", False)),
+                        repeat=given["repeat"], progress=given["progress"], compose=given["compose"])
+    return _Call(settings=settings, batch=given["batch"], loss_fn=given["loss_fn"], step=given["step"],
+                 dtype=given["dtype"], device=given["device"], ranks=ranks)
+
+
+def _sweep_built(model: torch.nn.Module, example_inputs: tuple, budgets: list,
+                 call: _Call) -> list[Plan | BudgetError]:
+    """The plans of a built model, on real tensors."""
+    if call.ranks.active:
+        raise ValueError(f"{API}: world_size= plans a rank from a factory that builds the model "
+                         f"(marks go on before parallelize); pass the factory, not a built "
+                         f"{type(model).__name__}")
+    if marked_modules(model):
+        raise ValueError(f"{API}: {type(model).__name__} already has recompute marks on "
+                         f"{sorted(marked_modules(model))[:3]}; call remat.unmark(model) first")
+    settings = call.settings
+    check_trainable(API, model, settings.optimizer)
+    device = call.device
+    if device is None:
+        param = next(model.parameters(), None)
+        device = param.device.type if param is not None else "cpu"
+    made = _step(example_inputs, call.batch, call.loss_fn, call.step)
+    machine = dataclasses.replace(settings.machine, device=device)
+    with _optimizer_kept(settings.optimizer):
+        return _plans(model, budgets, settings.replace(step=made, machine=machine))
+
+
+def _sweep_fake(factory: Any, example_inputs: tuple, budgets: list, call: _Call) -> list[Plan | BudgetError]:
+    """The plans of a model ``factory`` builds, on fake tensors (a rank's: NOTE [Planning a rank])."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.memory.estimate import device_of
     from remat.memory.internal import build_in, fake_inputs
 
+    ranks, dtype = call.ranks, call.dtype
     with ranks.group(), FakeTensorMode() as mode:
-        net = build_in(model, dtype)
+        net = build_in(factory, dtype)
         net.train()
         inputs = fake_inputs(mode, example_inputs, dtype) if example_inputs else ()
-        keywords = _fake_batch(mode, batch, dtype)
+        keywords = _fake_batch(mode, call.batch, dtype)
+        device = call.device
         if device is None:
             first = next((t for t in tree_leaves((inputs, keywords)) if isinstance(t, torch.Tensor)), None)
             device = first.device.type if first is not None else "cpu"
         build = None
         if ranks.active:  # NOTE [Planning a rank]
             where = device_of(inputs)
-            build = Builder(make=lambda: build_in(model, dtype), finish=lambda m: ranks.apply(m, where))
-        made = _step(inputs, keywords, loss_fn, step)
-        plans = _plans(net, parsed, settings.replace(step=made, device=device, fake=True, build=build))
-    if not ranks.active:
-        return plans
-    return [dataclasses.replace(p, rank=ranks.rank, world_size=ranks.world_size)
-            if isinstance(p, Plan) else p for p in plans]
+            build = Builder(make=lambda: build_in(factory, dtype), finish=lambda m: ranks.apply(m, where))
+        made = _step(inputs, keywords, call.loss_fn, call.step)
+        machine = dataclasses.replace(call.settings.machine, fake=True, device=device)
+        return _plans(net, budgets, call.settings.replace(step=made, machine=machine, build=build))
 
 
 #: the values of ``verify=``: measure the plan (composed where exact), on the whole model, not at all

@@ -52,6 +52,34 @@ class Decision:
 
 
 @dataclass(frozen=True)
+class Measured:
+    """What was measured of a `Plan` with the plan applied.
+
+    Args:
+        peak_bytes: the step's peak (None: not verified).
+        extra_s: the plan's extra seconds per step, timed against the unmarked step in
+            interleaved rounds (median of the rounds' ratios; None: not timed).
+    """
+
+    peak_bytes: int | None = None
+    extra_s: float | None = None
+
+
+@dataclass(frozen=True)
+class JobRank:
+    """The rank a `Plan` is for (``world_size=``): every byte figure, the budget's included, is
+    this rank's.
+
+    Args:
+        rank: the rank planned.
+        world_size: the ranks in the job.
+    """
+
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
 class Plan:
     """What to recompute, block by block, with its predicted peak and overhead.
 
@@ -69,6 +97,8 @@ class Plan:
         floor_bytes: the smallest peak the planner reaches: the cost model's floor, raised to
             what the plan at it measured where plans are measured (NOTE [A floor that plans
             reach]); a budget at it gets a plan.
+        measured: what was measured of the plan applied (``measured_peak_bytes``,
+            ``measured_extra_s``).
         measured_peak_bytes: the peak measured with the plan applied (None: not verified).
         solver: which solver chose it (``"dp"``, ``"milp"``).
         solve_s: seconds the solver took.
@@ -76,6 +106,7 @@ class Plan:
             ``"roofline"`` (fake tensors: FLOPs and bytes moved).
         measured_extra_s: the plan's extra seconds per step, timed against the unmarked step
             in interleaved rounds (None: not timed).
+        job: for a rank's plan (``world_size=``), the rank and the job's ranks; else None.
         rank: the rank planned, for a rank's plan (``world_size=``); else None.
         world_size: the ranks in that job; every byte figure is the rank's (None: one process).
 
@@ -98,17 +129,34 @@ class Plan:
     step_s: float | None
     no_recompute_peak_bytes: int
     floor_bytes: int
-    measured_peak_bytes: int | None = None
+    measured: Measured = Measured()
     solver: str = ""
     solve_s: float = 0.0
     timing: str = "measured"
-    #: on real tensors: the plan's extra seconds per step, timed against the unmarked step in
-    #: interleaved rounds (median of the rounds' ratios; None: not timed)
-    measured_extra_s: float | None = None
-    #: a rank's plan (``world_size=``): the rank planned and the ranks in the job; every
-    #: byte figure, the budget's included, is this rank's (None: one process)
-    rank: int | None = None
-    world_size: int | None = None
+    #: a rank's plan (``world_size=``): the rank planned and the ranks in the job (None: one process)
+    job: JobRank | None = None
+
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The peak measured with the plan applied (None: not verified)."""
+        return self.measured.peak_bytes
+
+    @property
+    def measured_extra_s(self) -> float | None:
+        """On real tensors: the plan's extra seconds per step, timed against the unmarked step
+        in interleaved rounds (median of the rounds' ratios; None: not timed)."""
+        return self.measured.extra_s
+
+    @property
+    def rank(self) -> int | None:
+        """The rank planned, for a rank's plan (``world_size=``); else None."""
+        return None if self.job is None else self.job.rank
+
+    @property
+    def world_size(self) -> int | None:
+        """The ranks in the job of a rank's plan; every byte figure, the budget's included, is
+        this rank's (None: one process)."""
+        return None if self.job is None else self.job.world_size
 
     @property
     def choices(self) -> dict[str, str]:
@@ -156,7 +204,9 @@ class Plan:
 
     def to_json(self) -> str:
         """The plan as JSON text (`from_json` reads it back)."""
-        return json.dumps({"remat_plan": 1, **asdict(self)}, indent=1)
+        data = {name: getattr(self, name) for name in JSON_FIELDS}
+        data["decisions"] = [asdict(d) for d in self.decisions]
+        return json.dumps({"remat_plan": 1, **data}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -173,6 +223,9 @@ class Plan:
         for d in data["decisions"]:  # the message names this API, the block and the option
             _checked(d.get("choice"), d.get("name"), api)
         data["decisions"] = tuple(Decision(**d) for d in data["decisions"])
+        data["measured"] = Measured(data.get("measured_peak_bytes"), data.get("measured_extra_s"))
+        if data.get("world_size") is not None:
+            data["job"] = JobRank(data.get("rank"), data["world_size"])
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
     def __str__(self) -> str:
@@ -233,6 +286,13 @@ class Plan:
             lines.append(f"{'step':<10} {predicted:>9.1f} ms "
                          + (f"{step_ms:>9.1f} ms" if step_ms else f"{'-':>12}"))
         return "\n".join(lines)
+
+
+#: a plan's JSON, in order: its fields with `Plan.measured` and `Plan.job` written out, as
+#: before they were grouped (a plan written then reads now)
+JSON_FIELDS = ("decisions", "budget_bytes", "predicted_peak_bytes", "predicted_extra_s", "step_s",
+               "no_recompute_peak_bytes", "floor_bytes", "measured_peak_bytes", "solver", "solve_s",
+               "timing", "measured_extra_s", "rank", "world_size")
 
 
 def _checked(choice: str, block: str, api: str) -> Choice:

@@ -106,6 +106,40 @@ class Builder:
         return dataclasses.replace(self, lengths=(*self.lengths, (name, count)))
 
 
+@dataclass(frozen=True)
+class Machine:
+    """What a plan is measured on: fake tensors or real ones, and the device whose roofline
+    costs the operators (every ranking, and a fake-tensor plan's times).
+
+    Args:
+        fake: the model and inputs are fake tensors (times from the roofline).
+        device: the device whose roofline times a fake-tensor plan.
+        throughput: FLOP/s of that device (None: `THROUGHPUT` of ``_trace``).
+        bandwidth: bytes/s of that device (None: `BANDWIDTH` of ``_trace``).
+    """
+
+    fake: bool = False
+    device: str = "cpu"
+    throughput: float | None = None
+    bandwidth: float | None = None
+
+
+@dataclass(frozen=True)
+class Solving:
+    """How plans are solved and checked (the arguments of `remat.plan` of the same names).
+
+    Args:
+        solver: ``"auto"``, ``"dp"`` or ``"milp"``.
+        verify: measure each plan and re-solve while it exceeds its budget (``"full"``: on the
+            whole model, never composed from short ones).
+        floors: a budget below the floor gives its ``BudgetError`` in the list, not raised.
+    """
+
+    solver: str = "auto"
+    verify: bool | str = True
+    floors: bool = False
+
+
 @dataclass(frozen=True, eq=False)
 class Settings:
     """How `remat.plan` measures and solves, as one value handed down (the
@@ -116,17 +150,11 @@ class Settings:
         optimizer: whose state counts, and whose step's peak.
         blocks: the modules to plan (names or types); None: `remat._front.blocks.find_blocks`.
         options: the option families allowed (``"keep"`` first).
-        fake: the model and inputs are fake tensors (times from the roofline).
-        device: the device whose roofline times a fake-tensor plan.
-        throughput: FLOP/s of that device (None: `THROUGHPUT` of ``_trace``).
-        bandwidth: bytes/s of that device (None: `BANDWIDTH` of ``_trace``).
-        verify: measure each plan and re-solve while it exceeds its budget (``"full"``: on the
-            whole model, never composed from short ones).
-        solver: ``"auto"``, ``"dp"`` or ``"milp"``.
+        machine: fake tensors or real, and the device's roofline (`Machine`).
+        solving: the solver, the verification, the floors (`Solving`).
         repeat: timed rounds of every option's step on real tensors (medians kept).
         progress: called with a short message at each stage.
         compose: on fake tensors, compose the costs of identical blocks from short models.
-        floors: a budget below the floor gives its ``BudgetError`` in the list, not raised.
         build: a rank's plan builds each run's model (NOTE [Planning a rank]).
     """
 
@@ -134,16 +162,11 @@ class Settings:
     optimizer: OptimizerLike = "adam"
     blocks: Any = None
     options: tuple[str, ...] = OPTIONS
-    fake: bool = False
-    device: str = "cpu"
-    throughput: float | None = None
-    bandwidth: float | None = None
-    verify: bool | str = True
-    solver: str = "auto"
+    machine: Machine = Machine()
+    solving: Solving = Solving()
     repeat: int = 3
     progress: Callable[[str], None] | None = None
     compose: bool = True
-    floors: bool = False
     build: Builder | None = None
 
     def say(self, message: str) -> None:

@@ -100,43 +100,9 @@ class Trace:
 def _run_traced(model: torch.nn.Module, step: Step, blocks: list, ops: Ops) -> tuple:
     """Run ``step`` once under ``ops``, hooking the blocks and their children: block call
     order and the storages going in and out of each block and child."""
-    ids = {id(m): i for i, (_, m) in enumerate(blocks)}
-    order: list[int] = []
-    ins: dict[int, set] = {}
-    outs: dict[int, set] = {}
-
-    def keys(obj: Any) -> set:
-        return {s._cdata for s in local_storages(tree_leaves(obj))}
-
-    def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        i = ids[id(module)]
-        order.append(i)
-        ins.setdefault(i, set()).update(keys((args, kwargs)))
-        ops.start_block(i)
-
     alive: list = []  # storages stay alive while traced, so their keys are not reused
-
-    def post(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        outs.setdefault(ids[id(module)], set()).update(keys(output))
-        alive.append(output)
-        ops.end_block()
-
-    handles = [h for _, m in blocks for h in (m.register_forward_pre_hook(pre, with_kwargs=True),
-                                              m.register_forward_hook(post, with_kwargs=True))]
-
-    def enter(key: tuple[int, str]) -> Any:
-        def hook(*_: Any) -> None:
-            ops.parts.enter(key)
-        return hook
-
-    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
-        ops.parts.leave(keys(output))
-        alive.append(output)
-
-    for i, (_, block) in enumerate(blocks):  # each child's own cost (options inside blocks)
-        for child, kid in block.named_children():
-            handles.append(kid.register_forward_pre_hook(enter((i, child))))
-            handles.append(kid.register_forward_hook(leave))
+    order, ins, outs, handles = _hook_blocks(blocks, ops, alive)
+    handles += _hook_children(blocks, ops, alive)
     try:
         with ops, torch.autograd.graph.saved_tensors_hooks(ops.pack, lambda t: t):
             alive.append(step.run(model))
@@ -148,6 +114,55 @@ def _run_traced(model: torch.nn.Module, step: Step, blocks: list, ops: Ops) -> t
     return order, ins, outs
 
 
+def _storage_keys(obj: Any) -> set:
+    """The keys of the storages of the tensors in ``obj``."""
+    return {s._cdata for s in local_storages(tree_leaves(obj))}
+
+
+def _hook_blocks(blocks: list, ops: Ops, alive: list) -> tuple[list[int], dict, dict, list]:
+    """Hook the blocks: their call order, the storages going in and out of each (``ins``,
+    ``outs``), each call's operators counted apart by ``ops``; outputs kept in ``alive``."""
+    ids = {id(m): i for i, (_, m) in enumerate(blocks)}
+    order: list[int] = []
+    ins: dict[int, set] = {}
+    outs: dict[int, set] = {}
+
+    def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        i = ids[id(module)]
+        order.append(i)
+        ins.setdefault(i, set()).update(_storage_keys((args, kwargs)))
+        ops.start_block(i)
+
+    def post(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        outs.setdefault(ids[id(module)], set()).update(_storage_keys(output))
+        alive.append(output)
+        ops.end_block()
+
+    handles = [h for _, m in blocks for h in (m.register_forward_pre_hook(pre, with_kwargs=True),
+                                              m.register_forward_hook(post, with_kwargs=True))]
+    return order, ins, outs, handles
+
+
+def _hook_children(blocks: list, ops: Ops, alive: list) -> list:
+    """Hook the blocks' children, for each child's own cost (options inside blocks); outputs
+    kept in ``alive``."""
+    def enter(key: tuple[int, str]) -> Any:
+        def hook(*_: Any) -> None:
+            ops.parts.enter(key)
+        return hook
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        ops.parts.leave(_storage_keys(output))
+        alive.append(output)
+
+    handles = []
+    for i, (_, block) in enumerate(blocks):
+        for child, kid in block.named_children():
+            handles.append(kid.register_forward_pre_hook(enter((i, child))))
+            handles.append(kid.register_forward_hook(leave))
+    return handles
+
+
 def trace(model: torch.nn.Module, blocks: list, settings: Settings, *, timed: bool = False) -> Trace:
     """Run the step once with the blocks hooked: which blocks run, in what order, how
     often, which feed only the next, and what their operators cost (measured times with
@@ -156,8 +171,9 @@ def trace(model: torch.nn.Module, blocks: list, settings: Settings, *, timed: bo
     Raises:
         TypeError: a block does not run, or blocks run unequal numbers of times.
     """
-    ops = Ops(settings.throughput or THROUGHPUT.get(settings.device, THROUGHPUT["cpu"]),
-               settings.bandwidth or BANDWIDTH.get(settings.device, BANDWIDTH["cpu"]), timed=timed)
+    machine = settings.machine
+    ops = Ops(machine.throughput or THROUGHPUT.get(machine.device, THROUGHPUT["cpu"]),
+              machine.bandwidth or BANDWIDTH.get(machine.device, BANDWIDTH["cpu"]), timed=timed)
     order, ins, outs = _run_traced(model, settings.step, blocks, ops)
     counts = {i: order.count(i) for i in set(order)}
     unused = [blocks[i][0] for i in range(len(blocks)) if i not in counts]

@@ -80,7 +80,7 @@ def composed_peak(model: torch.nn.Module, names: Sequence[str], choices: Sequenc
     composition]); None when it cannot be composed or (with ``cheaper``) would run as many
     blocks as the whole model."""
     where = next((n for n, m in model.named_modules() if m is container), None)
-    if where is None or not settings.fake:
+    if where is None or not settings.machine.fake:
         return None
     window = WINDOW if settings.build is None else RANK_WINDOW
     cut_to = 2 * window + 1  # a run longer than cut_to + 1 is cut to cut_to blocks

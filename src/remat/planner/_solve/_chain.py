@@ -76,6 +76,8 @@ def _no_collection() -> Iterator[None]:
 
 def _dp_rounded(problem: Problem, budget: float, resolution: float,
                 rounding: Callable[[float], int]) -> tuple[int, ...] | None:
+    """The dynamic program on bytes rounded by ``rounding`` to steps of ``resolution``: the
+    choice of least time whose exact peak fits ``budget``, or None."""
     q = max(resolution, 1e-12)
 
     def up(x: float) -> int:
@@ -87,41 +89,54 @@ def _dp_rounded(problem: Problem, budget: float, resolution: float,
     # state: (prefix, held, last_is_output) -> (time, back pointer)
     states: dict[tuple[int, int, bool], tuple[float, tuple | None]] = {(0, 0, False): (0.0, None)}
     for i in range(problem.blocks):
-        # per option: (option, memory moment without the prefix, bytes kept, seconds)
-        moves = [(o, up(problem.fixed[i] + problem.rebuilt_of(i, o)), up(problem.kept[i][o]),
-                  problem.time[i][o]) for o in _undominated(problem, i)]
-        held_last = up(problem.held_last(i - 1)) if i else 0
-        carried = up(problem.output[i - 1]) if i else 0
-        extra = problem.extra_time(i - 1) if i else 0.0
         # rounded to nearest, i + 2 terms may each be half a step low or high: let such
         # states through (the exact check at the end decides)
         room = limit if rounding is math.ceil else limit + (i + 2) / 2
-        nxt: dict[tuple[int, int, bool], tuple[float, tuple | None]] = {}
-        for state, (spent, back) in states.items():
-            prefix, held, last = state
-            used = prefix + (held + held_last if last else 0)
-            for o, moment, kept, seconds in moves:
-                if moment + used > room:
-                    continue
-                if o == OUTPUT:
-                    key = (prefix + kept, held + carried if last else 0, True)
-                    cost = spent + seconds + (extra if last else 0.0)
-                else:
-                    key = (prefix + kept, 0, False)
-                    cost = spent + seconds
-                old = nxt.get(key)
-                if old is None or cost < old[0]:
-                    nxt[key] = (cost, (o, state, back))
-        states = _pareto(nxt)
+        states = _pareto(_advance(problem, i, states, up, room))
         if not states:
             return None
+    slack = 0 if rounding is math.ceil else (problem.blocks + 2) / 2
+    return _best_final(problem, states, budget, up, limit + slack)
+
+
+def _advance(problem: Problem, i: int, states: dict, up: Callable[[float], int], room: float) -> dict:
+    """The states after block ``i`` from those before it: each state under each option of
+    ``i`` whose memory moment stays within ``room``, at the least time per new state."""
+    # per option: (option, memory moment without the prefix, bytes kept, seconds)
+    moves = [(o, up(problem.fixed[i] + problem.rebuilt_of(i, o)), up(problem.kept[i][o]),
+              problem.time[i][o]) for o in _undominated(problem, i)]
+    held_last = up(problem.held_last(i - 1)) if i else 0
+    carried = up(problem.output[i - 1]) if i else 0
+    extra = problem.extra_time(i - 1) if i else 0.0
+    nxt: dict[tuple[int, int, bool], tuple[float, tuple | None]] = {}
+    for state, (spent, back) in states.items():
+        prefix, held, last = state
+        used = prefix + (held + held_last if last else 0)
+        for o, moment, kept, seconds in moves:
+            if moment + used > room:
+                continue
+            if o == OUTPUT:
+                key = (prefix + kept, held + carried if last else 0, True)
+                cost = spent + seconds + (extra if last else 0.0)
+            else:
+                key = (prefix + kept, 0, False)
+                cost = spent + seconds
+            old = nxt.get(key)
+            if old is None or cost < old[0]:
+                nxt[key] = (cost, (o, state, back))
+    return nxt
+
+
+def _best_final(problem: Problem, states: dict, budget: float, up: Callable[[float], int],
+                room: float) -> tuple[int, ...] | None:
+    """Of the states after the last block whose end of forward and last backward fit
+    ``room``, the choice of least time, then least peak, whose exact peak fits ``budget``."""
     end = up(problem.end)
     after = end if problem.tail is None else up(problem.tail)
     tail = up(problem.held_last(problem.blocks - 1)) if problem.blocks else 0
-    slack = 0 if rounding is math.ceil else (problem.blocks + 2) / 2
     finals = [(t, key, back) for key, (t, back) in states.items()
-              if end + key[0] <= limit + slack
-              and after + key[0] + (key[1] + tail if key[2] else 0) <= limit + slack]
+              if end + key[0] <= room
+              and after + key[0] + (key[1] + tail if key[2] else 0) <= room]
     if not finals:
         return None
     best: tuple | None = None  # (time, peak, choice): least time, then least peak, that fits

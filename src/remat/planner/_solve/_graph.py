@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time as _time
 from collections.abc import Sequence
+from typing import Any
 
 from remat.planner._solve._chain import infeasible
 from remat.planner._solve._problem import OUTPUT, Problem, Solution, solution
@@ -33,13 +34,39 @@ def solve_milp(problem: Problem, budget: float, *, time_limit: float = 10.0) -> 
     try:
         import numpy as np
         from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import lil_matrix
+        from scipy.sparse import lil_matrix  # noqa: F401 - needed by _milp_rows
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(
             "remat.plan: the MILP solver for non-chain models needs scipy; "
             "pip install scipy (or remat[plan])"
         ) from err
     start = _time.perf_counter()
+    n, k = problem.blocks, len(problem.options)
+    x, z, u, nvar = _milp_variables(problem)
+    cost = np.zeros(nvar)
+    upper = np.ones(nvar)
+    for (i, o), v in x.items():
+        if problem.kept[i][o] is None:
+            upper[v] = 0
+        else:
+            cost[v] = problem.time[i][o]
+    for i, v in z.items():
+        cost[v] = problem.extra_time(i)
+    a, lo, hi, r = _milp_rows(problem, budget, x, z, u, nvar)
+    if problem.base > budget:
+        raise infeasible(problem, budget)
+    result = milp(cost, constraints=LinearConstraint(a.tocsr()[:r], lo[:r], hi[:r]),
+                  integrality=np.ones(nvar), bounds=Bounds(np.zeros(nvar), upper),
+                  options={"time_limit": time_limit})
+    if result.x is None:
+        raise infeasible(problem, budget)
+    choice = tuple(max(range(k), key=lambda o, i=i: result.x[x[i, o]]) for i in range(n))
+    return solution(problem, choice, "MILP (HiGHS)", start)
+
+
+def _milp_variables(problem: Problem) -> tuple[dict, dict, dict, int]:
+    """The MILP's variables' numbers ``(x, z, u, count)``, as `solve_milp` names them: ``z[i]``
+    where blocks ``i`` and ``i + 1`` may both be ``output``, ``u[j, i]`` where ``j..i-1`` may."""
     n, k = problem.blocks, len(problem.options)
     x = {(i, o): i * k + o for i in range(n) for o in range(k)}
     nvar = n * k
@@ -55,15 +82,17 @@ def solve_milp(problem: Problem, budget: float, *, time_limit: float = 10.0) -> 
                 break
             u[(j, i)] = nvar
             nvar += 1
-    cost = np.zeros(nvar)
-    upper = np.ones(nvar)
-    for (i, o), v in x.items():
-        if problem.kept[i][o] is None:
-            upper[v] = 0
-        else:
-            cost[v] = problem.time[i][o]
-    for i, v in z.items():
-        cost[v] = problem.extra_time(i)
+    return x, z, u, nvar
+
+
+def _milp_rows(problem: Problem, budget: float, x: dict, z: dict, u: dict,
+               nvar: int) -> tuple[Any, Any, Any, int]:
+    """The MILP's constraints ``(matrix, lower, upper, rows used)``: one option per block, each
+    memory moment within ``budget``, and ``z`` and ``u`` tied to the ``output`` choices."""
+    import numpy as np
+    from scipy.sparse import lil_matrix
+
+    n, k = problem.blocks, len(problem.options)
     rows = n + n + 2 + len(z) + len(u)
     a = lil_matrix((rows, nvar))
     lo, hi = np.full(rows, -np.inf), np.zeros(rows)
@@ -73,6 +102,25 @@ def solve_milp(problem: Problem, budget: float, *, time_limit: float = 10.0) -> 
             a[r, x[i, o]] = 1
         lo[r] = hi[r] = 1
         r += 1
+    r = _moment_rows(problem, budget, x, u, a, hi, r)
+    for i, v in z.items():  # z >= x_i + x_{i+1} - 1
+        a[r, x[i, OUTPUT]] = a[r, x[i + 1, OUTPUT]] = 1
+        a[r, v] = -1
+        hi[r] = 1
+        r += 1
+    for (j, i), v in u.items():  # u >= sum x_{j..i-1} - (i-j-1)
+        for m in range(j, i):
+            a[r, x[m, OUTPUT]] = 1
+        a[r, v] = -1
+        hi[r] = i - j - 1
+        r += 1
+    return a, lo, hi, r
+
+
+def _moment_rows(problem: Problem, budget: float, x: dict, u: dict, a: Any, hi: Any, r: int) -> int:
+    """Write the rows of the memory moments into ``a`` and ``hi`` from row ``r``; return the
+    next row."""
+    n, k = problem.blocks, len(problem.options)
     # the memory moments: each block's backward, the end of forward, the backward after
     # the last block (without a tail, the last two are one)
     moments = [*range(n + 1)] + ([n + 1] if problem.tail is not None else [])
@@ -91,26 +139,7 @@ def solve_milp(problem: Problem, budget: float, *, time_limit: float = 10.0) -> 
                 a[r, x[i, o]] += problem.rebuilt_of(i, o)
         hi[r] = budget - (problem.fixed[i] if m < n else problem.end if m == n else problem.tail)
         r += 1
-    for i, v in z.items():  # z >= x_i + x_{i+1} - 1
-        a[r, x[i, OUTPUT]] = a[r, x[i + 1, OUTPUT]] = 1
-        a[r, v] = -1
-        hi[r] = 1
-        r += 1
-    for (j, i), v in u.items():  # u >= sum x_{j..i-1} - (i-j-1)
-        for m in range(j, i):
-            a[r, x[m, OUTPUT]] = 1
-        a[r, v] = -1
-        hi[r] = i - j - 1
-        r += 1
-    if problem.base > budget:
-        raise infeasible(problem, budget)
-    result = milp(cost, constraints=LinearConstraint(a.tocsr()[:r], lo[:r], hi[:r]),
-                  integrality=np.ones(nvar), bounds=Bounds(np.zeros(nvar), upper),
-                  options={"time_limit": time_limit})
-    if result.x is None:
-        raise infeasible(problem, budget)
-    choice = tuple(max(range(k), key=lambda o, i=i: result.x[x[i, o]]) for i in range(n))
-    return solution(problem, choice, "MILP (HiGHS)", start)
+    return r
 
 
 def solve_savings(saving: Sequence[Sequence[float | None]], time: Sequence[Sequence[float]],
@@ -204,6 +233,18 @@ def min_cut_keep(weights: Sequence[int], inputs: Sequence[Sequence[int]], requir
     for i, reads in enumerate(inputs):
         if any(not 0 <= j < i for j in reads):
             raise ValueError(f"min_cut_keep: node {i} reads {list(reads)}; a node reads earlier ones only")
+    capacity = _cut_graph(weights, inputs, required, banned)
+    source, sink = 2 * n, 2 * n + 1
+    _max_flow(capacity, source, sink)
+    reaches = _sink_side(capacity, sink)
+    return [i for i in range(n) if 2 * i not in reaches and 2 * i + 1 in reaches]
+
+
+def _cut_graph(weights: Sequence[int], inputs: Sequence[Sequence[int]], required: Sequence[int],
+               banned: Sequence[int]) -> list[dict[int, int]]:
+    """The capacities of `min_cut_keep`'s graph: node ``i`` split in ``2i`` (in) and ``2i + 1``
+    (out), the source ``2n``, the sink ``2n + 1``."""
+    n = len(weights)
     infinite = sum(int(w) for w in weights) + 1
     source, sink = 2 * n, 2 * n + 1
     capacity: list[dict[int, int]] = [{} for _ in range(2 * n + 2)]
@@ -220,7 +261,13 @@ def min_cut_keep(weights: Sequence[int], inputs: Sequence[Sequence[int]], requir
         edge(source, 2 * i, infinite)
     for i in set(required):
         edge(2 * i + 1, sink, infinite)
-    while True:  # Edmonds-Karp: shortest augmenting paths
+    return capacity
+
+
+def _max_flow(capacity: list[dict[int, int]], source: int, sink: int) -> None:
+    """Push a maximum flow from ``source`` to ``sink``, leaving ``capacity`` the residual graph
+    (Edmonds-Karp: shortest augmenting paths)."""
+    while True:
         parent = {source: source}
         frontier = [source]
         while frontier and sink not in parent:
@@ -232,7 +279,7 @@ def min_cut_keep(weights: Sequence[int], inputs: Sequence[Sequence[int]], requir
                         following.append(b)
             frontier = following
         if sink not in parent:
-            break
+            return
         path, b = [], sink
         while b != source:
             path.append((parent[b], b))
@@ -241,7 +288,10 @@ def min_cut_keep(weights: Sequence[int], inputs: Sequence[Sequence[int]], requir
         for a, b in path:
             capacity[a][b] -= pushed
             capacity[b][a] += pushed
-    # the sink's side: every vertex with a residual path to the sink
+
+
+def _sink_side(capacity: list[dict[int, int]], sink: int) -> set[int]:
+    """The sink's side of the cut: every vertex with a residual path to the sink."""
     reaches = {sink}
     frontier = [sink]
     while frontier:
@@ -252,4 +302,4 @@ def min_cut_keep(weights: Sequence[int], inputs: Sequence[Sequence[int]], requir
                     reaches.add(a)
                     following.append(a)
         frontier = following
-    return [i for i in range(n) if 2 * i not in reaches and 2 * i + 1 in reaches]
+    return reaches
