@@ -42,10 +42,22 @@ frame only, so a value the module let go of is freed as without remat. A tree's 
 is a serial number never reused, so the facts' keys (NOTE [Observed once, confirmed
 every call] in ``facts.py``) hold no object either.
 
-Parameters are left to autograd and the parallel wrappers that swap them (FSDP
-re-registers its gathered parameters around each forward and backward): the
-``_parameters``, ``_buffers`` and ``_modules`` dictionaries are compared by
-content, and only a parameter or buffer replaced by another object is put back.
+Parameters are swapped by parallel wrappers (FSDP re-registers its gathered parameters
+around each forward and backward): the ``_parameters``, ``_buffers`` and ``_modules``
+dictionaries are compared by content, and only a parameter or buffer replaced by another
+object is put back.
+
+NOTE [Parameters changed before backward]
+A parameter changed in place between a region's forward and its re-run (weight clipping
+or an EMA update of a shared weight after the forward, a GAN's discriminator stepped
+between the generator's forward and backward) holds another value than the forward
+read. Unmarked, autograd refuses the backward of an operator that saved it ("modified
+by an inplace operation"); a re-run would read the new value and train silently wrong.
+So when the forward returns, the versions of the region's parameters are kept (one list,
+`ModuleState.settle`), and a re-run whose parameter's version moved since is refused
+with a ``RecomputeError`` before it runs. While an adapter says a wrapper refills
+parameters in place (`add_refill_check`: FSDP2 gathers into the same parameters for
+backward, a write that is not the user's), versions are not compared, as before.
 """
 
 from __future__ import annotations
@@ -250,6 +262,15 @@ def _registry_name(module: torch.nn.Module, registry: dict) -> str:
 
 _ABSENT = object()
 
+#: adapters' checks that a wrapper refills parameters in place (NOTE [Parameters changed
+#: before backward]); each returns True while it does
+_REFILL_CHECKS: list[Callable[[], bool]] = []
+
+
+def add_refill_check(check: Callable[[], bool]) -> None:
+    """Register ``check``: while it returns True, parameters' versions are not compared."""
+    _REFILL_CHECKS.append(check)
+
 
 def put(where: dict, key: str, value: Any) -> None:
     if value is _ABSENT:
@@ -266,8 +287,8 @@ class ModuleState:
         roots: the region's modules (`modules_of`); their whole trees are kept.
     """
 
-    __slots__ = ("copies", "entries", "keys", "name", "overwritten", "root", "seen", "sources", "tree",
-                 "versioned")
+    __slots__ = ("copies", "entries", "keys", "name", "overwritten", "parameter_versions", "root", "seen",
+                 "sources", "tree", "versioned")
 
     def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
         self.name, self.root = name, roots[0] if roots else None
@@ -279,6 +300,7 @@ class ModuleState:
         self.versioned: list[_Entry] = []  # the entries with buffers or tensor attributes
         self.sources: list[dict] = []  # each module's dictionaries (__dict__, parameters, buffers)
         self.copies: list[dict] = []  # and their copies, in the same order
+        self.parameter_versions: list = []  # NOTE [Parameters changed before backward]
         for root in roots:
             self.add(root)
 
@@ -371,6 +393,8 @@ class ModuleState:
         replayed = {id(t) for t, _ in state}
         self.overwritten = [t for _, t in self._changed() if id(t) not in replayed]
         self._refresh()
+        if not any(check() for check in _REFILL_CHECKS):  # NOTE [Parameters changed before backward]
+            self.parameter_versions = [(p, p._version) for p in self.parameters()]
 
     def _changed(self) -> list[tuple[_Entry, torch.Tensor]]:
         return [(entry, t) for entry in self.versioned for _, t, version in entry.versions
@@ -387,6 +411,9 @@ class ModuleState:
 
     def check_versions(self, replayed: list) -> None:
         """Refuse a re-run whose module tensors changed in place since the forward read them."""
+        for param, version in self.parameter_versions:
+            if param._version != version:
+                self._refuse_changed_parameter(param, version)
         if not self.versioned:
             return
         restored = {id(t) for t, _ in replayed} | {id(t) for t in self.overwritten}
@@ -401,6 +428,18 @@ class ModuleState:
                         f"gradients would be wrong; change it out of place (rebind the attribute: "
                         f"the re-run reads the tensor the forward read), or after backward"
                     )
+
+    def _refuse_changed_parameter(self, param: torch.Tensor, version: int) -> None:
+        name = next((f"{type(e.module).__name__}.{k}" for e in self.entries
+                     for k, v in e.registries[0].items() if v is param), "a parameter")
+        raise RecomputeError(
+            f"remat: region '{self.name}' cannot be re-run: its parameter {name} (shape "
+            f"{list(param.shape)}) was changed in place after the region's forward read it "
+            f"(version {version} then, {param._version} now), so the re-run would read another "
+            f"value and the gradients would be wrong (unmarked, autograd refuses this backward "
+            f"as 'modified by an inplace operation' wherever it saved the parameter); change the "
+            f"parameter after backward, or out of place"
+        )
 
     def restored(self, replayed: list) -> _Restored:
         """Run a re-run against the attributes the forward found; put back what is there now."""

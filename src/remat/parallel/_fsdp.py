@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from remat._engine.boundary import add_refill_check
 from remat._engine.state import is_recomputing
 from remat._front.marks import add_run_context
 from remat._vocab.spec import RegionSpec
@@ -153,4 +154,12 @@ def gathered_for_rerun(module: torch.nn.Module) -> Iterator[None]:
             module.reshard()
 
 
+def _fsdp_refills() -> bool:
+    """Whether FSDP2 units exist in this process: they gather into the same parameters for
+    backward (NOTE [Parameters changed before backward] in ``_engine/boundary.py``)."""
+    states = sys.modules.get("torch.distributed._composable_state")
+    return states is not None and bool(states._module_state_mapping)
+
+
 add_run_context(run_context)  # NOTE [Call guards]: the mark's core imports no adapter
+add_refill_check(_fsdp_refills)
