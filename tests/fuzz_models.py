@@ -889,6 +889,8 @@ class Case:
     #: the model changed between two steps, alike on both sides (`CHANGES`): what a region
     #: learned of its modules in the first step must not be trusted in the second
     change: dict | None = None
+    #: a parameter changed in place between the first step's forward and its backward
+    edit_before_backward: str | None = None
 
     @property
     def reentrant(self) -> bool:
@@ -899,7 +901,8 @@ class Case:
         lines = [(f"case {self.seed}: x{list(self.x_shape)} requires_grad={self.x_requires_grad} "
                   f"opt={self.optimizer} retain_twice={self.retain_twice} grad={self.grad_check} "
                   f"penalty={self.penalty} func={self.func_check} rebind={self.rebind_captures} "
-                  f"compiled={self.compiled}" + (f" change={self.change}" if self.change else ""))]
+                  f"compiled={self.compiled}" + (f" change={self.change}" if self.change else "")
+                  + (f" edit={self.edit_before_backward}" if self.edit_before_backward else ""))]
         for i, stage in enumerate(self.desc["stages"]):
             for j, b in enumerate(stage):
                 lines.append(f"  stages.{i}.blocks.{j}: {b['kind']} {b['p']} wire={b['wire']}")
@@ -999,6 +1002,10 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
         paths = [n for n, m in modules.items() if n and CHANGES[kind][0](m)]
         if paths:
             case.change = {"kind": kind, "path": r.choice(sorted(paths))}
+    if r.random() < 0.05 and not compiled:  # compiled: autograd refuses it (docs/graph.md, Limits)
+        params = sorted(n for n, p in build(desc).named_parameters() if p.requires_grad)
+        if params:
+            case.edit_before_backward = r.choice(params)
     return case
 
 
@@ -1083,6 +1090,8 @@ DOCUMENTED_ERRORS: list[tuple[type, str, str]] = [
      "Limits of use_reentrant=True: changing in place an argument sharing memory with another"),
     (remat.RecomputeError, r"reads a tensor through its closure that was computed from other tensors",
      "Limits of use_reentrant=True: a tensor read through the closure computed from the region's parameters"),
+    (remat.RecomputeError, r"cannot be re-run: its parameter .* was changed in place after the region's forward",
+     "A parameter changed in place before backward is refused, not re-read"),
     (remat.RecomputeError, r"cannot be re-run: one of its inputs was changed in place after the region ran",
      "A region's input changed in place after the region ran: a RecomputeError in backward"),
     (remat.RecomputeError, r"changed one of its inputs in place after it had saved .* tensor",
@@ -1242,6 +1251,9 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
             side.x.grad = None
             loss, out = side.forward(phase)
             found = [("loss", loss), ("output", out)]
+            if case.edit_before_backward and phase == 1:  # NOTE [Parameters changed before backward]
+                with torch.no_grad():
+                    side.model.get_parameter(case.edit_before_backward).mul_(0.5)
             if loss.requires_grad:
                 loss.backward(retain_graph=retain)
                 if retain:
@@ -1402,6 +1414,9 @@ def _run_case(case: Case) -> Result:
                    for _, t in expected):  # diverged (a NaN is never equal to itself)
                 return Result(case.seed, "invalid", f"{phase}: the unmarked model's results are not finite")
             snap = _snapshot(marked)
+            if case.edit_before_backward and phase == "step 1":  # the step's own change, not remat's
+                names = [n for n, _ in marked.state()]
+                snap[names.index("param " + case.edit_before_backward)].mul_(0.5)
             failure = None
             try:
                 got = step(marked)
