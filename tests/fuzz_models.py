@@ -180,6 +180,30 @@ class Stochastic(Block):
         return torch.where(torch.rand(()) < 0.5, self.left(x), self.right(x))
 
 
+class GradHook(Block):
+    """Clips its activation's gradient with a hook registered in forward (or keeps it,
+    ``retain_grad``): refused under ``use_reentrant=True``, as in torch's reentrant checkpoint."""
+
+    kind = "grad_hook"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.retain = p.get("retain", False)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if self.retain:
+            h.retain_grad()
+        else:
+            h.register_hook(_clip)
+        return x + h
+
+
+def _clip(grad: torch.Tensor) -> torch.Tensor:
+    return grad.clamp(-0.05, 0.05)
+
+
 class Residual(Block):
     kind = "residual"
 
@@ -508,6 +532,7 @@ BLOCKS: dict[str, BlockKind] = {
     "dropout": BlockKind(Drop, 0.7, lambda r: {"fused": r.random() < 0.5}),
     "residual": BlockKind(Residual, 1.0, lambda r: {"act": r.choice(ACTS)}),
     "stochastic": BlockKind(Stochastic, 0.5, lambda r: {"host": r.random() < 0.6}),
+    "grad_hook": BlockKind(GradHook, 0.3, lambda r: {"retain": r.random() < 0.3}),
     "concat": BlockKind(Concat, 0.7),
     "tuple_out": BlockKind(TupleOut, 0.8, lambda r: {"combine": r.choice(("add", "mul", "first", "relu_second")),
                                                      "pass": r.random() < 0.4,
@@ -1100,6 +1125,8 @@ DOCUMENTED_ERRORS: list[tuple[type, str, str]] = [
      "Limits of use_reentrant=True: a tensor that leaves a region by a side channel"),
     (remat.RecomputeError, r"\(use_reentrant=True\) differentiates inside its forward",
      "Limits of use_reentrant=True: gradients inside a region's forward"),
+    (remat.RecomputeError, r"\(use_reentrant=True\) registers a hook on a tensor it computes",
+     "Limits of use_reentrant=True: a hook on a tensor the forward computes"),
     (remat.RecomputeError, r"runs under a torch.func transform",
      "torch.func transforms over a marked model: a RecomputeError before the region runs"),
 ]
@@ -1254,6 +1281,7 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
             if case.edit_before_backward and phase == 1:  # NOTE [Parameters changed before backward]
                 with torch.no_grad():
                     side.model.get_parameter(case.edit_before_backward).mul_(0.5)
+                side.edited = True
             if loss.requires_grad:
                 loss.backward(retain_graph=retain)
                 if retain:
@@ -1414,14 +1442,14 @@ def _run_case(case: Case) -> Result:
                    for _, t in expected):  # diverged (a NaN is never equal to itself)
                 return Result(case.seed, "invalid", f"{phase}: the unmarked model's results are not finite")
             snap = _snapshot(marked)
-            if case.edit_before_backward and phase == "step 1":  # the step's own change, not remat's
-                names = [n for n, _ in marked.state()]
-                snap[names.index("param " + case.edit_before_backward)].mul_(0.5)
             failure = None
             try:
                 got = step(marked)
             except Exception as err:  # noqa: BLE001 - every error is judged below
                 failure = (_documented(err), type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            if failure is not None and phase == "step 1" and getattr(marked, "edited", False):  # its own change
+                names = [n for n, _ in marked.state()]
+                snap[names.index("param " + case.edit_before_backward)].mul_(0.5)
             if failure is not None:  # judged once the error (and the frames it holds) is gone
                 where, name, first = failure
                 if where is None:

@@ -110,6 +110,41 @@ def test_an_attribute_rebound_between_forward_and_backward_is_put_back_for_the_r
     assert_bitwise_equal(grads[1], grads[0])
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("swap", ["child replaced", "child removed then another added"])
+def test_a_child_swapped_between_forward_and_backward_is_put_back_for_the_rerun(mode, swap):
+    """Module surgery between a region's forward and its backward (an activation replaced):
+    unmarked, the backward is the forward's graph; a re-run that called the new child
+    trained silently wrong in every mode, before. The forward's children are put back for
+    the re-run, and the new child is there again after it."""
+    def build() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.GELU(), torch.nn.Linear(12, 6))
+        return torch.nn.Sequential(torch.nn.Linear(6, 6), block, torch.nn.Linear(6, 1))
+
+    def surgery(model: torch.nn.Sequential) -> torch.nn.Module:
+        new = torch.nn.Tanh()
+        if swap == "child replaced":
+            model[1][1] = new
+        else:
+            del model[1]._modules["1"]
+            model[1]._modules["1"] = new
+        return new
+
+    def step(model: torch.nn.Sequential) -> list:
+        x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        loss = model(x).sum()
+        new = surgery(model)
+        keys = list(model[1]._modules)  # the new order stays after the re-run
+        loss.backward()
+        assert model[1]._modules["1"] is new and list(model[1]._modules) == keys
+        return [x.grad] + [p.grad for p in model.parameters()]
+
+    marked = build()
+    remat.recompute_module(marked[1], **MODES[mode])
+    assert_bitwise_equal(step(marked), step(build()))
+
+
 class Normalizer(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

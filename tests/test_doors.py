@@ -382,6 +382,44 @@ def test_a_gradient_inside_a_reentrant_forward_is_refused_with_the_fix():
 
 
 
+class _HookedInside(torch.nn.Module):
+    """A block that clips its activation's gradient with a hook, or keeps it (retain_grad)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.fc1, self.fc2 = how, torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(self.norm(x)))
+        if self.how == "register_hook":
+            h.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        else:
+            h.retain_grad()
+            self.kept = h
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("how", ["register_hook", "retain_grad"])
+def test_a_hook_on_a_tensor_inside_a_reentrant_forward_is_refused_with_the_fix(how):
+    """The reentrant forward runs without grad, so a hook on a tensor it computes fails (as in
+    torch's reentrant checkpoint, with autograd's words): a RecomputeError names the fix, the
+    state the forward wrote put back; use_reentrant=False trains it bitwise as unmarked."""
+    torch.manual_seed(0)
+    base = _HookedInside(how)
+    marked, reentrant = copy.deepcopy(base), copy.deepcopy(base)
+    remat.recompute_module(reentrant, use_reentrant=True)
+    before = [t.clone() for t in reentrant.state_dict().values()]
+    x = torch.randn(3, 8)
+    with pytest.raises(remat.RecomputeError, match="registers a hook on a tensor it computes.*use_reentrant=False"):
+        reentrant(x)
+    assert_bitwise_equal(list(reentrant.state_dict().values()), before)
+    remat.recompute_module(marked)
+    for model in (base, marked):
+        model(x).sum().backward()
+    assert_bitwise_equal([p.grad for p in marked.parameters()], [p.grad for p in base.parameters()])
+
+
 @pytest.mark.parametrize("channel", ["attribute", "hook"])
 def test_a_reentrant_region_with_a_side_loss_backwards_twice_when_retained(channel):
     """It lets go of its module only after a backward that freed its graph (NOTE [Tensors

@@ -44,8 +44,9 @@ every call] in ``facts.py``) hold no object either.
 
 Parameters are swapped by parallel wrappers (FSDP re-registers its gathered parameters
 around each forward and backward): the ``_parameters``, ``_buffers`` and ``_modules``
-dictionaries are compared by content, and only a parameter or buffer replaced by another
-object is put back.
+dictionaries are compared by content, and a parameter, buffer or child module replaced by
+another object is put back for the re-run (a child swapped between forward and backward,
+``block.act = nn.Tanh()``, re-ran as the new child, silently, before).
 
 NOTE [Parameters changed before backward]
 A parameter changed in place between a region's forward and its re-run (weight clipping
@@ -76,7 +77,7 @@ import torch
 from remat._engine.errors import RecomputeError
 from remat._engine.observe import engine_copies
 
-_REGISTRIES = ("_parameters", "_buffers")
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
 
 
 def modules_of(fn: Callable) -> list[torch.nn.Module]:
@@ -203,9 +204,9 @@ class _Entry:
     __slots__ = ("attrs", "module", "registries", "versions")
 
     def __init__(self, module: torch.nn.Module, attrs: dict, parameters: dict, buffers: dict,
-                 tensor_names: list) -> None:
-        """``attrs``, ``parameters``, ``buffers``: copies of the module's dictionaries."""
-        self.module, self.attrs, self.registries = module, attrs, (parameters, buffers)
+                 children: dict, tensor_names: list) -> None:
+        """``attrs``, ``parameters``, ``buffers``, ``children``: copies of the module's dictionaries."""
+        self.module, self.attrs, self.registries = module, attrs, (parameters, buffers, children)
         self.versions = [(k, t, t._version) for k, t in buffers.items() if t is not None] if buffers else []
         if tensor_names:
             self.versions += [(k, t, t._version) for k in tensor_names if type(t := attrs[k]) is torch.Tensor]
@@ -214,7 +215,7 @@ class _Entry:
         """``(dict, key, value now)`` for each entry rebound since the forward."""
         now = self.module.__dict__
         if (_same(now, self.attrs) and _same(now["_parameters"], self.registries[0])
-                and _same(now["_buffers"], self.registries[1])):
+                and _same(now["_buffers"], self.registries[1]) and _same(now["_modules"], self.registries[2])):
             return []  # the usual case, checked in C
         changed = []
         for key, value in self.attrs.items():
@@ -272,6 +273,15 @@ def add_refill_check(check: Callable[[], bool]) -> None:
     _REFILL_CHECKS.append(check)
 
 
+def _reorder(where: dict, keys: list) -> None:
+    """Put the keys of ``where`` in the order of ``keys`` (those it has), the others after."""
+    if list(where) != keys:
+        known = set(keys)
+        items = [(k, where[k]) for k in keys if k in where] + [(k, v) for k, v in where.items() if k not in known]
+        where.clear()
+        where.update(items)
+
+
 def put(where: dict, key: str, value: Any) -> None:
     if value is _ABSENT:
         where.pop(key, None)
@@ -318,14 +328,13 @@ class ModuleState:
             self.tree = None
         else:  # the usual case: one tree, kept whole
             names, self.tree = known.tensor_names, known
-        sources = (dicts[::_STRIDE], dicts[1::_STRIDE], dicts[2::_STRIDE])
-        copies = (list(map(dict.copy, sources[0])), list(map(dict.copy, sources[1])),
-                  list(map(dict.copy, sources[2])))
+        sources = (dicts[::_STRIDE], dicts[1::_STRIDE], dicts[2::_STRIDE], dicts[3::_STRIDE])
+        copies = tuple(list(map(dict.copy, d)) for d in sources)
         entries = list(map(_Entry, modules, *copies, names))
         self.entries += entries
         self.versioned += [entry for entry in entries if entry.versions]
         for where, d in ((self.sources, sources), (self.copies, copies)):
-            where += (*d[0], *d[1], *d[2])
+            where += (*d[0], *d[1], *d[2], *d[3])
         self.keys.append(known.key)
 
     def unchanged(self) -> bool:
@@ -451,17 +460,23 @@ class _Restored:
     """`ModuleState.restored`: a class, not a generator (every re-run enters one); where
     nothing was rebound and nothing overwritten, it checks and puts back nothing more."""
 
-    __slots__ = ("kept", "state", "undo")
+    __slots__ = ("kept", "orders", "state", "undo")
 
     def __init__(self, state: ModuleState) -> None:
-        self.state, self.undo, self.kept = state, [], []
+        self.state, self.undo, self.kept, self.orders = state, [], [], []
 
     def __enter__(self) -> None:
         state = self.state
         for entry in () if state.unchanged() else state.entries:
-            for where, key, now in entry.rebound():
+            children = entry.module.__dict__["_modules"]
+            rebound = entry.rebound()
+            if any(where is children for where, _, _ in rebound):  # a container runs them in order
+                self.orders.append((children, list(children)))
+            for where, key, now in rebound:
                 self.undo.append((where, key, now))
                 put(where, key, entry.value_then(where, key))
+            if self.orders and self.orders[-1][0] is children:
+                _reorder(children, list(entry.registries[2]))
         if state.overwritten:
             with engine_copies():
                 self.kept = [(t, t.detach().clone()) for t in state.overwritten if t.untyped_storage().nbytes()]
@@ -474,6 +489,8 @@ class _Restored:
                     undo.append((where, key, entry.value_then(where, key)))
         for where, key, now in reversed(undo):
             put(where, key, now)
+        for children, keys in reversed(self.orders):
+            _reorder(children, keys)
         if self.kept:
             with engine_copies():
                 for t, value in self.kept:

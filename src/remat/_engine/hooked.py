@@ -91,6 +91,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from remat._engine import boundary as _boundary
 from remat._engine import collectives as _collectives
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
@@ -99,7 +100,7 @@ from remat._engine.core import Contexts, RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import OpTrace, storage_of
 from remat._engine.observe import engine_ops, replayed_state
-from remat._engine.rebuilt import RecomputeHooks, Stop, check, meta
+from remat._engine.rebuilt import RecomputeHooks, Stop, check, meta, refuse_expired
 from remat._vocab.spec import RegionSpec
 
 _sequence_nr = torch.autograd._get_sequence_nr
@@ -175,8 +176,8 @@ class HookedFrame(RegionCore):
         self.cached_inputs: dict[int, tuple] = {}
         self.stored: set[int] = set()
         self.counter: dict[int, int] = {}
-        self.trace: OpTrace | None = OpTrace() if spec.debug else None
-        self.recompute_trace: OpTrace | None = None
+        self.expired = False  # NOTE [Regions made inside a re-run]
+        self.trace, self.recompute_trace = OpTrace() if spec.debug else None, None  # OpTrace | None
         self.saver: torch.Tensor | None = None
         self.input_versions: list | None = None  # until close: NOTE [Regions that write their inputs]
         self.keep_all = False
@@ -429,6 +430,8 @@ class HookedFrame(RegionCore):
         rebuilt all at once: backward holds one region's tensors at a time and
         the chain's boundary outputs, as a chain of plain regions would.
         """
+        if self.expired:  # NOTE [Regions made inside a re-run] in region.py
+            refuse_expired(self.name)
         self._drop_stale_kept()
         if self.spec.output_recompute:
             _outputs.pop_after_backward()
@@ -468,6 +471,11 @@ class HookedFrame(RegionCore):
             flat = _leaves(out)
             self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
             self._fill_from_outputs(gid)
+
+    def expire(self) -> None:
+        """NOTE [Regions made inside a re-run] (``region.py``): let go of what a re-run needs."""
+        self.expired, self.module_state = True, _boundary.ModuleState(self.name, [])
+        self.state, self.cached_inputs, self.rebuilt_outputs = [], {}, {}
 
     def _drop_stale_kept(self) -> None:
         """Kept tensors changed in place since are rebuilt (NOTE [Regions that write their inputs])."""

@@ -112,3 +112,13 @@ class RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
             return x
 
         super().__init__(pack, lambda x: x)
+
+
+def refuse_expired(name: str) -> None:
+    """A backward reached a region made for another backward's re-run only (NOTE [Regions
+    made inside a re-run] in ``region.py``)."""
+    raise RecomputeError(
+        f"remat: region '{name}' was made inside another region's re-run, for that backward "
+        f"only, and a later backward reached it (through a tensor a hook kept from the "
+        f"re-run?); differentiate the tensors of the forward, not of its re-run"
+    )

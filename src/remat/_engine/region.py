@@ -40,6 +40,7 @@ from remat._engine.errors import RecomputeError
 from remat._engine.hooked import ForwardHooks, HookedFrame
 from remat._engine.observe import Observe, restore_state
 from remat._engine.selective import policy_context
+from remat._engine.state import is_recomputing, rerun_keeps_graph
 from remat._vocab.policy import save_all
 from remat._vocab.spec import RegionSpec
 
@@ -91,6 +92,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         observe = _observer(frame, frame.aliases, reads=True, flowing=flowing)
     else:
         frame = HookedFrame(fn, args, kwargs, spec, name, contexts)
+        _expires_with_this_backward(frame)
         observe = _observer(frame, [t for t, _ in frame.input_versions], reads=False)
         if observe is not None:
             frame.state = observe.state  # filled as the forward runs (NOTE [Observed writes])
@@ -115,6 +117,24 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         stack.close()
         raise
     return _Handle(frame, stack, args, kwargs, observe)
+
+
+def _expires_with_this_backward(frame: HookedFrame) -> None:
+    """NOTE [Regions made inside a re-run]
+    A marked module inside a marked region runs its mark again in the outer region's
+    re-run, which opens a region of its own: it serves the backward of the tensors that
+    re-run rebuilt, and ends with that backward. Its copies of its modules' attributes
+    (NOTE [Module state at the boundary]) may hold a list a hook appends outputs to, and
+    the re-run's output in that list leads back to the region through autograd: a cycle
+    Python's collector cannot free once the module rebinds the list, which kept every
+    step's tensors alive. So when that backward ends (a final callback queued as the
+    region opens), the region lets go of its copies (`HookedFrame.expire`); a later
+    backward that still reaches it (through the re-run's output a hook kept) is refused
+    with a ``RecomputeError``. A backward with ``create_graph=True`` keeps what the re-run
+    built (a gradient penalty differentiates it again): its regions stay as they are.
+    """
+    if is_recomputing() and not rerun_keeps_graph() and torch._C._current_graph_task_id() != -1:
+        torch.autograd.Variable._execution_engine.queue_callback(frame.expire)
 
 
 def _refuse_functorch(name: str) -> None:
@@ -226,24 +246,30 @@ def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
 
 
 def _explain_reentrant_error(handle: _Handle, err: BaseException) -> None:
-    """A reentrant forward that differentiates inside itself fails in torch's words: say why.
+    """A reentrant forward that needs its tensors' graph fails in torch's words: say why.
 
     The reentrant implementation runs forward without grad (NOTE [Reentrant gradients] in
     ``reentrant.py``), so ``torch.autograd.grad`` inside it (a force field's ``-dE/dx``)
-    finds nothing to differentiate; torch's reentrant checkpoint fails alike. The state the
-    forward wrote so far is put back first.
+    finds nothing to differentiate, and a hook registered on a tensor it computes
+    (``h.register_hook``, ``h.retain_grad()``) has no gradient to see; torch's reentrant
+    checkpoint fails alike. The state the forward wrote so far is put back first.
     """
     frame = handle.frame
-    if (frame is None or not frame.spec.use_reentrant or not isinstance(err, RuntimeError)
-            or "does not require grad" not in str(err)):
+    if frame is None or not frame.spec.use_reentrant or not isinstance(err, RuntimeError):
+        return
+    text = str(err)
+    if "does not require grad" in text:
+        what = "differentiates inside its forward (torch.autograd.grad or backward on a tensor it computes"
+    elif "register a hook on a tensor that doesn't require grad" in text or "can't retain_grad" in text:
+        what = "registers a hook on a tensor it computes (register_hook or retain_grad"
+    else:
         return
     if handle.observe is not None:
         restore_state(handle.observe.state)
     raise RecomputeError(
-        f"remat: region '{frame.name}' (use_reentrant=True) differentiates inside its forward "
-        f"(torch.autograd.grad or backward on a tensor it computes: {err}); the reentrant "
+        f"remat: region '{frame.name}' (use_reentrant=True) {what}: {err}); the reentrant "
         f"implementation runs forward without grad, as torch's reentrant checkpoint does; use "
-        f"use_reentrant=False, which supports gradients inside a region"
+        f"use_reentrant=False, which supports it"
     ) from err
 
 

@@ -12,6 +12,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+import torch
+
 _local = threading.local()
 
 
@@ -50,9 +52,21 @@ class _Recomputing:
     def __enter__(self) -> None:
         _local.recompute_depth = getattr(_local, "recompute_depth", 0) + 1
         _local.recompute_runs = getattr(_local, "recompute_runs", 0) + 1
+        kept = getattr(_local, "graph_kept", None)
+        if kept is None:
+            kept = _local.graph_kept = []
+        kept.append(torch.is_grad_enabled())  # entered before the re-run enables grad
 
     def __exit__(self, *exc_info: object) -> None:
         _local.recompute_depth -= 1
+        _local.graph_kept.pop()
+
+
+def rerun_keeps_graph() -> bool:
+    """Whether the innermost running re-run serves a backward that keeps its graph
+    (``create_graph=True``: what the re-run builds outlives that backward)."""
+    kept = getattr(_local, "graph_kept", None)
+    return bool(kept and kept[-1])
 
 
 _RECOMPUTING = _Recomputing()
