@@ -26,27 +26,19 @@ object, new version) no longer holds the value the forward left; unless the regi
 it (NOTE [Observed writes] in ``observe.py``), the re-run is refused with a
 ``RecomputeError`` instead of reading the new value.
 
-NOTE [Snapshots reused while nothing changed]
-Walking a module tree and learning each module's tensors at every call is Python
-work per module per step. So a region's root module keeps what its last region call
-learned of its tree (`_Known`, in ``__dict__['_remat_snapshot']``, which a deep copy
-or a pickle of the module leaves empty): weak references to the modules in order and
-to their tensors, the names of each module's tensor attributes, and, over every
-module's ``__dict__``, ``_parameters``, ``_buffers``, ``_modules`` and hook
-dictionaries at once, their keys, the identities of their values and their sizes. A
-call reuses them while those three tuples, built and compared in C over the whole
-tree, are equal and every tensor seen is still alive (so no id was reused), and
-walks the tree anew otherwise. The cache holds no object: what a region's re-run
-needs (the shallow copies, the versions) is taken at every call and held by its
-frame only, so a value the module let go of is freed as without remat. A tree's key
-is a serial number never reused, so the facts' keys (NOTE [Observed once, confirmed
-every call] in ``facts.py``) hold no object either.
-
-Parameters are swapped by parallel wrappers (FSDP re-registers its gathered parameters
-around each forward and backward): the ``_parameters``, ``_buffers`` and ``_modules``
-dictionaries are compared by content, and a parameter, buffer or child module replaced by
-another object is put back for the re-run (a child swapped between forward and backward,
-``block.act = nn.Tanh()``, re-ran as the new child, silently, before).
+NOTE [Tensors read from outside the module]
+A region reads tensors besides its arguments and its modules' parameters, buffers and
+tensor attributes: a global table, a closure's tensor, an item of a list attribute (a
+Transformer-XL memory kept as a list). One changed in place between the forward and the
+re-run holds another value than the forward read; unmarked, autograd refuses the backward
+where an operator saved it, and a re-run read the new value, silently. So a watched
+forward keeps every tensor it read that is none of those (`ModuleState.outside`), with its
+version, by weak reference (held by its owner, as the forward read it), and a re-run
+whose such tensor moved is refused with a ``RecomputeError``; state the forward wrote is
+replayed instead (NOTE [Observed writes]). A region that reads any is watched on every
+call (NOTE [Observed once, confirmed every call] in ``facts.py``): each call's reads are
+the ones checked. While a wrapper refills tensors in place (FSDP2, NOTE [Parameters changed
+before backward]) they are not compared.
 
 NOTE [Parameters changed before backward]
 A parameter changed in place between a region's forward and its re-run (weight clipping
@@ -65,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import operator
 import threading
 import weakref
@@ -76,6 +67,7 @@ import torch
 
 from remat._engine.errors import RecomputeError
 from remat._engine.observe import engine_copies
+from remat._engine.tree import _DEREF, _STRIDE, _dicts, _Known, _tree  # noqa: F401 (tests patch them here)
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 
@@ -91,110 +83,6 @@ def modules_of(fn: Callable) -> list[torch.nn.Module]:
         return [fn]
     owner = getattr(fn, "__self__", None)
     return [owner] if isinstance(owner, torch.nn.Module) else []
-
-
-class _Known:
-    """What the cache keeps of a module tree: the keys and identities of every module's
-    ``__dict__`` and registries (hook dictionaries included) and their sizes, weak
-    references to the modules and their tensors, the names of each module's tensor
-    attributes; no object (NOTE [Snapshots reused while nothing changed])."""
-
-    __slots__ = ("ids", "key", "keys", "modules", "parameters", "refs", "sizes", "tensor_names")
-    _serial = 0
-
-    def __init__(self, modules: list[torch.nn.Module], dicts: list[dict]) -> None:
-        self.modules = [weakref.ref(m) for m in modules]
-        self.keys, self.ids, self.sizes = _identities(dicts)
-        self.tensor_names = [[k for k, v in m.__dict__.items() if type(v) is torch.Tensor] for m in modules]
-        tensors = [t for d in dicts[1::_STRIDE] for t in d.values()]  # parameters
-        self.parameters = [weakref.ref(p) for p in {id(p): p for p in tensors if p is not None}.values()]
-        tensors += [t for d in dicts[2::_STRIDE] for t in d.values()]  # buffers
-        tensors += [m.__dict__[k] for m, names in zip(modules, self.tensor_names) for k in names]
-        self.refs = [weakref.ref(t) for t in tensors if t is not None]
-        _Known._serial += 1
-        self.key = _Known._serial  # never reused, unlike an id
-
-    def current(self) -> tuple[list, list] | None:
-        """``(modules, their dictionaries)`` while they hold exactly the objects seen: the
-        same keys, identities and sizes (compared in C), every tensor still the one seen
-        (alive: its id not reused); None otherwise."""
-        modules = list(map(_DEREF, self.modules))
-        if any(map(operator.is_, modules, _NONE)):
-            return None
-        dicts = _dicts(modules)
-        if (_identities(dicts) != (self.keys, self.ids, self.sizes)
-                or any(map(operator.is_, map(_DEREF, self.refs), _NONE))):
-            return None
-        return modules, dicts
-
-
-_DEREF = weakref.ref.__call__  # dereference in C
-_NONE = itertools.repeat(None)  # compared by identity (``in`` would call a tensor's __eq__)
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_STRIDE = 4 + len(_HOOKS)  # dictionaries per module in `_dicts`
-_EMPTY: dict = {}
-
-
-def _dicts(modules: list[torch.nn.Module]) -> list[dict]:
-    """Per module: its ``__dict__``, parameters, buffers, children and hook dictionaries."""
-    out: list[dict] = []
-    for m in modules:
-        d = m.__dict__
-        out += (d, d["_parameters"], d["_buffers"], d["_modules"], d.get("_forward_hooks", _EMPTY),
-                d.get("_forward_pre_hooks", _EMPTY), d.get("_backward_hooks", _EMPTY),
-                d.get("_backward_pre_hooks", _EMPTY))
-    return out
-
-
-def _identities(dicts: list[dict]) -> tuple:
-    """The keys and the identities of the values of ``dicts``, and their sizes: equal only
-    while they hold the very same objects (a hook registered adds a key)."""
-    return (tuple(itertools.chain.from_iterable(dicts)),
-            tuple(map(id, itertools.chain.from_iterable(map(dict.values, dicts)))),
-            tuple(map(len, dicts)))
-
-
-class _Cached:
-    """What a module's last region call learned of its tree, kept in its ``__dict__``
-    (NOTE [Snapshots reused while nothing changed]); a copy or a pickle of the module
-    starts without it."""
-
-    __slots__ = ("tree",)
-
-    def __init__(self) -> None:
-        self.tree: _Known | None = None
-
-    def __deepcopy__(self, memo: dict) -> _Cached:
-        return _Cached()
-
-    def __copy__(self) -> _Cached:
-        return _Cached()
-
-    def __reduce__(self) -> tuple:
-        return (type(None), ())
-
-
-def _tree(root: torch.nn.Module) -> tuple[list, list, _Known]:
-    """``root.modules()``, their dictionaries (`_dicts`) and what is known of them: the
-    last call's while every module in it is alive and current, else walked again."""
-    d = root.__dict__
-    cached = d.get("_remat_snapshot")
-    if type(cached) is not _Cached:
-        cached = d["_remat_snapshot"] = _Cached()
-    known = cached.tree
-    if known is not None and (found := known.current()) is not None:
-        return found[0], found[1], known
-    modules, seen, stack = [], set(), [root]
-    while stack:  # pre-order, as module.modules()
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        modules.append(m)
-        stack.extend(c for c in reversed(m.__dict__["_modules"].values()) if c is not None)
-    dicts = _dicts(modules)
-    cached.tree = known = _Known(modules, dicts)
-    return modules, dicts, known
 
 
 class _Entry:
@@ -297,20 +185,21 @@ class ModuleState:
         roots: the region's modules (`modules_of`); their whole trees are kept.
     """
 
-    __slots__ = ("copies", "entries", "keys", "name", "overwritten", "parameter_versions", "root", "seen",
-                 "sources", "tree", "versioned")
+    __slots__ = ("copies", "entries", "foreign", "keys", "name", "overwritten", "parameter_versions", "root",
+                 "seen", "sources", "tree", "versioned")
 
     def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
         self.name, self.root = name, roots[0] if roots else None
         self.overwritten: list[torch.Tensor] = []  # written by the forward, not as state
         self.entries: list[_Entry] = []
-        self.keys: list[int] = []  # of the trees kept (NOTE [Snapshots reused while nothing changed])
+        self.keys: list[int] = []  # of the trees kept (NOTE [Snapshots reused while nothing changed] in ``tree.py``)
         self.seen: set[int] | None = None  # the modules kept, once `add` needs them
         self.tree: _Known | None = None  # what is known of the one tree kept whole
         self.versioned: list[_Entry] = []  # the entries with buffers or tensor attributes
         self.sources: list[dict] = []  # each module's dictionaries (__dict__, parameters, buffers)
         self.copies: list[dict] = []  # and their copies, in the same order
         self.parameter_versions: list = []  # NOTE [Parameters changed before backward]
+        self.foreign: list = []  # NOTE [Tensors read from outside the module]
         for root in roots:
             self.add(root)
 
@@ -391,7 +280,16 @@ class ModuleState:
         """
         return tuple(self.keys)
 
-    def settle(self, state: list) -> None:
+    def outside(self, read: list, state: list) -> list[torch.Tensor]:
+        """The tensors of ``read`` that are not its modules' parameters, buffers or tensor
+        attributes, nor state the forward wrote (NOTE [Tensors read from outside the module])."""
+        own = {id(t) for t, _ in state}
+        for entry in self.entries:
+            own.update(map(id, entry.registries[0].values()), map(id, entry.registries[1].values()))
+            own.update(id(t) for _, t, _ in entry.versions)
+        return [t for t in read if id(t) not in own]
+
+    def settle(self, state: list, outside: list = ()) -> None:
         """The forward returned: what it left in place is what a re-run must find.
 
         A buffer it overwrote without reading first (spectral norm's ``_u``, filled by an
@@ -404,6 +302,7 @@ class ModuleState:
         self._refresh()
         if not any(check() for check in _REFILL_CHECKS):  # NOTE [Parameters changed before backward]
             self.parameter_versions = [(p, p._version) for p in self.parameters()]
+            self.foreign = [(weakref.ref(t), tuple(t.shape), t._version) for t in outside]
 
     def _changed(self) -> list[tuple[_Entry, torch.Tensor]]:
         return [(entry, t) for entry in self.versioned for _, t, version in entry.versions
@@ -423,6 +322,16 @@ class ModuleState:
         for param, version in self.parameter_versions:
             if param._version != version:
                 self._refuse_changed_parameter(param, version)
+        for ref, shape, version in self.foreign:
+            if (t := ref()) is not None and t._version != version:
+                raise RecomputeError(
+                    f"remat: region '{self.name}' cannot be re-run: a tensor it read that is neither "
+                    f"its argument nor its modules' state (a global, a closure's, an item of a list "
+                    f"attribute; shape {list(shape)}) was changed in place after its forward read it "
+                    f"(version {version} then, {t._version} now), so the re-run would read another "
+                    f"value and the gradients would be wrong; change it after backward, or out of "
+                    f"place, or pass it to the region as an argument"
+                )
         if not self.versioned:
             return
         restored = {id(t) for t, _ in replayed} | {id(t) for t in self.overwritten}

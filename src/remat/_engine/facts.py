@@ -150,10 +150,12 @@ def known(frame: Any, key: tuple | None) -> Facts | None:
     return facts if facts is not None and facts.alive() else None
 
 
-def learn(frame: Any, key: tuple | None, observe: Any) -> None:
+def learn(frame: Any, key: tuple | None, observe: Any, outside: list = ()) -> None:
     """Store what an observed call found, when it lets the next calls run unwatched."""
     if key is None or observe.state or frame.module_state.written():
         return  # state to replay: watched on every call
+    if outside:
+        return  # NOTE [Tensors read from outside the module]: their versions, every call
     table = _STORE.setdefault(frame.module_state.root, {})
     if key in table and table[key] is None:
         return  # its reads were seen to vary (`watch_always`)

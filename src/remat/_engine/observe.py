@@ -163,6 +163,7 @@ class Observe(_Watch):
         self.reads: dict[int, torch.Tensor] = {}
         self.host_reads = False  # it read a tensor's values on the host (NOTE [Reads that vary])
         self.frozen: dict[int, torch.Tensor] = {}  # parameters it read that do not require grad
+        self.seen: dict[int, weakref.ref] = {}  # every tensor it read that is not an argument
         self.uses: dict[int, int] = {}  # operators that took each argument (NOTE [Per-use gradients])
         self.state: list[tuple[torch.Tensor, torch.Tensor]] = []  # (written tensor, value before)
         self._state_ids: set[int] = set()
@@ -175,6 +176,9 @@ class Observe(_Watch):
             return func(*args, **kwargs)
         tensors = tensors_in(args, kwargs)
         outside = [t for t in tensors if id(t) not in self.produced]
+        for t in outside:  # NOTE [Tensors read from outside the module]: held by their owners
+            if id(t) not in self.arguments and ((ref := self.seen.get(id(t))) is None or ref() is not t):
+                self.seen[id(t)] = weakref.ref(t)
         if self.want_reads:
             for t in outside:
                 if id(t) in self.arguments:

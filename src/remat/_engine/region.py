@@ -179,10 +179,20 @@ def close_region(handle: _Handle, output: Any) -> Any:
             raise
     if frame.spec.use_reentrant:
         return _close_reentrant(frame, observe, output)
+    outside = _outside(frame, observe)
     if observe is not None:
-        _facts.learn(frame, frame.facts_key, observe)
-    frame.module_state.settle(observe.state if observe is not None else [])
+        _facts.learn(frame, frame.facts_key, observe, outside)
+    frame.module_state.settle(observe.state if observe is not None else [], outside)
     return frame.close(output)
+
+
+def _outside(frame: Any, observe: Observe | None) -> list:
+    """NOTE [Tensors read from outside the module]: what a watched forward read besides its
+    arguments and its modules' state (none when unwatched: its facts say so)."""
+    if observe is None or not observe.seen:
+        return []
+    read = [t for ref in observe.seen.values() if (t := ref()) is not None]
+    return frame.module_state.outside(read, observe.state)
 
 
 def _close_reentrant(frame: Any, observe: Observe | None, output: Any) -> Any:
@@ -204,10 +214,11 @@ def _close_reentrant(frame: Any, observe: Observe | None, output: Any) -> Any:
     if observe is not None:
         frame.uses = tuple(observe.uses.get(id(a), 0) for a in frame.aliases)
         escaped, picks = _escapes.find(frame, observe, output)
-        if not escaped and picks is None:
-            _facts.learn(frame, frame.facts_key, observe)
+    outside = _outside(frame, observe)  # after the escapes: it holds what it finds
+    if observe is not None and not escaped and picks is None:
+        _facts.learn(frame, frame.facts_key, observe, outside)
     state = observe.state if observe is not None else []
-    frame.module_state.settle(state)
+    frame.module_state.settle(state, outside)
     # NOTE [Reads that vary]: unwatched, the parameters the observed call read
     reads = frame.known.read() if observe is None else list(observe.reads.values())
     if structure is None:

@@ -1,0 +1,136 @@
+"""What a region's root module knows of its module tree between calls (engine).
+
+NOTE [Snapshots reused while nothing changed]
+Walking a module tree and learning each module's tensors at every call is Python
+work per module per step. So a region's root module keeps what its last region call
+learned of its tree (`_Known`, in ``__dict__['_remat_snapshot']``, which a deep copy
+or a pickle of the module leaves empty): weak references to the modules in order and
+to their tensors, the names of each module's tensor attributes, and, over every
+module's ``__dict__``, ``_parameters``, ``_buffers``, ``_modules`` and hook
+dictionaries at once, their keys, the identities of their values and their sizes. A
+call reuses them while those three tuples, built and compared in C over the whole
+tree, are equal and every tensor seen is still alive (so no id was reused), and
+walks the tree anew otherwise. The cache holds no object: what a region's re-run
+needs (the shallow copies, the versions) is taken at every call and held by its
+frame only, so a value the module let go of is freed as without remat. A tree's key
+is a serial number never reused, so the facts' keys (NOTE [Observed once, confirmed
+every call] in ``facts.py``) hold no object either.
+
+Parameters are swapped by parallel wrappers (FSDP re-registers its gathered parameters
+around each forward and backward): the ``_parameters``, ``_buffers`` and ``_modules``
+dictionaries are compared by content, and a parameter, buffer or child module replaced by
+another object is put back for the re-run (a child swapped between forward and backward,
+``block.act = nn.Tanh()``, re-ran as the new child, silently, before).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import weakref
+
+import torch
+
+
+class _Known:
+    """What the cache keeps of a module tree: the keys and identities of every module's
+    ``__dict__`` and registries (hook dictionaries included) and their sizes, weak
+    references to the modules and their tensors, the names of each module's tensor
+    attributes; no object (NOTE [Snapshots reused while nothing changed])."""
+
+    __slots__ = ("ids", "key", "keys", "modules", "parameters", "refs", "sizes", "tensor_names")
+    _serial = 0
+
+    def __init__(self, modules: list[torch.nn.Module], dicts: list[dict]) -> None:
+        self.modules = [weakref.ref(m) for m in modules]
+        self.keys, self.ids, self.sizes = _identities(dicts)
+        self.tensor_names = [[k for k, v in m.__dict__.items() if type(v) is torch.Tensor] for m in modules]
+        tensors = [t for d in dicts[1::_STRIDE] for t in d.values()]  # parameters
+        self.parameters = [weakref.ref(p) for p in {id(p): p for p in tensors if p is not None}.values()]
+        tensors += [t for d in dicts[2::_STRIDE] for t in d.values()]  # buffers
+        tensors += [m.__dict__[k] for m, names in zip(modules, self.tensor_names) for k in names]
+        self.refs = [weakref.ref(t) for t in tensors if t is not None]
+        _Known._serial += 1
+        self.key = _Known._serial  # never reused, unlike an id
+
+    def current(self) -> tuple[list, list] | None:
+        """``(modules, their dictionaries)`` while they hold exactly the objects seen: the
+        same keys, identities and sizes (compared in C), every tensor still the one seen
+        (alive: its id not reused); None otherwise."""
+        modules = list(map(_DEREF, self.modules))
+        if any(map(operator.is_, modules, _NONE)):
+            return None
+        dicts = _dicts(modules)
+        if (_identities(dicts) != (self.keys, self.ids, self.sizes)
+                or any(map(operator.is_, map(_DEREF, self.refs), _NONE))):
+            return None
+        return modules, dicts
+
+
+_DEREF = weakref.ref.__call__  # dereference in C
+_NONE = itertools.repeat(None)  # compared by identity (``in`` would call a tensor's __eq__)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_STRIDE = 4 + len(_HOOKS)  # dictionaries per module in `_dicts`
+_EMPTY: dict = {}
+
+
+def _dicts(modules: list[torch.nn.Module]) -> list[dict]:
+    """Per module: its ``__dict__``, parameters, buffers, children and hook dictionaries."""
+    out: list[dict] = []
+    for m in modules:
+        d = m.__dict__
+        out += (d, d["_parameters"], d["_buffers"], d["_modules"], d.get("_forward_hooks", _EMPTY),
+                d.get("_forward_pre_hooks", _EMPTY), d.get("_backward_hooks", _EMPTY),
+                d.get("_backward_pre_hooks", _EMPTY))
+    return out
+
+
+def _identities(dicts: list[dict]) -> tuple:
+    """The keys and the identities of the values of ``dicts``, and their sizes: equal only
+    while they hold the very same objects (a hook registered adds a key)."""
+    return (tuple(itertools.chain.from_iterable(dicts)),
+            tuple(map(id, itertools.chain.from_iterable(map(dict.values, dicts)))),
+            tuple(map(len, dicts)))
+
+
+class _Cached:
+    """What a module's last region call learned of its tree, kept in its ``__dict__``
+    (NOTE [Snapshots reused while nothing changed]); a copy or a pickle of the module
+    starts without it."""
+
+    __slots__ = ("tree",)
+
+    def __init__(self) -> None:
+        self.tree: _Known | None = None
+
+    def __deepcopy__(self, memo: dict) -> _Cached:
+        return _Cached()
+
+    def __copy__(self) -> _Cached:
+        return _Cached()
+
+    def __reduce__(self) -> tuple:
+        return (type(None), ())
+
+
+def _tree(root: torch.nn.Module) -> tuple[list, list, _Known]:
+    """``root.modules()``, their dictionaries (`_dicts`) and what is known of them: the
+    last call's while every module in it is alive and current, else walked again."""
+    d = root.__dict__
+    cached = d.get("_remat_snapshot")
+    if type(cached) is not _Cached:
+        cached = d["_remat_snapshot"] = _Cached()
+    known = cached.tree
+    if known is not None and (found := known.current()) is not None:
+        return found[0], found[1], known
+    modules, seen, stack = [], set(), [root]
+    while stack:  # pre-order, as module.modules()
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        modules.append(m)
+        stack.extend(c for c in reversed(m.__dict__["_modules"].values()) if c is not None)
+    dicts = _dicts(modules)
+    cached.tree = known = _Known(modules, dicts)
+    return modules, dicts, known
