@@ -150,6 +150,7 @@ def _registry_name(module: torch.nn.Module, registry: dict) -> str:
 
 
 _ABSENT = object()
+_VERSION = operator.attrgetter("_version")
 
 #: adapters' checks that a wrapper refills parameters in place (NOTE [Parameters changed
 #: before backward]); each returns True while it does
@@ -262,6 +263,10 @@ class ModuleState:
     def modules(self) -> list[torch.nn.Module]:
         return [entry.module for entry in self.entries]
 
+    def forward_parameters(self) -> list[torch.nn.Parameter]:
+        """`parameters` as the forward returned (kept by `settle`)."""
+        return self.parameter_versions[0] if self.parameter_versions else self.parameters()
+
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of the region's modules, each once, in module order."""
         if self.tree is not None:  # the entries hold them: alive
@@ -300,8 +305,10 @@ class ModuleState:
         replayed = {id(t) for t, _ in state}
         self.overwritten = [t for _, t in self._changed() if id(t) not in replayed]
         self._refresh()
+        params = self.parameters()
+        self.parameter_versions = [params, []]  # the forward's parameters; their versions:
         if not any(check() for check in _REFILL_CHECKS):  # NOTE [Parameters changed before backward]
-            self.parameter_versions = [(p, p._version) for p in self.parameters()]
+            self.parameter_versions[1] = list(map(_VERSION, params))
             self.foreign = [(weakref.ref(t), tuple(t.shape), t._version) for t in outside]
 
     def _changed(self) -> list[tuple[_Entry, torch.Tensor]]:
@@ -319,9 +326,12 @@ class ModuleState:
 
     def check_versions(self, replayed: list) -> None:
         """Refuse a re-run whose module tensors changed in place since the forward read them."""
-        for param, version in self.parameter_versions:
-            if param._version != version:
-                self._refuse_changed_parameter(param, version)
+        if self.parameter_versions and self.parameter_versions[1]:
+            params, versions = self.parameter_versions
+            if list(map(_VERSION, params)) != versions:  # compared in C
+                for param, version in zip(params, versions):
+                    if param._version != version:
+                        self._refuse_changed_parameter(param, version)
         for ref, shape, version in self.foreign:
             if (t := ref()) is not None and t._version != version:
                 raise RecomputeError(

@@ -183,8 +183,11 @@ def watch_always(frame: Any, key: tuple | None) -> None:
 def outside_reads(frame: Any) -> list[torch.Tensor]:
     """The parameters of an unwatched reentrant region's modules that require grad and are
     not inputs of its Function: its re-run must reach none of them (NOTE [Reads that vary])."""
-    inputs = {id(p) for p in frame.params}
-    return [p for p in frame.module_state.parameters() if p.requires_grad and id(p) not in inputs]
+    own = frame.module_state.forward_parameters()
+    if len(own) == len(frame.params):  # the usual case: it read them all
+        return []
+    inputs = set(map(id, frame.params))
+    return [p for p in own if p.requires_grad and id(p) not in inputs]
 
 
 def forget(frame: Any, key: tuple | None) -> None:
