@@ -59,6 +59,14 @@ class Measured:
         peak_bytes: the step's peak (None: not verified).
         extra_s: the plan's extra seconds per step, timed against the unmarked step in
             interleaved rounds (median of the rounds' ratios; None: not timed).
+
+    Examples:
+        >>> import torch, remat
+        >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+        ...                             torch.nn.Linear(64, 16)) for _ in range(2)])
+        >>> plan = remat.plan(net, torch.randn(32, 16), budget=1.0, repeat=0)
+        >>> plan.measured.peak_bytes == plan.measured_peak_bytes, plan.measured.extra_s
+        (True, None)
     """
 
     peak_bytes: int | None = None
@@ -73,6 +81,11 @@ class JobRank:
     Args:
         rank: the rank planned.
         world_size: the ranks in the job.
+
+    Examples:
+        >>> from remat.planner import JobRank
+        >>> JobRank(rank=1, world_size=8)
+        JobRank(rank=1, world_size=8)
     """
 
     rank: int
