@@ -26,6 +26,12 @@ object, new version) no longer holds the value the forward left; unless the regi
 it (NOTE [Observed writes] in ``observe.py``), the re-run is refused with a
 ``RecomputeError`` instead of reading the new value.
 
+Parameters are swapped by parallel wrappers (FSDP re-registers its gathered parameters
+around each forward and backward): the ``_parameters``, ``_buffers`` and ``_modules``
+dictionaries are compared by content, and a parameter, buffer or child module replaced by
+another object is put back for the re-run (a child swapped between forward and backward,
+``block.act = nn.Tanh()``, re-ran as the new child, silently, before).
+
 NOTE [Tensors read from outside the module]
 A region reads tensors besides its arguments and its modules' parameters, buffers and
 tensor attributes: a global table, a closure's tensor, an item of a list attribute (a
@@ -186,8 +192,8 @@ class ModuleState:
         roots: the region's modules (`modules_of`); their whole trees are kept.
     """
 
-    __slots__ = ("copies", "entries", "foreign", "keys", "name", "overwritten", "parameter_versions", "root",
-                 "seen", "sources", "tree", "versioned")
+    __slots__ = ("copies", "entries", "foreign", "forward_params", "keys", "name", "overwritten", "param_versions",
+                 "root", "seen", "sources", "tree", "versioned")
 
     def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
         self.name, self.root = name, roots[0] if roots else None
@@ -199,7 +205,8 @@ class ModuleState:
         self.versioned: list[_Entry] = []  # the entries with buffers or tensor attributes
         self.sources: list[dict] = []  # each module's dictionaries (__dict__, parameters, buffers)
         self.copies: list[dict] = []  # and their copies, in the same order
-        self.parameter_versions: list = []  # NOTE [Parameters changed before backward]
+        self.forward_params: list | None = None  # the parameters when the forward returned
+        self.param_versions: list = []  # and their versions (NOTE [Parameters changed before backward])
         self.foreign: list = []  # NOTE [Tensors read from outside the module]
         for root in roots:
             self.add(root)
@@ -265,7 +272,7 @@ class ModuleState:
 
     def forward_parameters(self) -> list[torch.nn.Parameter]:
         """`parameters` as the forward returned (kept by `settle`)."""
-        return self.parameter_versions[0] if self.parameter_versions else self.parameters()
+        return self.forward_params if self.forward_params is not None else self.parameters()
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of the region's modules, each once, in module order."""
@@ -290,8 +297,8 @@ class ModuleState:
         attributes, nor state the forward wrote (NOTE [Tensors read from outside the module])."""
         own = {id(t) for t, _ in state}
         for entry in self.entries:
-            own.update(map(id, entry.registries[0].values()), map(id, entry.registries[1].values()))
-            own.update(id(t) for _, t, _ in entry.versions)
+            own.update(map(id, entry.registries[0].values()))  # parameters
+            own.update(id(t) for _, t, _ in entry.versions)  # buffers and tensor attributes
         return [t for t in read if id(t) not in own]
 
     def settle(self, state: list, outside: list = ()) -> None:
@@ -305,10 +312,9 @@ class ModuleState:
         replayed = {id(t) for t, _ in state}
         self.overwritten = [t for _, t in self._changed() if id(t) not in replayed]
         self._refresh()
-        params = self.parameters()
-        self.parameter_versions = [params, []]  # the forward's parameters; their versions:
+        self.forward_params = self.parameters()
         if not any(check() for check in _REFILL_CHECKS):  # NOTE [Parameters changed before backward]
-            self.parameter_versions[1] = list(map(_VERSION, params))
+            self.param_versions = list(map(_VERSION, self.forward_params))
             self.foreign = [(weakref.ref(t), tuple(t.shape), t._version) for t in outside]
 
     def _changed(self) -> list[tuple[_Entry, torch.Tensor]]:
@@ -326,12 +332,10 @@ class ModuleState:
 
     def check_versions(self, replayed: list) -> None:
         """Refuse a re-run whose module tensors changed in place since the forward read them."""
-        if self.parameter_versions and self.parameter_versions[1]:
-            params, versions = self.parameter_versions
-            if list(map(_VERSION, params)) != versions:  # compared in C
-                for param, version in zip(params, versions):
-                    if param._version != version:
-                        self._refuse_changed_parameter(param, version)
+        if self.param_versions and list(map(_VERSION, self.forward_params)) != self.param_versions:  # in C
+            for param, version in zip(self.forward_params, self.param_versions):
+                if param._version != version:
+                    self._refuse_changed_parameter(param, version)
         for ref, shape, version in self.foreign:
             if (t := ref()) is not None and t._version != version:
                 raise RecomputeError(

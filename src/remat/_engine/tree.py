@@ -15,12 +15,6 @@ needs (the shallow copies, the versions) is taken at every call and held by its
 frame only, so a value the module let go of is freed as without remat. A tree's key
 is a serial number never reused, so the facts' keys (NOTE [Observed once, confirmed
 every call] in ``facts.py``) hold no object either.
-
-Parameters are swapped by parallel wrappers (FSDP re-registers its gathered parameters
-around each forward and backward): the ``_parameters``, ``_buffers`` and ``_modules``
-dictionaries are compared by content, and a parameter, buffer or child module replaced by
-another object is put back for the re-run (a child swapped between forward and backward,
-``block.act = nn.Tanh()``, re-ran as the new child, silently, before).
 """
 
 from __future__ import annotations
