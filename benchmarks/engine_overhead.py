@@ -3,7 +3,11 @@
 A stack of 12 pre-norm transformer blocks (``nn.MultiheadAttention`` and a GELU MLP),
 one thread. Each way to mark runs beside the torch configuration that marks the same
 blocks (``torch.utils.checkpoint`` in the same implementation; torch's selective
-checkpoint for a policy; a checkpoint around the activation alone for a primitive mark).
+checkpoint for a policy; a checkpoint around the activation alone, the same tanh GELU, for a
+primitive mark; for ``output_recompute``, which keeps no block's output either, torch's
+nested checkpoint: one around the stack of checkpointed blocks, which keeps only the
+stack's input between forward and backward and re-runs every block twice in backward, as
+a chain of ``output_recompute`` regions does).
 All configurations of one case run in interleaved rounds, rotating the order each
 round; a ratio is taken within each round and the median and interquartile range of
 those ratios are reported, with the microseconds each region adds per operator of its
@@ -90,8 +94,21 @@ def _torch(reentrant: bool, context_fn=None):
     return lambda block, x: tuc.checkpoint(block, x, use_reentrant=reentrant, **extra)
 
 
-def _torch_activation(block, x):  # the activation alone, as a primitive mark rebuilds it
-    return block(x)
+def _gelu_tanh(h):
+    return F.gelu(h, approximate="tanh")
+
+
+class _Nested(torch.nn.Module):
+    """torch's way to keep only a stack's input between forward and backward, as a chain of
+    ``output_recompute`` regions does: a checkpoint around the stack of checkpointed blocks
+    (the backward re-runs the stack, then each block again for its own backward)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return tuc.checkpoint(self.inner, x, use_reentrant=False)
 
 
 def configurations(base: torch.nn.ModuleList) -> dict:
@@ -104,9 +121,9 @@ def configurations(base: torch.nn.ModuleList) -> dict:
             mark(blocks)
         return Stack(blocks, call)
 
-    def primitive_torch(blocks):
+    def primitive_torch(blocks):  # the same function as ops.GeLU (the tanh form), checkpointed
         for b in blocks:
-            b.act = lambda h: tuc.checkpoint(F.gelu, h, use_reentrant=False)
+            b.act = lambda h: tuc.checkpoint(_gelu_tanh, h, use_reentrant=False)
 
     def primitive_remat(blocks):
         for b in blocks:
@@ -128,8 +145,9 @@ def configurations(base: torch.nn.ModuleList) -> dict:
         out[f"recompute_module {tag}"] = (
             stack(mark=lambda m, r=r: [remat.recompute_module(b, use_reentrant=r) for b in m]), baseline)
         out[f"cell marks {tag}"] = (stack(mark=lambda m, r=r: cells(m, use_reentrant=r)), baseline)
+    out["torch nested"] = (_Nested(stack(_torch(False))), "torch nested")
     out["output_recompute"] = (stack(mark=lambda m: remat.apply(m, where=Block, output_recompute=True)),
-                               "torch non-reentrant")
+                               "torch nested")
     out["torch selective"] = (stack(_torch(False, sac)), "torch selective")
     out["policy save_compute_intensive"] = (
         stack(mark=lambda m: remat.apply(m, where=Block, policy=remat.save_compute_intensive)),
