@@ -104,6 +104,7 @@ class ReentrantFrame(RegionCore):
         self.released = False  # let go of its module after its first backward
         self.extra: list[tuple[int, int]] = []  # NOTE [Per-use gradients]: (argument, more inputs)
         self.shared: set[int] = set()  # arguments a later region took too
+        self.lean = False  # NOTE [Lean reentrant calls] (lean.py)
 
     def abandon(self) -> None:
         super().abandon()

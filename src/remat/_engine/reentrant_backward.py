@@ -112,11 +112,45 @@ def differentiate(frame: Any, tensors: tuple, grads: tuple) -> tuple:
     aside and put back) and returned through the Function as before.
     """
     try:
+        if frame.lean and _lean_now(frame):
+            return _lean(frame, tensors, grads)
         return _differentiate_once(frame, tensors, grads, accumulate=False)
     except RuntimeError as err:
         if "incompatible with .grad()" not in str(err):
             raise
     return _differentiate_once(frame, tensors, grads, accumulate=True)
+
+
+def _lean_now(frame: Any) -> bool:
+    """Whether a lean frame's backward may still skip the generic one (NOTE [Lean reentrant
+    calls] in ``lean.py``): no second-order graph, no later region took its argument, its
+    parameters are leaves without hooks, no process group whose collectives a re-run waits."""
+    if torch.is_grad_enabled() or frame.shared or frame.passthrough:
+        return False
+    if any(p.grad_fn is not None or p._backward_hooks for p in frame.params):
+        return False
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def _lean(frame: Any, tensors: tuple, grads: tuple) -> tuple:
+    """The backward of a lean frame: the generic one's steps for a plain call, without the
+    contexts it does not need (NOTE [Lean reentrant calls] in ``lean.py``)."""
+    wrts = [x.detach().requires_grad_() if x.requires_grad else None for x in tensors]
+    feeds = [x.detach() if w is None else w for x, w in zip(tensors, wrts)]
+    frame.runs += 1
+    with _state.recomputing(), frame.module_state_restored(()), frame.replay.context(), torch.enable_grad():
+        out = frame.fn(*feeds)
+    wrt = [w for w in wrts if w is not None] + frame.params
+    found: list = [None] * len(wrt)
+    if isinstance(out, torch.Tensor) and out.requires_grad and wrt:
+        outside = _facts.outside_reads(frame)  # NOTE [Reads that vary]
+        found = list(torch.autograd.grad((out,), wrt + outside, grads[:1], allow_unused=True))
+        _refuse_unforeseen(frame, outside, found[len(wrt):])
+        del found[len(wrt):]
+    found.reverse()
+    input_grads = [None if w is None else found.pop() for w in wrts]
+    extra = _per_use.per_input(frame, input_grads, None)
+    return (None, None, *input_grads, *reversed(found), *extra)
 
 
 def _accumulated(outs: list, wrt: list, out_grads: list, create_graph: bool) -> list:

@@ -32,6 +32,7 @@ from remat._engine import collectives as _collectives
 from remat._engine import escapes as _escapes
 from remat._engine import facts as _facts
 from remat._engine import flags as _flags
+from remat._engine import lean as _lean
 from remat._engine import outputs as _outputs
 from remat._engine import reentrant as _reentrant
 from remat._engine import structure as _structure
@@ -64,7 +65,7 @@ def _contexts(spec: RegionSpec, context_fn: Callable | None) -> tuple | None:
 
 
 def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
-                context_fn: Callable | None = None) -> _Handle:
+                context_fn: Callable | None = None, frame: Any = None) -> _Handle:
     """Start a region around the forward of ``fn(*args, **kwargs)``; finish it with `close_region`.
 
     Args:
@@ -73,6 +74,8 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         spec: the region's options.
         name: how errors name the region.
         context_fn: returns the (forward, recomputation) context pair, as in torch.
+        frame: the reentrant frame the lean path made and could not use (NOTE [Lean
+            reentrant calls] in ``lean.py``), or None.
 
     Returns:
         A handle for `close_region`; call the forward with its ``args`` and ``kwargs``.
@@ -86,7 +89,8 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
     contexts = _contexts(spec, context_fn)
     if spec.use_reentrant:
         _structure.check_args(name, args, kwargs)
-        frame: RegionCore = _reentrant.ReentrantFrame(fn, args, kwargs, spec, name, contexts)
+        if frame is None:
+            frame = _reentrant.ReentrantFrame(fn, args, kwargs, spec, name, contexts)
         args, kwargs = frame.call_with(frame.aliases)  # NOTE [Observed reads]
         flowing = [a for a, x in zip(frame.aliases, frame.arguments) if x.requires_grad]
         observe = _observer(frame, frame.aliases, reads=True, flowing=flowing)
@@ -246,7 +250,12 @@ def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
         except ImportError:
             return fn(*args, **kwargs)
         return run_marked(fn, args, kwargs, spec)
-    handle = open_region(fn, args, kwargs, spec, name=name, context_fn=context_fn)
+    frame = None
+    if _lean.plain(spec, args, kwargs, context_fn):  # NOTE [Lean reentrant calls] (lean.py)
+        frame, lean = _lean.open_frame(fn, args, spec, name)
+        if lean:
+            return _run_lean(frame)
+    handle = open_region(fn, args, kwargs, spec, name=name, context_fn=context_fn, frame=frame)
     try:
         output = fn(*handle.args, **handle.kwargs)
     except BaseException as err:
@@ -254,6 +263,19 @@ def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
         _explain_reentrant_error(handle, err)
         raise
     return close_region(handle, output)
+
+
+def _run_lean(frame: Any) -> Any:
+    """NOTE [Lean reentrant calls]: the forward on the arguments' aliases, without grad."""
+    try:
+        with torch.no_grad():
+            output = frame.fn(*frame.aliases)
+    except BaseException as err:
+        frame.abandon()
+        _explain_reentrant_error(_Handle(frame, Contexts(), (), {}), err)
+        raise
+    result = _lean.close(frame, output)
+    return _close_reentrant(frame, None, output) if result is None else result
 
 
 def _explain_reentrant_error(handle: _Handle, err: BaseException) -> None:
