@@ -250,6 +250,10 @@ class Reentrant(torch.autograd.Function):
     def forward(ctx: Any, frame: ReentrantFrame, n_inputs: int, *tensors: torch.Tensor) -> Any:
         ctx.frame, ctx.n_inputs = frame, n_inputs
         out, frame.pending = frame.pending, None
+        if frame.lean:  # NOTE [Lean reentrant calls] (lean.py): one plain tensor, nothing written
+            ctx.save_for_backward(*tensors[:n_inputs])
+            ctx.views = ()
+            return out
         outs = (out if isinstance(out, tuple) else (out,))
         ctx.save_for_backward(*_without_history(frame, _returned_copied(frame, tensors[:n_inputs])))
         views = [(i, o.stride()) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o._is_view()]
