@@ -165,6 +165,9 @@ def test_a_buffer_changed_in_place_after_forward_is_refused_not_read(mode):
         out.backward()
 
 
+_HANDLES: dict = {}
+
+
 def _change(kind: str, model: torch.nn.Module) -> None:
     """Change what the block's forward depends on, between two calls."""
     if kind == "parameter":
@@ -177,6 +180,11 @@ def _change(kind: str, model: torch.nn.Module) -> None:
         model.scale = torch.full((4,), 3.0)
     elif kind == "moved":  # the same tensor, under the same name, in another registry
         model.fc._buffers["bias"] = model.fc._parameters.pop("bias")
+    elif kind == "hook replaced":  # as many hooks as before, another one (its handle kept elsewhere)
+        _HANDLES.pop(id(model)).remove()
+        model.fc.register_forward_pre_hook(lambda m, args: (args[0] * 3,))
+    elif kind == "training":
+        model.train(False)
 
 
 class Block(torch.nn.Module):
@@ -186,7 +194,7 @@ class Block(torch.nn.Module):
         self.scale = None
 
     def forward(self, x, flag=False):
-        h = self.fc(x)
+        h = self.fc(x) if self.training else self.fc(x) * 0.5
         if self.scale is not None:
             h = h * self.scale
         if "extra" in self._parameters:
@@ -197,10 +205,13 @@ class Block(torch.nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
-@pytest.mark.parametrize("kind", ["parameter", "buffer", "hook", "attribute", "moved", "inputs"])
+@pytest.mark.parametrize("kind", ["parameter", "buffer", "hook", "attribute", "moved", "inputs", "hook replaced",
+                                  "training"])
 def test_a_region_whose_module_changed_between_calls_is_observed_again(monkeypatch, kind, mode):
     torch.manual_seed(0)
     base = Block()
+    if kind == "hook replaced":
+        base.fc.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
     marked = remat.recompute_module(copy.deepcopy(base), **MODES[mode])
     entered = observed_calls(monkeypatch)
     g = torch.Generator().manual_seed(0)
@@ -213,6 +224,9 @@ def test_a_region_whose_module_changed_between_calls_is_observed_again(monkeypat
         return [p.grad for p in model.parameters()] + [model.fc.bias.grad, x.grad]
 
     for model in (base, marked):
+        if kind == "hook replaced":
+            _HANDLES[id(model)] = torch.utils.hooks.RemovableHandle(model.fc._forward_pre_hooks)
+            _HANDLES[id(model)].id = next(iter(model.fc._forward_pre_hooks))
         g.manual_seed(0)
         results = [step(model, False), step(model, False)]
         if kind != "inputs":

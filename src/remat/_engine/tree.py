@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -32,12 +33,15 @@ class _Known:
     references to the modules and their tensors, the names of each module's tensor
     attributes; no object (NOTE [Snapshots reused while nothing changed])."""
 
-    __slots__ = ("ids", "key", "keys", "modules", "parameters", "refs", "sizes", "tensor_names")
+    __slots__ = ("attributes", "hooks", "ids", "key", "keys", "modules", "parameters", "refs", "sizes",
+                 "tensor_names")
     _serial = 0
 
     def __init__(self, modules: list[torch.nn.Module], dicts: list[dict]) -> None:
         self.modules = [weakref.ref(m) for m in modules]
-        self.keys, self.ids, self.sizes = _identities(dicts)
+        #: per module, the keys of its ``__dict__`` whose values are compared by identity
+        self.attributes = [tuple(k for k in d if k not in _REGISTRIES) for d in dicts[0::_STRIDE]]
+        self.sizes, self.keys, self.hooks, self.ids = _identities(dicts, self.attributes)
         self.tensor_names = [[k for k, v in m.__dict__.items() if type(v) is torch.Tensor] for m in modules]
         tensors = [t for d in dicts[1::_STRIDE] for t in d.values()]  # parameters
         self.parameters = [weakref.ref(p) for p in {id(p): p for p in tensors if p is not None}.values()]
@@ -55,8 +59,11 @@ class _Known:
         if any(map(operator.is_, modules, _NONE)):
             return None
         dicts = _dicts(modules)
-        if (_identities(dicts) != (self.keys, self.ids, self.sizes)
-                or any(map(operator.is_, map(_DEREF, self.refs), _NONE))):
+        try:
+            found = _identities(dicts, self.attributes)
+        except KeyError:  # an attribute was removed
+            return None
+        if found != (self.sizes, self.keys, self.hooks, self.ids) or any(map(operator.is_, map(_DEREF, self.refs), _NONE)):
             return None
         return modules, dicts
 
@@ -79,12 +86,37 @@ def _dicts(modules: list[torch.nn.Module]) -> list[dict]:
     return out
 
 
-def _identities(dicts: list[dict]) -> tuple:
-    """The keys and the identities of the values of ``dicts``, and their sizes: equal only
-    while they hold the very same objects (a hook registered adds a key)."""
-    return (tuple(itertools.chain.from_iterable(dicts)),
-            tuple(map(id, itertools.chain.from_iterable(map(dict.values, dicts)))),
-            tuple(map(len, dicts)))
+#: what ``nn.Module.__init__`` binds to the dictionaries and sets it fills in place: never
+#: rebound by a model; their contents that a forward reads are compared themselves
+_REGISTRIES = frozenset((
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", *_HOOKS,
+    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks", "_remat_snapshot"))
+
+
+def _identities(dicts: list[dict], attributes: list[tuple]) -> tuple:
+    """What `_Known` compares: the sizes of every module's dictionaries; the keys of its
+    ``__dict__``, parameters, buffers and children, and of its hook dictionaries that are not
+    empty (a hook registered or removed adds or changes a key; a hook's key is never reused);
+    the identities of its parameters, buffers and children and of its attributes
+    (``attributes``: its ``__dict__``'s keys but the registries themselves, whose contents
+    are compared instead). Equal only while they hold the very same objects.
+
+    Each identity is a new int: comparing the registries' own identities cost more than the
+    rest, and the hook dictionaries (``OrderedDict``, nearly always empty) are walked only
+    when they hold a hook (`filter`, in C)."""
+    modules = dicts[0::_STRIDE]
+    registries = list(itertools.chain(dicts[1::_STRIDE], dicts[2::_STRIDE], dicts[3::_STRIDE]))
+    hooked = list(filter(None, itertools.chain.from_iterable(dicts[k::_STRIDE] for k in range(4, _STRIDE))))
+    values = itertools.chain(itertools.chain.from_iterable(map(dict.values, registries)),
+                             itertools.chain.from_iterable(map(_values, modules, attributes)))
+    return (tuple(map(len, dicts)), tuple(itertools.chain.from_iterable(modules + registries)),
+            tuple(itertools.chain.from_iterable(hooked)), tuple(map(id, values)))
+
+
+def _values(d: dict, keys: tuple) -> Iterator:
+    return map(d.__getitem__, keys)
 
 
 class _Cached:
