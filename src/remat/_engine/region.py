@@ -22,6 +22,7 @@ either.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -250,6 +251,7 @@ def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
         except ImportError:
             return fn(*args, **kwargs)
         return run_marked(fn, args, kwargs, spec)
+    fn, kwargs = _keywords_as_arguments(fn, kwargs)
     frame = None
     if _lean.plain(spec, args, kwargs, context_fn):  # NOTE [Lean reentrant calls] (lean.py)
         frame, lean = _lean.open_frame(fn, args, spec, name)
@@ -263,6 +265,25 @@ def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
         _explain_reentrant_error(handle, err)
         raise
     return close_region(handle, output)
+
+
+def _keywords_as_arguments(fn: Callable, kwargs: dict) -> tuple[Callable, dict]:
+    """NOTE [Keywords bound in a partial]
+    Hugging Face's layers call their checkpoint function as ``func(partial(layer.__call__,
+    **kwargs), hidden_states)``: the attention mask, the rotary embeddings and the positions
+    are bound in the partial, so the region read them from outside its arguments and modules
+    (NOTE [Tensors read from outside the module] in ``boundary.py``) and was watched on every
+    call, paying the dispatch mode on every operator of every step. Such keywords are the
+    call's own arguments: a partial's keywords that hold a tensor (or a container, which may)
+    are passed as keyword arguments of the region instead, as the partial would pass them
+    (``{**partial.keywords, **kwargs}``), so they are saved, versioned and keyed like any
+    argument; the partial keeps its positional arguments (the layer, where it is one).
+    """
+    if type(fn) is not functools.partial or not fn.keywords:
+        return fn, kwargs
+    if not any(isinstance(v, (torch.Tensor, tuple, list, dict)) for v in fn.keywords.values()):
+        return fn, kwargs
+    return functools.partial(fn.func, *fn.args), {**fn.keywords, **kwargs}
 
 
 def _run_lean(frame: Any) -> Any:
