@@ -7,9 +7,9 @@ region opened with its contexts, a handle, the checks each kind of region needs,
 through the code that handles every output structure, escape and written argument) added
 three times as much. Most of that is for regions that need it: the ones watched, writing
 state, returning their arguments or views, writing their arguments in place, nested in a
-re-run, under a transform. So a reentrant call that is plain on its face (tensor
-arguments only, each once, no ``context_fn``, policy or ``output_recompute``, a module
-region, not under ``torch.func`` or a re-run's substitution) and whose facts are known
+re-run, under a transform. So a reentrant call that is plain on its face (each
+tensor argument once, no ``context_fn``, policy or ``output_recompute``, a module region,
+not under ``torch.func`` or a re-run's substitution) and whose facts are known
 (NOTE [Observed once, confirmed every call] in ``facts.py``) runs here:
 
 - the frame is made as the generic path makes it (its module state, random state and the
@@ -39,33 +39,29 @@ from remat._engine import facts as _facts
 from remat._engine import outputs as _outputs
 from remat._engine import per_use as _per_use
 from remat._engine import reentrant as _reentrant
+from remat._engine import structure as _structure
 from remat._engine.modes import storage_of
 from remat._engine.observe import Substitute
 from remat._engine.state import is_recomputing
 from remat._vocab.spec import RegionSpec
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-
-def plain(spec: RegionSpec, args: tuple, kwargs: dict, context_fn: Any) -> bool:
+def plain(spec: RegionSpec, context_fn: Any) -> bool:
     """Whether a call may take the lean path on its face (NOTE [Lean reentrant calls])."""
-    if (not spec.use_reentrant or context_fn is not None or kwargs or not args or spec.policy is not None
+    if (not spec.use_reentrant or context_fn is not None or spec.policy is not None
             or spec.output_recompute or not spec.mp_comm_recompute):
-        return False
-    if any(type(a) not in _PLAIN for a in args):
-        return False
-    if len(args) > 1 and len({id(a) for a in args}) != len(args):
         return False
     return (torch.is_grad_enabled() and not Substitute.active and not is_recomputing()
             and torch._C._functorch.peek_interpreter_stack() is None)
 
 
-def open_frame(fn: Any, args: tuple, spec: RegionSpec, name: str) -> tuple[Any, bool]:
+def open_frame(fn: Any, args: tuple, kwargs: dict, spec: RegionSpec, name: str) -> tuple[Any, bool]:
     """``(frame, lean)``: the region's frame, and whether its facts let it run lean; a frame
     that may not is handed to the generic path (``region.open_region``)."""
     _outputs.pop_hook()
-    frame = _reentrant.ReentrantFrame(fn, args, {}, spec, name, None)
-    if frame.module_state.root is None:
+    _structure.check_args(name, args, kwargs)
+    frame = _reentrant.ReentrantFrame(fn, args, kwargs, spec, name, None)
+    if frame.module_state.root is None or frame.same_as or not frame.arguments:
         return frame, False
     facts = _facts.known(frame, frame.facts_key)
     if facts is None:

@@ -138,8 +138,9 @@ def _lean(frame: Any, tensors: tuple, grads: tuple) -> tuple:
     wrts = [x.detach().requires_grad_() if x.requires_grad else None for x in tensors]
     feeds = [x.detach() if w is None else w for x, w in zip(tensors, wrts)]
     frame.runs += 1
+    args, kwargs = frame.call_with(feeds)
     with _state.recomputing(), frame.module_state_restored(()), frame.replay.context(), torch.enable_grad():
-        out = frame.fn(*feeds)
+        out = frame.fn(*args, **kwargs)
     wrt = [w for w in wrts if w is not None] + frame.params
     found: list = [None] * len(wrt)
     if isinstance(out, torch.Tensor) and out.requires_grad and wrt:

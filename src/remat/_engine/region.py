@@ -253,8 +253,8 @@ def run(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, name: str,
         return run_marked(fn, args, kwargs, spec)
     fn, kwargs = _keywords_as_arguments(fn, kwargs)
     frame = None
-    if _lean.plain(spec, args, kwargs, context_fn):  # NOTE [Lean reentrant calls] (lean.py)
-        frame, lean = _lean.open_frame(fn, args, spec, name)
+    if _lean.plain(spec, context_fn):  # NOTE [Lean reentrant calls] (lean.py)
+        frame, lean = _lean.open_frame(fn, args, kwargs, spec, name)
         if lean:
             return _run_lean(frame)
     handle = open_region(fn, args, kwargs, spec, name=name, context_fn=context_fn, frame=frame)
@@ -288,9 +288,10 @@ def _keywords_as_arguments(fn: Callable, kwargs: dict) -> tuple[Callable, dict]:
 
 def _run_lean(frame: Any) -> Any:
     """NOTE [Lean reentrant calls]: the forward on the arguments' aliases, without grad."""
+    args, kwargs = frame.call_with(frame.aliases)  # NOTE [Observed reads]
     try:
         with torch.no_grad():
-            output = frame.fn(*frame.aliases)
+            output = frame.fn(*args, **kwargs)
     except BaseException as err:
         frame.abandon()
         _explain_reentrant_error(_Handle(frame, Contexts(), (), {}), err)

@@ -1,0 +1,156 @@
+"""The lean path of reentrant module regions (NOTE [Lean reentrant calls] in ``_engine/lean.py``).
+
+Each case runs three steps (the first observed, the next two on the facts) and is bitwise
+against the unmarked model; the counts say which path each call took, so a case that
+should go lean and does not, or one that should leave it and does not, fails.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import remat
+from remat._engine import lean as _lean
+from remat._engine import reentrant_backward as _backward
+from tests._harness import assert_bitwise_equal
+
+
+def _count(monkeypatch) -> dict:
+    """How many calls opened lean, closed lean and went back through the lean backward."""
+    seen = {"open": 0, "close": 0, "backward": 0}
+    open_frame, close, backward = _lean.open_frame, _lean.close, _backward._lean
+
+    def counting_open(*args):
+        frame, lean = open_frame(*args)
+        seen["open"] += lean
+        return frame, lean
+
+    def counting_close(frame, output):
+        result = close(frame, output)
+        seen["close"] += result is not None
+        return result
+
+    def counting_backward(*args):
+        seen["backward"] += 1
+        return backward(*args)
+
+    monkeypatch.setattr(_lean, "open_frame", counting_open)
+    monkeypatch.setattr(_lean, "close", counting_close)
+    monkeypatch.setattr(_backward, "_lean", counting_backward)
+    return seen
+
+
+class Block(torch.nn.Module):
+    """``kind`` picks what the forward returns: a tensor, a tuple, a view, its argument."""
+
+    def __init__(self, kind: str = "tensor") -> None:
+        super().__init__()
+        self.fc, self.kind = torch.nn.Linear(4, 4), kind
+
+    def forward(self, x, *, mask=None, scale=1.0):
+        h = torch.tanh(self.fc(x)) * scale
+        if mask is not None:
+            h = h * mask
+        if self.kind == "tuple":
+            return h, h.sum(-1)
+        if self.kind == "view":
+            return h.t()
+        if self.kind == "argument":
+            return x, h
+        return h
+
+
+WEIGHTS = torch.randn(2, 4)
+
+
+def _train(model: torch.nn.Module, call, steps: int = 3, create_graph: bool = False) -> list:
+    g = torch.Generator().manual_seed(0)
+    got = []
+    for _ in range(steps):
+        model.zero_grad()
+        x = torch.randn(2, 4, generator=g).requires_grad_()
+        out = call(model, x)
+        outs = out if isinstance(out, tuple) else (out,)
+        if create_graph:  # a gradient penalty: the re-run's graph is differentiated again (the
+            # loss linear in the output: one the output's gradient depends on reaches the
+            # parameters through a second re-run, a separate sum, rounding as documented)
+            (gx,) = torch.autograd.grad((outs[0] * WEIGHTS).sum(), x, create_graph=True)
+            loss = gx.pow(2).sum()
+        else:
+            loss = sum(o.pow(2).sum() for o in outs)
+        loss.backward()
+        got += [x.grad, *(p.grad for p in model.parameters())]
+    return got
+
+
+def _compare(monkeypatch, kind: str, call, create_graph: bool = False) -> dict:
+    torch.manual_seed(0)
+    base = Block(kind)
+    marked = remat.recompute_module(copy.deepcopy(base), use_reentrant=True)
+    want = _train(base, call, create_graph=create_graph)
+    seen = _count(monkeypatch)
+    assert_bitwise_equal(_train(marked, call, create_graph=create_graph), want)
+    return seen
+
+
+MASK = torch.rand(2, 4)
+
+
+@pytest.mark.parametrize("keywords", [False, True])
+def test_a_plain_call_goes_lean_after_its_first_and_trains_bitwise(monkeypatch, keywords):
+    def call(model, x):
+        return model(x, mask=MASK, scale=0.5) if keywords else model(x)
+
+    assert _compare(monkeypatch, "tensor", call) == {"open": 2, "close": 2, "backward": 2}
+
+
+@pytest.mark.parametrize("kind", ["tuple", "view", "argument"])
+def test_an_output_the_lean_close_does_not_take_goes_through_the_generic_one(monkeypatch, kind):
+    seen = _compare(monkeypatch, kind, lambda model, x: model(x))
+    assert seen == {"open": 2, "close": 0, "backward": 0}
+
+
+def test_a_gradient_penalty_leaves_the_lean_backward(monkeypatch):
+    seen = _compare(monkeypatch, "tensor", lambda model, x: model(x), create_graph=True)
+    assert seen == {"open": 2, "close": 2, "backward": 0}
+
+
+def test_a_parameter_hook_registered_after_forward_leaves_the_lean_backward(monkeypatch):
+    """A hook on a parameter is silenced in the nested backward and runs once, when the
+    Function hands the gradient on: the generic backward does that."""
+    torch.manual_seed(0)
+    base = Block()
+    marked = remat.recompute_module(copy.deepcopy(base), use_reentrant=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    marked(x).sum().backward()  # observed
+    seen = _count(monkeypatch)
+    calls = []
+    out, want = marked(x), base(x)
+    for model in (marked, base):
+        model.fc.weight.register_hook(lambda g: calls.append(g.clone()))
+    out.sum().backward()
+    want.sum().backward()
+    assert seen == {"open": 1, "close": 1, "backward": 0}
+    assert len(calls) == 2
+    assert_bitwise_equal(calls[0], calls[1])
+
+
+def test_an_argument_repeated_in_a_call_does_not_go_lean(monkeypatch):
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, a, b):
+            return torch.tanh(self.fc(a)) * b
+
+    torch.manual_seed(0)
+    base = Twice()
+    marked = remat.recompute_module(copy.deepcopy(base), use_reentrant=True)
+    want = _train(base, lambda model, x: model(x, x))
+    seen = _count(monkeypatch)
+    assert_bitwise_equal(_train(marked, lambda model, x: model(x, x)), want)
+    assert seen == {"open": 0, "close": 0, "backward": 0}
