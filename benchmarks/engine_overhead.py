@@ -211,6 +211,21 @@ def _row(times: list, base: list, baseline: str, ops: int) -> dict:
     }
 
 
+def _interleaved(configs: dict, x: torch.Tensor, rounds: int, device: str) -> dict:
+    """``name -> [(forward, backward) seconds per round]``, the order rotating each round."""
+    for model, _ in configs.values():  # warm-up: the first call of each region is observed
+        for _ in range(2):
+            _step(model, x)
+    names = list(configs)
+    times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(_step(configs[name][0], x))
+    return times
+
+
 def run_case(width: int, shape: tuple, rounds: int, device: str) -> dict:
     """One width and input shape: every configuration, interleaved; ratios per round."""
     torch.manual_seed(0)
@@ -218,20 +233,68 @@ def run_case(width: int, shape: tuple, rounds: int, device: str) -> dict:
     x = torch.randn(*shape, width, device=device)
     configs = {name: (model.to(device), baseline) for name, (model, baseline) in configurations(base).items()}
     ops_per_block = operators_per_block(base[0], x)
-    for model, _ in configs.values():  # warm-up: the first call of each region is observed
-        for _ in range(2):
-            _step(model, x)
-    names = list(configs)
-    times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times[name].append(_step(configs[name][0], x))
+    times = _interleaved(configs, x, rounds, device)
     rows = {name: _row(times[name], times[configs[name][1]], configs[name][1], BLOCKS * ops_per_block)
             for name in names}
     case = {"width": width, "shape": list(shape), "ops_per_block": ops_per_block, "rows": rows}
+    print(render([case], {"device": device, "rounds": rounds}).split("\n", 4)[-1], flush=True)
+    return case
+
+
+def _hf_configurations(width: int, device: str) -> dict | None:
+    """A 12-layer Llama of ``width`` marked through Hugging Face's own switch, by torch's
+    checkpoint and by remat's (``remat.gradient_checkpointing_enable``); None without
+    transformers."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    transformers.logging.set_verbosity_error()
+    heads = max(2, width // 32)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=4 * width,
+                                      num_hidden_layers=BLOCKS, num_attention_heads=heads,
+                                      num_key_value_heads=heads // 2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).to(device).train()
+    out = {"unmarked": (base, "unmarked")}
+    for r, tag in ((False, "non-reentrant"), (True, "reentrant")):
+        torch_marked, remat_marked = copy.deepcopy(base), copy.deepcopy(base)
+        torch_marked.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": r})
+        remat.gradient_checkpointing_enable(remat_marked, use_reentrant=r)
+        out[f"torch switch {tag}"] = (torch_marked, f"torch switch {tag}")
+        out[f"remat switch {tag}"] = (remat_marked, f"torch switch {tag}")
+    return out
+
+
+class _Loss(torch.nn.Module):
+    """A causal LM called as the other stacks are: ``model(ids)`` returns the loss."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids.long(), labels=ids.long()).loss
+
+
+def run_hf_case(width: int, rounds: int, device: str) -> dict | None:
+    """Hugging Face's switch, torch's checkpoint against remat's, at ``width`` (2 x 16 tokens)."""
+    import warnings
+
+    configs = _hf_configurations(width, device)
+    if configs is None:
+        return None
+    configs = {name: (_Loss(model), baseline) for name, (model, baseline) in configs.items()}
+    ids = torch.randint(0, 256, (2, 16), device=device).float()  # _step clones it as floats
+    with _Count() as count:
+        configs["unmarked"][0](ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the switch's notice that it turns the cache off
+        times = _interleaved(configs, ids, rounds, device)
+    rows = {name: _row(times[name], times[configs[name][1]], configs[name][1], count.n)
+            for name in configs}
+    case = {"width": width, "shape": [2, 16], "ops_per_block": count.n // BLOCKS, "rows": rows,
+            "title": f"Hugging Face's switch, a {BLOCKS}-layer Llama of width {width}"}
     print(render([case], {"device": device, "rounds": rounds}).split("\n", 4)[-1], flush=True)
     return case
 
@@ -247,7 +310,8 @@ def render(cases: list, meta: dict) -> str:
               "the whole step and in the backward.")
     lines = [title, "", command, "", legend, ""]
     for case in cases:
-        lines += [f"#### width {case['width']}, input {case['shape']} ({case['ops_per_block']} operators per block)",
+        head = case.get("title", f"width {case['width']}, input {case['shape']}")
+        lines += [f"#### {head} ({case['ops_per_block']} operators per block)",
                   "", ("| configuration | against | step ms | ratio | IQR | forward | backward | us/op "
                   "| backward us/op |"), "|---|---|---|---|---|---|---|---|---|"]
         for name, row in case["rows"].items():
@@ -275,6 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
     cases = [run_case(w, s, rounds, args.device) for w, s in small]
     large_rounds = max(8, rounds // 2) if args.device == "cuda" else max(5, rounds // 6)
     cases += [run_case(w, s, large_rounds, args.device) for w, s in large]
+    hf = [run_hf_case(w, rounds, args.device) for w in ((64,) if args.quick else (64, 256))]
+    cases += [case for case in hf if case is not None]
     meta = {"device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
             "rounds": rounds, "torch": torch.__version__}
     report = render(cases, meta)
