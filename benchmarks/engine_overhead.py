@@ -235,7 +235,7 @@ def run_case(width: int, shape: tuple, rounds: int, device: str) -> dict:
     ops_per_block = operators_per_block(base[0], x)
     times = _interleaved(configs, x, rounds, device)
     rows = {name: _row(times[name], times[configs[name][1]], configs[name][1], BLOCKS * ops_per_block)
-            for name in names}
+            for name in configs}
     case = {"width": width, "shape": list(shape), "ops_per_block": ops_per_block, "rows": rows}
     print(render([case], {"device": device, "rounds": rounds}).split("\n", 4)[-1], flush=True)
     return case
