@@ -587,7 +587,10 @@ def call(module: nn.Module, mode: tuple | None, args: tuple, kwargs: dict) -> An
     opts = dict(opts)
     if "context" in opts:
         opts["context_fn"] = CONTEXTS[opts.pop("context")]()
-    fn = _form(module, opts.pop("form", "module"))
+    form = opts.pop("form", "module")
+    fn = _form(module, form)
+    if form == "partial" and kwargs:  # Hugging Face's call: the keywords bound in the partial
+        fn, kwargs = functools.partial(module, **kwargs), {}
     if api == "recompute":
         return remat.recompute(fn, *args, **opts, **kwargs)
     if api == "checkpoint":
