@@ -154,3 +154,30 @@ def test_an_argument_repeated_in_a_call_does_not_go_lean(monkeypatch):
     seen = _count(monkeypatch)
     assert_bitwise_equal(_train(marked, lambda model, x: model(x, x)), want)
     assert seen == {"open": 0, "close": 0, "backward": 0}
+
+
+def test_a_re_run_that_returns_another_structure_is_refused(monkeypatch):
+    """The forward returned a tensor, the re-run (a branch on a flag changed before
+    backward, which remat cannot see) a tuple: refused, not paired by guess."""
+    flag = [False]
+
+    class Branches(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x))
+            return (h, h.sum()) if flag[0] else h
+
+    block = remat.recompute_module(Branches(), use_reentrant=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    block(x).sum().backward()  # observed
+    before = [x.grad.clone(), *(p.grad.clone() for p in block.parameters())]
+    seen = _count(monkeypatch)
+    out = block(x)
+    flag[0] = True
+    with pytest.raises(remat.RecomputeError, match="re-run in backward returned tuple"):
+        out.sum().backward()
+    assert seen == {"open": 1, "close": 1, "backward": 1}
+    assert_bitwise_equal([x.grad, *(p.grad for p in block.parameters())], before)  # nothing changed

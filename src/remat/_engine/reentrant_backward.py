@@ -141,9 +141,17 @@ def _lean(frame: Any, tensors: tuple, grads: tuple) -> tuple:
     args, kwargs = frame.call_with(feeds)
     with _state.recomputing(), frame.module_state_restored(()), frame.replay.context(), torch.enable_grad():
         out = frame.fn(*args, **kwargs)
+    if type(out) is not torch.Tensor:
+        raise RecomputeError(
+            f"remat: region '{frame.name}' (use_reentrant=True): its re-run in backward returned "
+            f"{type(out).__name__} where its forward returned a tensor, so remat cannot pair the "
+            f"output gradient with the re-run; make the region return the same structure each "
+            f"time (no branch on state that changes between forward and backward), or use "
+            f"use_reentrant=False"
+        )
     wrt = [w for w in wrts if w is not None] + frame.params
     found: list = [None] * len(wrt)
-    if isinstance(out, torch.Tensor) and out.requires_grad and wrt:
+    if out.requires_grad and wrt:
         outside = _facts.outside_reads(frame)  # NOTE [Reads that vary]
         found = list(torch.autograd.grad((out,), wrt + outside, grads[:1], allow_unused=True))
         _refuse_unforeseen(frame, outside, found[len(wrt):])
