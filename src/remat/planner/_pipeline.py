@@ -49,6 +49,8 @@ from typing import Any
 import torch
 
 from remat.memory import format_bytes
+from remat.planner._pipeline_compose import Composer, composer_for, stage_key
+from remat.planner._pipeline_rank import plan_rank
 from remat.planner._plan import Plan
 from remat.planner._schedule import _matched, in_flight, in_flight_counts, schedule_actions
 from remat.planner._solve import BudgetError
@@ -276,6 +278,7 @@ def _stage_inputs(stages: Sequence[Any], example: Any, target: Any, dtype: torch
             built = build_in(make, dtype)
             inputs[i], x = _Spec(x), built(x)
             inputs[("blocks", i)] = _block_names(built)
+            inputs[("key", i)] = stage_key(built, inputs[i], i == len(stages) - 1)
     return inputs
 
 
@@ -377,6 +380,11 @@ def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_micr
                          f"marks train exactly under {schedule.__name__} too")
     inputs = _stage_inputs(stages, example, target, dtype, fake)
     wait_next = issubclass(schedule, schedules.Schedule1F1B)
+    if fake:  # NOTE [A rank's peak composed]
+        composer = composer_for(stages, inputs, n_microbatches, loss_fn or _sum_loss, wait_next, plan_options)
+        ranks = [_plan_composed(rank, composer, order[rank], budgets[rank], schedule.__name__,
+                                plan_options.get("solver", "auto")) for rank in sorted(order)]
+        return PipelinePlan(schedule.__name__, n_microbatches, tuple(ranks))
     ranks = []
     for rank in sorted(order):
         held = sorted({s for _, s, _ in order[rank]})
@@ -421,6 +429,22 @@ def _plan_rank(rank: int, step: _RankStep, stages: list, budget: Any, fake: bool
                           floor_bytes=err.floor_bytes) from err
     kept = _kept_per_microbatch(model, chosen, held, step.inputs, plan_options.get("dtype"))
     return RankPlan(rank, tuple(held), in_flight(step.actions), kept, chosen)
+
+
+def _plan_composed(rank: int, composer: Composer, actions: list, budget: Any, schedule: str,
+                   solver: str) -> RankPlan:
+    """``rank``'s plan on fake tensors, its peak composed (NOTE [A rank's peak composed])."""
+    actions = _matched(actions)
+    held = sorted({s for _, s, _ in actions})
+    try:
+        chosen = plan_rank(composer, actions, held, budget, solver)
+    except BudgetError as err:
+        raise BudgetError(f"{API}: rank {rank} (stages {held}, {in_flight(actions)} micro-batches "
+                          f"in flight under {schedule}): {err}", budget_bytes=err.budget_bytes,
+                          floor_bytes=err.floor_bytes) from err
+    kept = composer.kept(held, {s: {d.name.partition(".")[2]: d.choice for d in chosen.decisions
+                                    if d.name.split(".")[0] == str(pos)} for pos, s in enumerate(held)})
+    return RankPlan(rank, tuple(held), in_flight(actions), kept, chosen)
 
 
 def _kept_per_microbatch(model: Any, chosen: Plan, held: list[int], inputs: dict[Any, Any],

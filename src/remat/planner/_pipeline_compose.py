@@ -1,0 +1,287 @@
+"""Fake-tensor pipeline plans composed from one micro-batch per distinct stage (layer 4).
+
+NOTE [A rank's peak composed]
+Replaying a rank's whole loop (`remat.planner._pipeline._RankStep`) for every option of the
+cost model runs each stage's forward and backward once per micro-batch per option: a 70B
+model on 8 ranks with 32 micro-batches is minutes of fake tensors. But a micro-batch through
+a stage does the same to the bytes alive whichever micro-batch it is; what differs is only
+what the loop holds around it (NOTE [What a pipeline rank holds]). So for fake stages:
+
+- each stage's cost model (bytes kept and re-run times per block and option, `BlockCosts`)
+  is measured once, on one micro-batch's forward and backward, and shared by the stages that
+  are observed equal (`stage_key`: classes, parameter and buffer shapes and dtypes, input,
+  whether the loss follows), such as the middle stages of a Llama;
+- a plan's peak on a rank is composed exactly: each stage it holds is run once under the
+  tracker with its part of the plan applied, a first and a later micro-batch (a backward
+  that makes its parameters' gradients, one that adds to them), giving a `StageProfile`;
+  `remat.planner._timeline.rank_peak` then walks the schedule's actions on byte counts as
+  the replay walks them on tensors, what the loop and its sends hold included; the
+  optimizer's step is measured once per rank (no mark changes it);
+- the solver chooses on the cost model with each block's kept bytes times the micro-batches
+  its stage holds at once (``_rank_problem``), offset so that it predicts the unmarked rank's
+  composed peak; every plan it chooses is composed, and re-solved on a lowered target while
+  that peak exceeds the budget (NOTE [Solve, measure, lower the target]).
+
+A plan's ``measured_peak_bytes`` is that composed peak: checked against the replay to within
+1% in ``tests/test_pipeline_plan.py`` (and the replay, to the byte, against real pipelines).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remat.memory.internal import Step
+from remat.planner._cost import BlockCosts, composed_costs, measure_costs
+from remat.planner._settings import Machine, Settings, Solving, mark_choices
+from remat.planner._solve import OPTIONS
+from remat.planner._timeline import StageProfile, rank_peak
+
+API = "remat.plan_pipeline"
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a fake stage is run on: its factory, input, output, and the loss after it.
+
+    Attributes:
+        make: builds the stage (in the fake mode).
+        index: its index in the pipeline.
+        last: the loss follows it.
+        inputs: ``(input, output gradient or None, target or None)``, each a
+            ``remat.planner._pipeline._Spec``.
+        blocks: its blocks' names in the stage.
+        key: `stage_key`: stages of one key share their measurements.
+    """
+
+    make: Callable[[], torch.nn.Module]
+    index: int
+    last: bool
+    inputs: tuple
+    blocks: tuple[str, ...]
+    key: tuple
+
+
+def stage_key(stage: torch.nn.Module, spec: Any, last: bool) -> tuple:
+    """What two stages must share to be measured once (observed, not named): each module's
+    class in order, every parameter's and buffer's shape and dtype, the input's, and whether
+    the loss follows."""
+    classes = tuple(type(m) for m in stage.modules())
+    tensors = tuple((tuple(t.shape), t.dtype) for t in (*stage.parameters(), *stage.buffers()))
+    return classes, tensors, (spec.shape, spec.dtype), last
+
+
+class _OneMicrobatch:
+    """A stage's loop for one micro-batch: its forward and backward, as the replay runs them
+    (a fresh input, the output's gradient a buffer of ones, the loss after the last stage)."""
+
+    def __init__(self, spec: StageSpec, loss_fn: Callable) -> None:
+        self.spec, self.loss_fn = spec, loss_fn
+
+    def tensors(self) -> tuple:
+        x, grad, target = (None if s is None else torch.zeros(s.shape, dtype=s.dtype, device=s.device)
+                           for s in self.spec.inputs)
+        if self.spec.index > 0:
+            x.requires_grad_(x.is_floating_point())
+        return x, (None if grad is None else torch.ones_like(grad)), target
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> None:
+        x, grad, target = self.tensors()
+        y = model(x)
+        if self.spec.last:
+            self.loss_fn(y, target).backward()
+        else:
+            y.backward(grad)
+
+
+class _Segments:
+    """The tracker's live bytes, the most of them since `start`."""
+
+    def __init__(self, tracker: Any) -> None:
+        self.tracker, self.top = tracker, 0
+        tracker.on_change = self.see
+
+    def see(self, live: int, phase: str, module: str) -> None:
+        self.top = max(self.top, live)
+
+    def start(self) -> int:
+        self.top = self.tracker.live_bytes
+        return self.top
+
+    def since(self, start: int) -> tuple[int, int]:
+        return self.top - start, self.tracker.live_bytes - start
+
+
+def stage_profile(spec: StageSpec, choices: dict[str, str], loss_fn: Callable,
+                  dtype: torch.dtype | None) -> StageProfile:
+    """Run one stage, ``choices`` marked, for a first and a later micro-batch under the tracker
+    (NOTE [A rank's peak composed])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.memory import track
+    from remat.memory.internal import build_in
+
+    one = _OneMicrobatch(spec, loss_fn)
+    with FakeTensorMode():
+        stage = build_in(spec.make, dtype)
+        stage.train()
+        mark_choices(dict(stage.named_modules()), choices)
+        rounds, freed = [], (0, 0)
+        with track(stage) as tracker:
+            seg = _Segments(tracker)
+            for _ in range(2):
+                got, freed = _profile_round(stage, one, seg)
+                rounds.append(got)
+    (forward, loss, first), (_, _, later) = rounds
+    return StageProfile(forward=forward, loss=loss, backward=(first, later), output_bytes=freed[1],
+                        input_grad_bytes=freed[0])
+
+
+def _profile_round(stage: torch.nn.Module, one: _OneMicrobatch, seg: _Segments) -> tuple:
+    """One micro-batch's forward, loss and backward: their ``(peak, net)``, and the bytes freed
+    by letting go of the input's gradient, then of the output (and loss)."""
+    x, grad, target = one.tensors()
+    start = seg.start()
+    y = stage(x)
+    forward = seg.since(start)
+    loss, lossed = None, (0, 0)
+    if one.spec.last:
+        start = seg.start()
+        loss = one.loss_fn(y, target)
+        lossed = seg.since(start)
+    start = seg.start()
+    (loss if loss is not None else y).backward(None if loss is not None else grad)
+    backward = seg.since(start)
+    before = seg.tracker.live_bytes
+    if x.requires_grad:
+        x.grad = None
+    dropped = before - seg.tracker.live_bytes
+    before = seg.tracker.live_bytes
+    del y, loss
+    return (forward, lossed, backward), (dropped, before - seg.tracker.live_bytes)
+
+
+def _nbytes(spec: Any) -> int:
+    if spec is None:
+        return 0
+    numel = 1
+    for n in spec.shape:
+        numel *= n
+    return numel * torch.empty((), dtype=spec.dtype).element_size()
+
+
+class Composer:
+    """The measurements of a fake-tensor pipeline plan, each made once and shared (NOTE [A
+    rank's peak composed]): stage profiles per plan, cost models and optimizer phases per key.
+
+    Args:
+        specs: every stage's `StageSpec`, in pipeline order.
+        n_microbatches: micro-batches per step.
+        loss_fn: the schedule's loss function.
+        latest: each send is let go at the next one (``Schedule1F1B``).
+        settings: the planner's settings for the stages' cost models (fake tensors).
+        dtype: the stages' dtype.
+    """
+
+    def __init__(self, specs: list[StageSpec], n_microbatches: int, loss_fn: Callable, latest: bool,
+                 settings: Settings, dtype: torch.dtype | None) -> None:
+        self.specs, self.n, self.loss_fn, self.latest = specs, n_microbatches, loss_fn, latest
+        self.settings, self.dtype = settings, dtype
+        self._profiles: dict[tuple, StageProfile] = {}
+        self._costs: dict[tuple, BlockCosts] = {}
+        self._bases: dict[tuple, tuple[int, int]] = {}
+
+    def profile(self, stage: int, choices: dict[str, str]) -> StageProfile:
+        spec = self.specs[stage]
+        key = (spec.key, tuple(sorted((n, c) for n, c in choices.items() if c != "keep")))
+        if key not in self._profiles:
+            self._profiles[key] = stage_profile(spec, choices, self.loss_fn, self.dtype)
+        return self._profiles[key]
+
+    def costs(self, stage: int) -> BlockCosts:
+        """The cost model of a stage's blocks for one micro-batch (shared by equal stages)."""
+        spec = self.specs[stage]
+        if spec.key not in self._costs:
+            self._costs[spec.key] = _stage_costs(spec, self.loss_fn, self.settings, self.dtype)
+        return self._costs[spec.key]
+
+    def kept(self, held: list[int], choices: dict[int, dict[str, str]]) -> int:
+        """What one micro-batch's forward through the rank's stages leaves alive, ``choices`` marked."""
+        return sum(self.profile(s, choices[s]).forward[1] + self.profile(s, choices[s]).loss[1] for s in held)
+
+    def peak(self, actions: list, held: list[int], choices: dict[int, dict[str, str]]) -> int:
+        """A rank's peak with each stage it holds marked as ``choices[stage]`` says."""
+        last = len(self.specs) - 1
+        profiles = {s: self.profile(s, choices[s]) for s in held}
+        buffers = self.n * sum(_nbytes(self.specs[s].inputs[0]) + _nbytes(self.specs[s].inputs[1])
+                               + _nbytes(self.specs[s].inputs[2]) for s in held)
+        baseline, optimizer = self.base(held)
+        return max(baseline + rank_peak(actions, profiles, last, buffers, self.latest), optimizer)
+
+    def base(self, held: list[int]) -> tuple[int, int]:
+        """What a rank holds before its loop (parameters, the optimizer's state) and the peak of
+        its optimizer's step, measured once per rank of one key (no mark changes them)."""
+        key = tuple(self.specs[s].key for s in held)
+        if key not in self._bases:
+            self._bases[key] = _rank_base([self.specs[s].make for s in held], self.settings.optimizer,
+                                          self.dtype)
+        return self._bases[key]
+
+
+def _rank_base(makers: list[Callable], optimizer: Any, dtype: torch.dtype | None) -> tuple[int, int]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.memory.internal import Step, build_in
+    from remat.memory.profile import measure
+
+    def gradients(model: torch.nn.Module, batch: Any) -> None:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+
+    with FakeTensorMode():
+        model = torch.nn.ModuleList(build_in(make, dtype) for make in makers)
+        report = measure(model, (), step=Step(custom=gradients, api=API), optimizer=optimizer,
+                         estimated=True, api=API)
+    return report.baseline_bytes, report.phase_peaks.get("optimizer", 0)
+
+
+def _stage_costs(spec: StageSpec, loss_fn: Callable, settings: Settings,
+                 dtype: torch.dtype | None) -> BlockCosts:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.memory.internal import Step, build_in, identical_container
+    from remat.planner._trace import find_blocks
+
+    with FakeTensorMode():
+        stage = build_in(spec.make, dtype)
+        stage.train()
+        # a type given as blocks= selects in each stage; names are the stage's own blocks
+        types = isinstance(settings.blocks, (type, tuple))
+        mine = settings.replace(step=Step(custom=_OneMicrobatch(spec, loss_fn), api=API), optimizer=None,
+                                blocks=settings.blocks if types else list(spec.blocks))
+        blocks = find_blocks(stage, mine.blocks)
+        container = identical_container(stage, blocks) if mine.compose else None
+        costs = composed_costs(stage, blocks, container, mine) if container is not None else None
+        return costs if costs is not None else measure_costs(stage, blocks, mine)
+
+
+def composer_for(stages: list, inputs: dict, n_microbatches: int, loss_fn: Callable, latest: bool,
+                 plan_options: dict) -> Composer:
+    """The `Composer` of fake ``stages`` (factories) from `remat.planner._pipeline._stage_inputs`'s
+    ``inputs`` and `plan_pipeline`'s options for `remat.plan`."""
+    last = len(stages) - 1
+    specs = [StageSpec(make, i, i == last, (inputs[i], None if i == last else inputs[i + 1],
+                                            inputs["target"] if i == last else None),
+                       tuple(inputs[("blocks", i)]), inputs[("key", i)]) for i, make in enumerate(stages)]
+    options = plan_options.get("options", OPTIONS)
+    settings = Settings(step=Step(api=API), optimizer=plan_options.get("optimizer", "adam"),
+                        blocks=plan_options.get("blocks"), options=tuple(dict.fromkeys(("keep", *options))),
+                        machine=Machine(fake=True, device=plan_options.get("device") or inputs[0].device.type,
+                                        throughput=plan_options.get("throughput")),
+                        solving=Solving(solver=plan_options.get("solver", "auto")),
+                        progress=plan_options.get("progress"), compose=plan_options.get("compose", True))
+    return Composer(specs, n_microbatches, loss_fn, latest, settings, plan_options.get("dtype"))

@@ -1,0 +1,146 @@
+"""A fake-tensor pipeline rank's plan, solved on its stages' cost models and checked by the
+composed peak (NOTE [A rank's peak composed] in ``_pipeline_compose.py``; layer 4)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from remat.memory import format_bytes
+from remat.planner._budget import parse_budget
+from remat.planner._loop import fit
+from remat.planner._pipeline_compose import Composer
+from remat.planner._result import Decision, Measured, Plan
+from remat.planner._solve import (
+    BLOCK_OPTIONS,
+    BudgetError,
+    Problem,
+    Solution,
+    evaluate,
+    floor,
+    solve,
+)
+
+API = "remat.plan_pipeline"
+
+
+def stage_counts(actions: list) -> dict[int, int]:
+    """Per stage of a rank, the most of its micro-batches held at once (forward run, backward not)."""
+    held: dict[int, int] = {}
+    most: dict[int, int] = {}
+    for kind, stage, _ in actions:
+        held[stage] = held.get(stage, 0) + (1 if kind == "F" else -1)
+        most[stage] = max(most.get(stage, 0), held[stage])
+    return most
+
+
+class _RankProblem:
+    """A rank's blocks (its stages' in order) as one solver problem: each block's kept bytes
+    times the micro-batches its stage holds at once, its times per step (NOTE [A rank's peak
+    composed]); `problems` is offset so that it predicts ``keep_peak``, the composed peak
+    with no mark, and never below ``base`` (the optimizer's step)."""
+
+    def __init__(self, composer: Composer, held: list[int], counts: dict[int, int]) -> None:
+        self.held, self.composer = held, composer
+        self.costs = [composer.costs(s) for s in held]
+        self.options = list(dict.fromkeys(o for c in self.costs for o in c.options))
+        #: per block: (stage, name in the stage, name in the rank's ModuleList, class name)
+        self.blocks = [(s, name, f"{pos}.{name}".rstrip("."), kind) for pos, (s, c) in enumerate(zip(held, self.costs))
+                       for name, kind in zip(c.names, c.types)]
+        self.counts = counts
+
+    def problems(self, keep_peak: float, base: float) -> tuple[Problem, Problem]:
+        """``(ranking, calibrated)``: the problem the solver chooses on and the one whose times
+        predict the plan's extra seconds (NOTE [Plans timing noise cannot flip])."""
+        out = []
+        for ranking in (True, False):
+            raw = self._joined([c.problem(ranking=ranking) for c in self.costs], 0.0, base)
+            offset = keep_peak - evaluate(raw, [0] * raw.blocks)[0]
+            out.append(self._joined([c.problem(ranking=ranking) for c in self.costs], offset, base))
+        return out[0], out[1]
+
+    def _joined(self, problems: list[Problem], offset: float, base: float) -> Problem:
+        n = self.composer.n
+        kept, time_of, rebuilt, fixed, output, chain, last_held, ends, tails = ([] for _ in range(9))
+        for s, c, p in zip(self.held, self.costs, problems):
+            k, start = self.counts.get(s, 1), c.memory.baseline_bytes
+            columns = [p.options.index(o) if o in p.options else None for o in self.options]
+            for i in range(p.blocks):
+                mine = [None if o is None else p.kept[i][o] for o in columns]
+                kept.append([None if b is None else k * b for b in mine])
+                time_of.append([0.0 if o is None else n * p.time[i][o] for o in columns])
+                rebuilt.append([(p.rebuilt_of(i, o) + (k - 1) * p.kept[i][o]) if o is not None
+                                and p.kept[i][o] is not None else 0.0 for o in columns])
+                fixed.append(p.fixed[i] - start + offset)
+                output.append(p.output[i])
+                chain.append(n * p.extra_time(i))
+                last_held.append(p.held_last(i))
+            ends.append(p.end - start)
+            tails.append(None if p.tail is None else p.tail - start)
+        tail = max((t for t in tails if t is not None), default=None)
+        return Problem(kept=kept, time=time_of, rebuilt=rebuilt, fixed=fixed, output=output,
+                       end=max(ends) + offset, chain_time=chain, base=base, last_held=last_held,
+                       tail=None if tail is None else tail + offset, options=self.options)
+
+    def choices(self, solution: Sequence[str]) -> dict[int, dict[str, str]]:
+        """The solution's options per stage, by block name in the stage."""
+        out: dict[int, dict[str, str]] = {s: {} for s in self.held}
+        for (s, name, _, _), choice in zip(self.blocks, solution):
+            out[s][name] = choice
+        return out
+
+
+def plan_rank(composer: Composer, actions: list, held: list[int], budget: Any, solver: str) -> Plan:
+    """One rank's plan on fake tensors (NOTE [A rank's peak composed]): solved on its stages'
+    cost models, its peak composed and re-solved for while it exceeds ``budget``."""
+    rank = _RankProblem(composer, held, stage_counts(actions))
+    keep_peak = composer.peak(actions, held, {s: {} for s in held})
+    base = composer.base(held)[1]
+    ranking, problem = rank.problems(keep_peak, base)
+    value, fractional = parse_budget(budget, API)
+    budget_bytes = value * keep_peak if fractional else value
+    least = floor(ranking)
+
+    def solved(target: float, _rejected: Sequence[Solution]) -> Solution | None:
+        try:
+            found = solve(ranking, target, resolution=max(1.0, target / 8192), solver=solver)
+        except BudgetError:
+            return None
+        choice = [problem.options.index(c) for c in found.choices]
+        return dataclasses.replace(found, time=evaluate(problem, choice)[1])
+
+    def composed(solution: Solution) -> int:
+        return composer.peak(actions, held, rank.choices(solution.choices))
+
+    def refused(over: Sequence[int], exhausted: bool) -> BudgetError:
+        shown = min(over) if over else max(least, budget_bytes + 1)
+        return BudgetError(f"{API}: no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes:,.0f} "
+                           f"bytes); the smallest peak reached is {format_bytes(shown)} ({shown:,.0f} bytes; "
+                           f"no recompute: {format_bytes(keep_peak)}); raise the budget",
+                           budget_bytes=budget_bytes, floor_bytes=shown)
+
+    start = time.perf_counter()
+    solution, measured, _ = fit(budget_bytes, solved, composed, lambda over: None, refused)
+    return _made(rank, problem, solution, (budget_bytes, keep_peak, least, measured), time.perf_counter() - start)
+
+
+def _made(rank: _RankProblem, problem: Problem, solution: Solution, peaks: tuple, seconds: float) -> Plan:
+    budget, keep_peak, least, measured = peaks
+    decisions = []
+    for i, ((_, _, name, kind), choice) in enumerate(zip(rank.blocks, solution.choices)):
+        o = problem.options.index(choice)
+        kept = problem.kept[i][o] / max(1, rank.counts.get(rank.blocks[i][0], 1))
+        decisions.append(Decision(name, kind, choice, float(kept), problem.time[i][o]))
+    step = [c.step.seconds for c in rank.costs]
+    timing = rank.costs[0].step.timing if rank.costs else "roofline"
+    return Plan(decisions=tuple(decisions), budget_bytes=int(budget), predicted_peak_bytes=int(solution.peak),
+                predicted_extra_s=solution.time,
+                step_s=None if None in step else rank.composer.n * sum(step),
+                no_recompute_peak_bytes=int(keep_peak), floor_bytes=int(least),
+                measured=Measured(peak_bytes=measured), solver=solution.solver, solve_s=seconds,
+                timing=f"{timing}; each stage measured on one micro-batch, the rank's peak composed")
+
+
+__all__ = ["BLOCK_OPTIONS", "plan_rank", "stage_counts"]
