@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from remat.memory import format_bytes
-from remat.planner._pipeline_compose import Composer, composer_for, stage_key
+from remat.planner._pipeline_compose import Composer, composer_for, observe_stage
 from remat.planner._pipeline_rank import plan_rank
 from remat.planner._plan import Plan
 from remat.planner._schedule import _matched, in_flight, in_flight_counts, schedule_actions
@@ -256,7 +256,7 @@ class PipelinePlan:
 
 
 def _stage_inputs(stages: Sequence[Any], example: Any, target: Any, dtype: torch.dtype | None,
-                  fake: bool) -> dict[Any, Any]:
+                  fake: bool, blocks: Any = None) -> dict[Any, Any]:
     """What each stage receives for one micro-batch (the example, then each stage's output) and
     the last stage's ``"target"``: real tensors, or the shapes of fake ones run through the
     stages' factories."""
@@ -275,10 +275,9 @@ def _stage_inputs(stages: Sequence[Any], example: Any, target: Any, dtype: torch
         x = fake_inputs(mode, (example,), dtype)[0]
         inputs = {"target": None if target is None else _Spec(fake_inputs(mode, (target,), dtype)[0])}
         for i, make in enumerate(stages):
-            built = build_in(make, dtype)
-            inputs[i], x = _Spec(x), built(x)
-            inputs[("blocks", i)] = _block_names(built)
-            inputs[("key", i)] = stage_key(built, inputs[i], i == len(stages) - 1)
+            inputs[i] = _Spec(x)
+            x, inputs[("blocks", i)], *keys = observe_stage(build_in(make, dtype), x, i == len(stages) - 1, blocks)
+            inputs[("key", i)] = keys
     return inputs
 
 
@@ -378,7 +377,7 @@ def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_micr
                          f"backward, which hold memory in ways this planner does not replay; plan with "
                          f"the schedule's non-split counterpart (ScheduleInterleaved1F1B, Schedule1F1B): "
                          f"marks train exactly under {schedule.__name__} too")
-    inputs = _stage_inputs(stages, example, target, dtype, fake)
+    inputs = _stage_inputs(stages, example, target, dtype, fake, plan_options.get("blocks"))
     wait_next = issubclass(schedule, schedules.Schedule1F1B)
     if fake:  # NOTE [A rank's peak composed]
         composer = composer_for(stages, inputs, n_microbatches, loss_fn or _sum_loss, wait_next, plan_options)

@@ -28,6 +28,7 @@ A plan's ``measured_peak_bytes`` is that composed peak: checked against the repl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,8 @@ class StageSpec:
             ``remat.planner._pipeline._Spec``.
         blocks: its blocks' names in the stage.
         key: `stage_key`: stages of one key share their measurements.
+        blocks_key: ``(key, parameters outside the blocks)`` (`observe_stage`): stages of one
+            key share the cost model of their blocks, measured on the one with the fewest.
     """
 
     make: Callable[[], torch.nn.Module]
@@ -63,6 +66,39 @@ class StageSpec:
     inputs: tuple
     blocks: tuple[str, ...]
     key: tuple
+    blocks_key: tuple
+
+
+def observe_stage(stage: torch.nn.Module, x: torch.Tensor, last: bool, blocks: Any) -> tuple:
+    """Run a fake stage on its input ``x``: ``(output, its blocks' names, its `stage_key`, its
+    blocks' key)``. The blocks' key is what stages must share for one cost model of their blocks
+    (each block's class, parameters and inputs, as the run shows them), with the parameters
+    outside the blocks: the stage with the fewest is the one measured."""
+    from remat._front.blocks import find_blocks
+    from remat.memory.internal import signature
+    from remat.planner._trace import find_blocks as select
+
+    chosen = select(stage, blocks) if isinstance(blocks, (type, tuple)) else find_blocks(stage)
+    chosen = chosen or [("", stage)]
+    seen: dict[str, tuple] = {}
+    hooks = [m.register_forward_pre_hook(functools.partial(_note_inputs, seen, n), with_kwargs=True)
+             for n, m in chosen]
+    try:
+        y = stage(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    inside = sum(p.numel() for _, m in chosen for p in m.parameters())
+    outside = sum(p.numel() for p in stage.parameters()) - inside
+    key = stage_key(stage, x, last)
+    return y, tuple(n for n, _ in chosen), key, (tuple((signature(m), seen.get(n)) for n, m in chosen), outside)
+
+
+def _note_inputs(seen: dict, name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    from torch.utils._pytree import tree_leaves
+
+    seen[name] = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
+                       for t in tree_leaves((args, kwargs)))
 
 
 def stage_key(stage: torch.nn.Module, spec: Any, last: bool) -> tuple:
@@ -71,7 +107,7 @@ def stage_key(stage: torch.nn.Module, spec: Any, last: bool) -> tuple:
     the loss follows."""
     classes = tuple(type(m) for m in stage.modules())
     tensors = tuple((tuple(t.shape), t.dtype) for t in (*stage.parameters(), *stage.buffers()))
-    return classes, tensors, (spec.shape, spec.dtype), last
+    return classes, tensors, (tuple(spec.shape), spec.dtype), last
 
 
 class _OneMicrobatch:
@@ -202,11 +238,15 @@ class Composer:
         return self._profiles[key]
 
     def costs(self, stage: int) -> BlockCosts:
-        """The cost model of a stage's blocks for one micro-batch (shared by equal stages)."""
-        spec = self.specs[stage]
-        if spec.key not in self._costs:
-            self._costs[spec.key] = _stage_costs(spec, self.loss_fn, self.settings, self.dtype)
-        return self._costs[spec.key]
+        """The cost model of a stage's blocks for one micro-batch, shared by the stages whose
+        blocks are equal and measured on the one of them with the fewest parameters outside
+        its blocks (the solver's guide: each plan's peak is then composed, exactly)."""
+        key = self.specs[stage].blocks_key[0]
+        if key not in self._costs:
+            group = [s for s in self.specs if s.blocks_key[0] == key]
+            measured = min(group, key=lambda s: (s.blocks_key[1], s.index))
+            self._costs[key] = _stage_costs(measured, self.loss_fn, self.settings, self.dtype)
+        return self._costs[key]
 
     def kept(self, held: list[int], choices: dict[int, dict[str, str]]) -> int:
         """What one micro-batch's forward through the rank's stages leaves alive, ``choices`` marked."""
@@ -214,12 +254,15 @@ class Composer:
 
     def peak(self, actions: list, held: list[int], choices: dict[int, dict[str, str]]) -> int:
         """A rank's peak with each stage it holds marked as ``choices[stage]`` says."""
+        return max(self.loop_peak(actions, held, choices), self.base(held)[1])
+
+    def loop_peak(self, actions: list, held: list[int], choices: dict[int, dict[str, str]]) -> int:
+        """A rank's peak in its loop (forwards and backwards; not the optimizer's step)."""
         last = len(self.specs) - 1
         profiles = {s: self.profile(s, choices[s]) for s in held}
         buffers = self.n * sum(_nbytes(self.specs[s].inputs[0]) + _nbytes(self.specs[s].inputs[1])
                                + _nbytes(self.specs[s].inputs[2]) for s in held)
-        baseline, optimizer = self.base(held)
-        return max(baseline + rank_peak(actions, profiles, last, buffers, self.latest), optimizer)
+        return self.base(held)[0] + rank_peak(actions, profiles, last, buffers, self.latest)
 
     def base(self, held: list[int]) -> tuple[int, int]:
         """What a rank holds before its loop (parameters, the optimizer's state) and the peak of
@@ -259,10 +302,8 @@ def _stage_costs(spec: StageSpec, loss_fn: Callable, settings: Settings,
     with FakeTensorMode():
         stage = build_in(spec.make, dtype)
         stage.train()
-        # a type given as blocks= selects in each stage; names are the stage's own blocks
-        types = isinstance(settings.blocks, (type, tuple))
         mine = settings.replace(step=Step(custom=_OneMicrobatch(spec, loss_fn), api=API), optimizer=None,
-                                blocks=settings.blocks if types else list(spec.blocks))
+                                blocks=list(spec.blocks))
         blocks = find_blocks(stage, mine.blocks)
         container = identical_container(stage, blocks) if mine.compose else None
         costs = composed_costs(stage, blocks, container, mine) if container is not None else None
@@ -276,7 +317,7 @@ def composer_for(stages: list, inputs: dict, n_microbatches: int, loss_fn: Calla
     last = len(stages) - 1
     specs = [StageSpec(make, i, i == last, (inputs[i], None if i == last else inputs[i + 1],
                                             inputs["target"] if i == last else None),
-                       tuple(inputs[("blocks", i)]), inputs[("key", i)]) for i, make in enumerate(stages)]
+                       tuple(inputs[("blocks", i)]), *inputs[("key", i)]) for i, make in enumerate(stages)]
     options = plan_options.get("options", OPTIONS)
     settings = Settings(step=Step(api=API), optimizer=plan_options.get("optimizer", "adam"),
                         blocks=plan_options.get("blocks"), options=tuple(dict.fromkeys(("keep", *options))),

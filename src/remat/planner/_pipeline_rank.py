@@ -48,15 +48,16 @@ class _RankProblem:
         self.options = list(dict.fromkeys(o for c in self.costs for o in c.options))
         #: per block: (stage, name in the stage, name in the rank's ModuleList, class name)
         self.blocks = [(s, name, f"{pos}.{name}".rstrip("."), kind) for pos, (s, c) in enumerate(zip(held, self.costs))
-                       for name, kind in zip(c.names, c.types)]
+                       for name, kind in zip(composer.specs[s].blocks, c.types)]
         self.counts = counts
 
     def problems(self, keep_peak: float, base: float) -> tuple[Problem, Problem]:
         """``(ranking, calibrated)``: the problem the solver chooses on and the one whose times
-        predict the plan's extra seconds (NOTE [Plans timing noise cannot flip])."""
+        predict the plan's extra seconds (NOTE [Plans timing noise cannot flip]); ``keep_peak``:
+        the loop's composed peak unmarked, ``base`` the optimizer step's."""
         out = []
         for ranking in (True, False):
-            raw = self._joined([c.problem(ranking=ranking) for c in self.costs], 0.0, base)
+            raw = self._joined([c.problem(ranking=ranking) for c in self.costs], 0.0, 0.0)
             offset = keep_peak - evaluate(raw, [0] * raw.blocks)[0]
             out.append(self._joined([c.problem(ranking=ranking) for c in self.costs], offset, base))
         return out[0], out[1]
@@ -96,9 +97,10 @@ def plan_rank(composer: Composer, actions: list, held: list[int], budget: Any, s
     """One rank's plan on fake tensors (NOTE [A rank's peak composed]): solved on its stages'
     cost models, its peak composed and re-solved for while it exceeds ``budget``."""
     rank = _RankProblem(composer, held, stage_counts(actions))
-    keep_peak = composer.peak(actions, held, {s: {} for s in held})
     base = composer.base(held)[1]
-    ranking, problem = rank.problems(keep_peak, base)
+    loop_peak = composer.loop_peak(actions, held, {s: {} for s in held})
+    keep_peak = max(loop_peak, base)
+    ranking, problem = rank.problems(loop_peak, base)
     value, fractional = parse_budget(budget, API)
     budget_bytes = value * keep_peak if fractional else value
     least = floor(ranking)
