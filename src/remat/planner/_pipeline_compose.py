@@ -134,17 +134,28 @@ class _OneMicrobatch:
 
 
 class _Segments:
-    """The tracker's live bytes, the most of them since `start`."""
+    """The tracker's live bytes, the most of them since `start`; and in a backward, the most
+    of them less the parameters' gradients made so far: the same backward's when those
+    gradients exist already (NOTE [A later backward, from the first])."""
 
-    def __init__(self, tracker: Any) -> None:
+    def __init__(self, tracker: Any, parameters: list[torch.nn.Parameter]) -> None:
         self.tracker, self.top = tracker, 0
+        self.made, self.top_later, self.seen = 0, 0, set()
         tracker.on_change = self.see
+        self.hooks = [p.register_post_accumulate_grad_hook(self.accumulated) for p in parameters]
 
     def see(self, live: int, phase: str, module: str) -> None:
         self.top = max(self.top, live)
+        self.top_later = max(self.top_later, live - self.made)
+
+    def accumulated(self, p: torch.nn.Parameter) -> None:
+        if id(p) not in self.seen:  # a parameter used twice adds its second gradient in place
+            self.seen.add(id(p))
+            self.made += p.grad.untyped_storage().nbytes()
 
     def start(self) -> int:
-        self.top = self.tracker.live_bytes
+        self.top = self.top_later = self.tracker.live_bytes
+        self.made = 0
         return self.top
 
     def since(self, start: int) -> tuple[int, int]:
@@ -153,8 +164,16 @@ class _Segments:
 
 def stage_profile(spec: StageSpec, choices: dict[str, str], loss_fn: Callable,
                   dtype: torch.dtype | None) -> StageProfile:
-    """Run one stage, ``choices`` marked, for a first and a later micro-batch under the tracker
-    (NOTE [A rank's peak composed])."""
+    """Run one stage, ``choices`` marked, for one micro-batch under the tracker (NOTE [A rank's
+    peak composed]).
+
+    NOTE [A later backward, from the first]
+    A stage's first backward in a step makes its parameters' gradients: each is the tensor
+    its last operator made, kept (autograd steals it). A later one makes the same tensors and
+    adds each into the gradient there, in place, and frees it at once. So the later backward's
+    bytes alive are the first's less the gradients made so far, moment by moment: both
+    profiles come from one run (half the cost; equal to the replay's peaks to the byte in
+    ``tests/test_pipeline_plan.py``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.memory import track
@@ -165,20 +184,20 @@ def stage_profile(spec: StageSpec, choices: dict[str, str], loss_fn: Callable,
         stage = build_in(spec.make, dtype)
         stage.train()
         mark_choices(dict(stage.named_modules()), choices)
-        rounds, freed = [], (0, 0)
         with track(stage) as tracker:
-            seg = _Segments(tracker)
-            for _ in range(2):
-                got, freed = _profile_round(stage, one, seg)
-                rounds.append(got)
-    (forward, loss, first), (_, _, later) = rounds
+            seg = _Segments(tracker, [p for p in stage.parameters() if p.requires_grad])
+            try:
+                (forward, loss, first, later), freed = _profile_round(stage, one, seg)
+            finally:
+                for hook in seg.hooks:
+                    hook.remove()
     return StageProfile(forward=forward, loss=loss, backward=(first, later), output_bytes=freed[1],
                         input_grad_bytes=freed[0])
 
 
 def _profile_round(stage: torch.nn.Module, one: _OneMicrobatch, seg: _Segments) -> tuple:
-    """One micro-batch's forward, loss and backward: their ``(peak, net)``, and the bytes freed
-    by letting go of the input's gradient, then of the output (and loss)."""
+    """One micro-batch's forward, loss, first and later backward: their ``(peak, net)``, and the
+    bytes freed by letting go of the input's gradient, then of the output (and loss)."""
     x, grad, target = one.tensors()
     start = seg.start()
     y = stage(x)
@@ -190,14 +209,15 @@ def _profile_round(stage: torch.nn.Module, one: _OneMicrobatch, seg: _Segments) 
         lossed = seg.since(start)
     start = seg.start()
     (loss if loss is not None else y).backward(None if loss is not None else grad)
-    backward = seg.since(start)
+    first = seg.since(start)
+    later = (seg.top_later - start, first[1] - seg.made)
     before = seg.tracker.live_bytes
     if x.requires_grad:
         x.grad = None
     dropped = before - seg.tracker.live_bytes
     before = seg.tracker.live_bytes
     del y, loss
-    return (forward, lossed, backward), (dropped, before - seg.tracker.live_bytes)
+    return (forward, lossed, first, later), (dropped, before - seg.tracker.live_bytes)
 
 
 def _nbytes(spec: Any) -> int:

@@ -14,7 +14,6 @@ from remat.planner._loop import fit
 from remat.planner._pipeline_compose import Composer
 from remat.planner._result import Decision, Measured, Plan
 from remat.planner._solve import (
-    BLOCK_OPTIONS,
     BudgetError,
     Problem,
     Solution,
@@ -123,9 +122,29 @@ def plan_rank(composer: Composer, actions: list, held: list[int], budget: Any, s
                            f"no recompute: {format_bytes(keep_peak)}); raise the budget",
                            budget_bytes=budget_bytes, floor_bytes=shown)
 
+    def uniform(over: Sequence[int]) -> tuple[Solution, int] | None:
+        """The fastest plan marking every block alike whose composed peak fits (the cost
+        model is another stage's where stages share their blocks': it may mislead near a floor)."""
+        for choice in sorted((c for c in _uniform_choices(ranking)), key=lambda c: evaluate(ranking, c)[1]):
+            found = solution_of(choice)
+            peak = composed(found)
+            if peak <= budget_bytes:
+                return found, peak
+        return None
+
+    def solution_of(choice: list[int]) -> Solution:
+        peak, extra = evaluate(problem, choice)
+        return Solution(tuple(problem.options[c] for c in choice), peak, extra, "uniform fallback")
+
     start = time.perf_counter()
-    solution, measured, _ = fit(budget_bytes, solved, composed, lambda over: None, refused)
+    solution, measured, _ = fit(budget_bytes, solved, composed, uniform, refused)
     return _made(rank, problem, solution, (budget_bytes, keep_peak, least, measured), time.perf_counter() - start)
+
+
+def _uniform_choices(problem: Problem) -> list[list[int]]:
+    """Every option all of ``problem``'s blocks allow, as a choice per block (not ``keep``)."""
+    return [[o] * problem.blocks for o in range(1, len(problem.options))
+            if all(problem.kept[i][o] is not None for i in range(problem.blocks))]
 
 
 def _made(rank: _RankProblem, problem: Problem, solution: Solution, peaks: tuple, seconds: float) -> Plan:
@@ -144,5 +163,3 @@ def _made(rank: _RankProblem, problem: Problem, solution: Solution, peaks: tuple
                 measured=Measured(peak_bytes=measured), solver=solution.solver, solve_s=seconds,
                 timing=f"{timing}; each stage measured on one micro-batch, the rank's peak composed")
 
-
-__all__ = ["BLOCK_OPTIONS", "plan_rank", "stage_counts"]
