@@ -276,13 +276,15 @@ class Composer:
         """A rank's peak with each stage it holds marked as ``choices[stage]`` says."""
         return max(self.loop_peak(actions, held, choices), self.base(held)[1])
 
-    def loop_peak(self, actions: list, held: list[int], choices: dict[int, dict[str, str]]) -> int:
-        """A rank's peak in its loop (forwards and backwards; not the optimizer's step)."""
+    def loop_peak(self, actions: list, held: list[int], choices: dict[int, dict[str, str]],
+                  at_peak: dict | None = None) -> int:
+        """A rank's peak in its loop (forwards and backwards; not the optimizer's step); ``at_peak``
+        as for `rank_peak`."""
         last = len(self.specs) - 1
         profiles = {s: self.profile(s, choices[s]) for s in held}
         buffers = self.n * sum(_nbytes(self.specs[s].inputs[0]) + _nbytes(self.specs[s].inputs[1])
                                + _nbytes(self.specs[s].inputs[2]) for s in held)
-        return self.base(held)[0] + rank_peak(actions, profiles, last, buffers, self.latest)
+        return self.base(held)[0] + rank_peak(actions, profiles, last, buffers, self.latest, at_peak)
 
     def base(self, held: list[int]) -> tuple[int, int]:
         """What a rank holds before its loop (parameters, the optimizer's state) and the peak of

@@ -95,16 +95,25 @@ class _RankProblem:
 def plan_rank(composer: Composer, actions: list, held: list[int], budget: Any, solver: str) -> Plan:
     """One rank's plan on fake tensors (NOTE [A rank's peak composed]): solved on its stages'
     cost models, its peak composed and re-solved for while it exceeds ``budget``."""
-    rank = _RankProblem(composer, held, stage_counts(actions))
     base = composer.base(held)[1]
-    loop_peak = composer.loop_peak(actions, held, {s: {} for s in held})
+    at_peak: dict[int, int] = {}
+    loop_peak = composer.loop_peak(actions, held, {s: {} for s in held}, at_peak)
+    # each stage's kept bytes count as often as the unmarked peak holds them (a stage that
+    # holds none there: once, as its own moments do)
+    rank = _RankProblem(composer, held, {s: max(1, at_peak.get(s, 0)) for s in held})
     keep_peak = max(loop_peak, base)
     ranking, problem = rank.problems(loop_peak, base)
     value, fractional = parse_budget(budget, API)
     budget_bytes = value * keep_peak if fractional else value
     least = floor(ranking)
 
-    def solved(target: float, _rejected: Sequence[Solution]) -> Solution | None:
+    errors: dict[tuple, float] = {}  # the composed peak less the predicted one, per plan tried
+
+    def solved(target: float, rejected: Sequence[Solution]) -> Solution | None:
+        # a plan composed over the budget: the next is solved for the budget less the largest
+        # error of the prediction seen (the target lowered by the excess alone can find it again)
+        missed = max((errors.get(r.choices, 0.0) for r in rejected), default=0.0)
+        target = min(target, budget_bytes - missed)
         try:
             found = solve(ranking, target, resolution=max(1.0, target / 8192), solver=solver)
         except BudgetError:
@@ -113,7 +122,9 @@ def plan_rank(composer: Composer, actions: list, held: list[int], budget: Any, s
         return dataclasses.replace(found, time=evaluate(problem, choice)[1])
 
     def composed(solution: Solution) -> int:
-        return composer.peak(actions, held, rank.choices(solution.choices))
+        peak = composer.peak(actions, held, rank.choices(solution.choices))
+        errors[solution.choices] = peak - solution.peak
+        return peak
 
     def refused(over: Sequence[int], exhausted: bool) -> BudgetError:
         shown = min(over) if over else max(least, budget_bytes + 1)

@@ -39,13 +39,17 @@ class _Live:
         self.bytes = self.peak = start
         self.size: dict[Any, int] = {}
         self.holders: dict[Any, set] = {}
+        #: per stage, the micro-batches whose activations are held (the one running counted)
+        self.activations: dict[int, int] = {}
+        self.at_peak: dict[int, int] = {}
 
     def spike(self, extra: int) -> None:
-        self.peak = max(self.peak, self.bytes + extra)
+        if self.bytes + extra > self.peak:
+            self.peak, self.at_peak = self.bytes + extra, dict(self.activations)
 
     def grow(self, net: int) -> None:
         self.bytes += net
-        self.peak = max(self.peak, self.bytes)
+        self.spike(0)
 
     def made(self, tensor: Any, nbytes: int, holder: Any) -> None:
         """``tensor`` (counted already by a ``net``) is held by ``holder``."""
@@ -93,17 +97,20 @@ class _SendHolds:
 
 
 def rank_peak(actions: list, profiles: dict[int, StageProfile], last: int, buffer_bytes: int,
-              latest: bool) -> int:
+              latest: bool, at_peak: dict | None = None) -> int:
     """The most bytes a rank's loop holds above what was alive before it (NOTE [A rank's peak
     composed]): ``actions`` its matched actions, ``profiles`` per stage it holds, ``last`` the
     last stage's index, ``buffer_bytes`` its receive buffers and targets (made first), ``latest``
-    whether each send is let go at the next one (``Schedule1F1B``)."""
+    whether each send is let go at the next one (``Schedule1F1B``); ``at_peak`` (a dict) is
+    filled with the micro-batches each stage holds activations of at the peak."""
     live = _Live(buffer_bytes)
     sends = _SendHolds(actions, latest, live)
     local = None  # the tensor the loop's ``y`` names between actions
     seen: set[int] = set()
     for i, (kind, stage, mb) in enumerate(actions):
         p = profiles[stage]
+        held = live.activations
+        held[stage] = held.get(stage, 0) + 1 if kind == "F" else held.get(stage, 0)
         if kind == "F":
             live.spike(p.forward[0])
             live.grow(p.forward[1])
@@ -125,11 +132,14 @@ def rank_peak(actions: list, profiles: dict[int, StageProfile], last: int, buffe
         peak, net = p.backward[0 if first else 1]
         live.spike(peak)
         live.grow(net)
+        held[stage] -= 1
         if stage > 0 and p.input_grad_bytes:
             grad = ("grad", stage, mb)
             live.made(grad, p.input_grad_bytes, "new")
             sends.add("B", grad, i)
             live.let_go(grad, "new")
+    if at_peak is not None:
+        at_peak.update(live.at_peak)
     return live.peak
 
 
