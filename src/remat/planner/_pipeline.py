@@ -13,14 +13,17 @@ computes for every rank (``pipeline_order``: forward, backward, or input and wei
 stage s for micro-batch m). A schedule that computes its order this way works without a change
 here.
 
-Each rank is then planned as one model, `remat.plan` over a ``ModuleList`` of its stages, for
-the loop that rank runs: `_RankStep` replays its actions in the schedule's order on real
-tensors (a stage's input, a fresh tensor per micro-batch as a receive buffer is, is kept until
+Each rank of real stages is then planned as one model, `remat.plan` over a ``ModuleList`` of
+its stages, for the loop that rank runs: `_RankStep` replays its actions in the schedule's order
+on real tensors (a stage's input, a fresh tensor per micro-batch as a receive buffer is, is kept until
 that micro-batch's backward, as the stage keeps it), so the planner measures and holds the
 rank's budget in that very loop (NOTE [The step users run]), with the micro-batches in flight
 that the schedule gives it. Schedules that split a backward into input and weight backwards
 (zero-bubble) are refused: torch holds intermediate gradients between the two in ways the replay
-does not reproduce (it underestimated a rank by 24%), and a plan must hold its budget.
+does not reproduce (it underestimated a rank by 24%), and a plan must hold its budget. Stages
+given as factories (fake tensors) are not replayed whole: each distinct stage is measured on one
+micro-batch and each rank's peak composed from the replay's rules on byte counts (NOTE [A rank's
+peak composed] in ``_pipeline_compose.py``), equal to the replay's; ``compose=False`` replays.
 
 NOTE [What a pipeline rank holds]
 Besides each micro-batch's activations, a rank running torch 2.13's schedules holds, and the
@@ -326,7 +329,12 @@ def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_micr
             schedule, half the stages for a multi-stage one.
         dtype: build factories' stages in this dtype.
         **plan_options: passed to [`remat.plan`][remat.plan] for every rank (``options``,
-            ``optimizer``, ``repeat``, ``blocks``, ``device``, ``throughput``, ...).
+            ``optimizer``, ``repeat``, ``blocks``, ``device``, ``throughput``, ...). With
+            factories, each distinct stage is measured once on one micro-batch and each rank's
+            peak composed (NOTE [A rank's peak composed]: a 70B model on 8 ranks with 32
+            micro-batches in seconds); ``compose=False`` replays each rank's whole loop
+            instead (the composition's reference; minutes at that size); ``blocks`` is then a
+            module type, or None for each stage's own blocks.
 
     Returns:
         A [`PipelinePlan`][remat.PipelinePlan]: one [`Plan`][remat.Plan] per rank.
@@ -379,7 +387,7 @@ def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_micr
                          f"marks train exactly under {schedule.__name__} too")
     inputs = _stage_inputs(stages, example, target, dtype, fake, plan_options.get("blocks"))
     wait_next = issubclass(schedule, schedules.Schedule1F1B)
-    if fake:  # NOTE [A rank's peak composed]
+    if fake and plan_options.get("compose", True):  # NOTE [A rank's peak composed]
         composer = composer_for(stages, inputs, n_microbatches, loss_fn or _sum_loss, wait_next, plan_options)
         ranks = [_plan_composed(rank, composer, order[rank], budgets[rank], schedule.__name__,
                                 plan_options.get("solver", "auto")) for rank in sorted(order)]
@@ -405,6 +413,11 @@ def _check_pipeline(stages: list, schedule: Any, n_microbatches: Any, plan_optio
         raise TypeError(f"{API}: schedule must be a schedule class (Schedule1F1B, ...), got {schedule!r}")
     if not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ValueError(f"{API}: n_microbatches must be a positive int, got {n_microbatches!r}")
+    blocks = plan_options.get("blocks")
+    if factories and plan_options.get("compose", True) and not (blocks is None or isinstance(blocks, (type, tuple))):
+        raise ValueError(f"{API}: with stage factories, blocks= must be a module type (the blocks of "
+                         f"that type in each stage) or None (each stage's own blocks), got "
+                         f"{type(blocks).__name__}; names differ from stage to stage")
     for key in ("step", "batch"):
         if key in plan_options:
             raise ValueError(f"{API}: {key}= is set by the pipeline planner (each rank's loop); "
