@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from remat.memory import format_bytes
-from remat.planner._pipeline_compose import Composer, composer_for, observe_stage
+from remat.planner._pipeline_compose import Composer, composer_for, observe_stages
 from remat.planner._pipeline_rank import plan_rank
 from remat.planner._plan import Plan
 from remat.planner._schedule import _matched, in_flight, in_flight_counts, schedule_actions
@@ -272,15 +272,13 @@ def _stage_inputs(stages: Sequence[Any], example: Any, target: Any, dtype: torch
         return inputs
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.memory.internal import build_in, fake_inputs
+    from remat.memory.internal import fake_inputs
 
     with FakeTensorMode() as mode, torch.no_grad():
         x = fake_inputs(mode, (example,), dtype)[0]
         inputs = {"target": None if target is None else _Spec(fake_inputs(mode, (target,), dtype)[0])}
-        for i, make in enumerate(stages):
-            inputs[i] = _Spec(x)
-            x, inputs[("blocks", i)], *keys = observe_stage(build_in(make, dtype), x, i == len(stages) - 1, blocks)
-            inputs[("key", i)] = keys
+        for i, (given, names, keys) in enumerate(observe_stages(stages, x, blocks, dtype)):
+            inputs[i], inputs[("blocks", i)], inputs[("key", i)] = _Spec(given), names, keys
     return inputs
 
 

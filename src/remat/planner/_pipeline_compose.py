@@ -69,6 +69,24 @@ class StageSpec:
     blocks_key: tuple
 
 
+def observe_stages(stages: list, x: torch.Tensor, blocks: Any, dtype: torch.dtype | None) -> list[tuple]:
+    """Each fake stage's ``(input, blocks' names, (key, blocks' key))`` (`observe_stage`), run in
+    the fake mode on the previous one's output; a stage of a key seen already is built, not run
+    (its output is that stage's)."""
+    from remat.memory.internal import build_in
+
+    out, seen = [], {}
+    for i, make in enumerate(stages):
+        built, last = build_in(make, dtype), i == len(stages) - 1
+        key = stage_key(built, x, last)
+        if key not in seen:
+            seen[key] = observe_stage(built, x, last, blocks)
+        y, names, key, blocks_key = seen[key]
+        out.append((x, names, (key, blocks_key)))
+        x = y
+    return out
+
+
 def observe_stage(stage: torch.nn.Module, x: torch.Tensor, last: bool, blocks: Any) -> tuple:
     """Run a fake stage on its input ``x``: ``(output, its blocks' names, its `stage_key`, its
     blocks' key)``. The blocks' key is what stages must share for one cost model of their blocks
