@@ -176,7 +176,9 @@ class RankPlan:
         in_flight: the most micro-batches it holds at once under the schedule (a
             micro-batch on two of its stages counts twice).
         kept_bytes: what one micro-batch's forward through its stages keeps for backward
-            with the plan applied (``remat.memory.saved_bytes``).
+            with the plan applied (``remat.memory.saved_bytes``; with stage factories, what
+            the tracker sees it leave alive besides the stages' outputs, which also counts
+            remat's random-state snapshots).
         plan: the [`Plan`][remat.Plan] of ``ModuleList(its stages)`` for its loop.
     """
 

@@ -7,20 +7,23 @@ model on 8 ranks with 32 micro-batches is minutes of fake tensors. But a micro-b
 a stage does the same to the bytes alive whichever micro-batch it is; what differs is only
 what the loop holds around it (NOTE [What a pipeline rank holds]). So for fake stages:
 
-- each stage's cost model (bytes kept and re-run times per block and option, `BlockCosts`)
-  is measured once, on one micro-batch's forward and backward, and shared by the stages that
-  are observed equal (`stage_key`: classes, parameter and buffer shapes and dtypes, input,
-  whether the loss follows), such as the middle stages of a Llama;
+- a cost model of the blocks (bytes kept and re-run times per block and option, `BlockCosts`)
+  is measured once, on one micro-batch's forward and backward, for all the stages whose blocks
+  are observed equal (`observe_stage`: each block's class, parameters and inputs), on the one
+  of them with the fewest parameters outside its blocks: one for every stage of a Llama;
 - a plan's peak on a rank is composed exactly: each stage it holds is run once under the
-  tracker with its part of the plan applied, a first and a later micro-batch (a backward
-  that makes its parameters' gradients, one that adds to them), giving a `StageProfile`;
-  `remat.planner._timeline.rank_peak` then walks the schedule's actions on byte counts as
-  the replay walks them on tensors, what the loop and its sends hold included; the
-  optimizer's step is measured once per rank (no mark changes it);
+  tracker with its part of the plan applied (`stage_profile`: its forward, its loss, its
+  backward, NOTE [A later backward, from the first]); stages observed equal (`stage_key`:
+  classes, parameters and buffers, input, whether the loss follows) share these runs, so a
+  Llama's middle stages are one. `remat.planner._timeline.rank_peak` then walks the schedule's
+  actions on byte counts as the replay walks them on tensors, what the loop and its sends hold
+  included; the optimizer's step is measured once per rank of one kind (no mark changes it);
 - the solver chooses on the cost model with each block's kept bytes times the micro-batches
-  its stage holds at once (``_rank_problem``), offset so that it predicts the unmarked rank's
-  composed peak; every plan it chooses is composed, and re-solved on a lowered target while
-  that peak exceeds the budget (NOTE [Solve, measure, lower the target]).
+  its stage holds at the unmarked peak (`remat.planner._pipeline_rank`), offset so that it
+  predicts the rank's composed peak unmarked; every plan it chooses is composed, and while
+  that is over the budget, solved again for the budget less the prediction's largest error
+  seen (NOTE [Solve, measure, lower the target]); where the solver finds nothing, the fastest
+  marking of every block alike whose composed peak fits is taken.
 
 A plan's ``measured_peak_bytes`` is that composed peak: checked against the replay to within
 1% in ``tests/test_pipeline_plan.py`` (and the replay, to the byte, against real pipelines).
@@ -233,9 +236,10 @@ def _profile_round(stage: torch.nn.Module, one: _OneMicrobatch, seg: _Segments) 
     if x.requires_grad:
         x.grad = None
     dropped = before - seg.tracker.live_bytes
-    before = seg.tracker.live_bytes
+    before, own = seg.tracker.live_bytes, y.untyped_storage().nbytes()
     del y, loss
-    return (forward, lossed, first, later), (dropped, before - seg.tracker.live_bytes)
+    # the output's bytes: freed with it (the last stage's loss is freed with it, kept apart)
+    return (forward, lossed, first, later), (dropped, own if one.spec.last else before - seg.tracker.live_bytes)
 
 
 def _nbytes(spec: Any) -> int:
@@ -244,7 +248,7 @@ def _nbytes(spec: Any) -> int:
     numel = 1
     for n in spec.shape:
         numel *= n
-    return numel * torch.empty((), dtype=spec.dtype).element_size()
+    return numel * spec.dtype.itemsize
 
 
 class Composer:
@@ -287,8 +291,9 @@ class Composer:
         return self._costs[key]
 
     def kept(self, held: list[int], choices: dict[int, dict[str, str]]) -> int:
-        """What one micro-batch's forward through the rank's stages leaves alive, ``choices`` marked."""
-        return sum(self.profile(s, choices[s]).forward[1] + self.profile(s, choices[s]).loss[1] for s in held)
+        """What one micro-batch's forward through the rank's stages leaves alive besides their
+        outputs, ``choices`` marked (remat's random-state snapshots included)."""
+        return sum(self.profile(s, choices[s]).forward[1] - self.profile(s, choices[s]).output_bytes for s in held)
 
     def peak(self, actions: list, held: list[int], choices: dict[int, dict[str, str]]) -> int:
         """A rank's peak with each stage it holds marked as ``choices[stage]`` says."""

@@ -102,54 +102,64 @@ def plan_rank(composer: Composer, actions: list, held: list[int], budget: Any, s
     # holds none there: once, as its own moments do)
     rank = _RankProblem(composer, held, {s: max(1, at_peak.get(s, 0)) for s in held})
     keep_peak = max(loop_peak, base)
-    ranking, problem = rank.problems(loop_peak, base)
     value, fractional = parse_budget(budget, API)
-    budget_bytes = value * keep_peak if fractional else value
-    least = floor(ranking)
+    fitting = _RankFit(rank, actions, rank.problems(loop_peak, base), value * keep_peak if fractional else value,
+                       keep_peak, solver)
+    start = time.perf_counter()
+    solution, measured, _ = fit(fitting.budget, fitting.solved, fitting.composed, fitting.uniform, fitting.refused)
+    return _made(rank, fitting.problem, solution, (fitting.budget, keep_peak, fitting.least, measured),
+                 time.perf_counter() - start)
 
-    errors: dict[tuple, float] = {}  # the composed peak less the predicted one, per plan tried
 
-    def solved(target: float, rejected: Sequence[Solution]) -> Solution | None:
+class _RankFit:
+    """What `remat.planner._loop.fit` calls for one rank: the solver on its problem, the
+    composed peak of a plan, the uniform fallback, the error (NOTE [Solve, measure, lower the
+    target])."""
+
+    def __init__(self, rank: _RankProblem, actions: list, problems: tuple[Problem, Problem], budget: float,
+                 keep_peak: float, solver: str) -> None:
+        self.rank, self.actions, self.solver = rank, actions, solver
+        self.ranking, self.problem = problems
+        self.budget, self.keep_peak, self.least = budget, keep_peak, floor(self.ranking)
+        #: per plan composed, its composed peak less the predicted one
+        self.errors: dict[tuple, float] = {}
+        self.peaks: list[int] = []
+
+    def solved(self, target: float, rejected: Sequence[Solution]) -> Solution | None:
         # a plan composed over the budget: the next is solved for the budget less the largest
         # error of the prediction seen (the target lowered by the excess alone can find it again)
-        missed = max((errors.get(r.choices, 0.0) for r in rejected), default=0.0)
-        target = min(target, budget_bytes - missed)
+        missed = max((self.errors.get(r.choices, 0.0) for r in rejected), default=0.0)
+        target = min(target, self.budget - missed)
         try:
-            found = solve(ranking, target, resolution=max(1.0, target / 8192), solver=solver)
+            found = solve(self.ranking, target, resolution=max(1.0, target / 8192), solver=self.solver)
         except BudgetError:
             return None
-        choice = [problem.options.index(c) for c in found.choices]
-        return dataclasses.replace(found, time=evaluate(problem, choice)[1])
+        choice = [self.problem.options.index(c) for c in found.choices]
+        return dataclasses.replace(found, time=evaluate(self.problem, choice)[1])
 
-    def composed(solution: Solution) -> int:
-        peak = composer.peak(actions, held, rank.choices(solution.choices))
-        errors[solution.choices] = peak - solution.peak
+    def composed(self, solution: Solution) -> int:
+        rank = self.rank
+        peak = rank.composer.peak(self.actions, rank.held, rank.choices(solution.choices))
+        self.errors[solution.choices] = peak - solution.peak
+        self.peaks.append(peak)
         return peak
 
-    def refused(over: Sequence[int], exhausted: bool) -> BudgetError:
-        shown = min(over) if over else max(least, budget_bytes + 1)
-        return BudgetError(f"{API}: no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes:,.0f} "
-                           f"bytes); the smallest peak reached is {format_bytes(shown)} ({shown:,.0f} bytes; "
-                           f"no recompute: {format_bytes(keep_peak)}); raise the budget",
-                           budget_bytes=budget_bytes, floor_bytes=shown)
-
-    def uniform(over: Sequence[int]) -> tuple[Solution, int] | None:
-        """The fastest plan marking every block alike whose composed peak fits (the cost
-        model is another stage's where stages share their blocks': it may mislead near a floor)."""
-        for choice in sorted((c for c in _uniform_choices(ranking)), key=lambda c: evaluate(ranking, c)[1]):
-            found = solution_of(choice)
-            peak = composed(found)
-            if peak <= budget_bytes:
-                return found, peak
+    def uniform(self, over: Sequence[int]) -> tuple[Solution, int] | None:
+        """The fastest plan marking every block alike whose composed peak fits (the cost model
+        is another stage's where stages share their blocks': it may mislead near a floor)."""
+        for choice in sorted(_uniform_choices(self.ranking), key=lambda c: evaluate(self.ranking, c)[1]):
+            peak, extra = evaluate(self.problem, choice)
+            found = Solution(tuple(self.problem.options[c] for c in choice), peak, extra, "uniform fallback")
+            if self.composed(found) <= self.budget:
+                return found, self.peaks[-1]
         return None
 
-    def solution_of(choice: list[int]) -> Solution:
-        peak, extra = evaluate(problem, choice)
-        return Solution(tuple(problem.options[c] for c in choice), peak, extra, "uniform fallback")
-
-    start = time.perf_counter()
-    solution, measured, _ = fit(budget_bytes, solved, composed, uniform, refused)
-    return _made(rank, problem, solution, (budget_bytes, keep_peak, least, measured), time.perf_counter() - start)
+    def refused(self, over: Sequence[int], exhausted: bool) -> BudgetError:
+        shown = min(self.peaks) if self.peaks else max(self.least, self.budget + 1)
+        return BudgetError(f"{API}: no plan fits a budget of {format_bytes(self.budget)} ({self.budget:,.0f} "
+                           f"bytes); the smallest peak composed is {format_bytes(shown)} ({shown:,.0f} bytes; "
+                           f"no recompute: {format_bytes(self.keep_peak)}); raise the budget",
+                           budget_bytes=self.budget, floor_bytes=shown)
 
 
 def _uniform_choices(problem: Problem) -> list[list[int]]:
