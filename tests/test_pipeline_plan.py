@@ -210,7 +210,8 @@ def _llama_plan(name: str, n_stages: int, world: int, micro: int, budget, **opti
 
 
 def _replayed_peaks(name: str, n_stages: int, world: int, micro: int, plan: remat.PipelinePlan,
-                    optimizer) -> list[int]:
+                    optimizer, stages: list | None = None, example: torch.Tensor | None = None,
+                    loss=None) -> list[int]:
     """Each rank's peak with its plan applied, its whole loop replayed on fake tensors (`_RankStep`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -218,13 +219,14 @@ def _replayed_peaks(name: str, n_stages: int, world: int, micro: int, plan: rema
     from remat.planner._pipeline import _RankStep, _stage_inputs
     from remat.planner.internal import measure_peak
 
-    stages, schedule = llama_stages(LLAMA, n_stages), _schedule(name)
-    inputs = _stage_inputs(stages, torch.zeros(2, 32, dtype=torch.long), None, None, True)
+    stages, schedule = stages or llama_stages(LLAMA, n_stages), _schedule(name)
+    example = torch.zeros(2, 32, dtype=torch.long) if example is None else example
+    inputs = _stage_inputs(stages, example, None, None, True)
     order = schedule_actions(schedule, n_stages, world, micro)
     peaks = []
     for rank in sorted(order):
         held = list(plan.ranks[rank].stages)
-        step = _RankStep(held, order[rank], inputs, n_stages, micro, _next_token,
+        step = _RankStep(held, order[rank], inputs, n_stages, micro, _next_token if loss is None else loss,
                          sends_wait_next=name == "1F1B")
         with FakeTensorMode():
             model = torch.nn.ModuleList(build_in(stages[s], None) for s in held)
@@ -250,6 +252,26 @@ def test_a_composed_fake_plan_predicts_the_replay_of_each_rank(name, optimizer):
         assert all(abs(c - m) <= 0.01 * m for c, m in zip(composed, replayed, strict=True)), (composed, replayed)
     assert [r.plan.no_recompute_peak_bytes for r in marked.ranks] == [
         r.plan.measured_peak_bytes for r in unmarked.ranks]
+
+
+def _sum(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return output.sum()
+
+
+def _mlp_stage() -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
+                                                     torch.nn.Linear(128, 32)) for _ in range(2)])
+
+
+def test_equal_stages_of_a_float_input_keep_the_first_apart():
+    # four equal stages: the first one's input takes no gradient and sends none, so it is
+    # measured apart from the other three (which share one measurement)
+    stages, example = [_mlp_stage] * 4, torch.randn(16, 32)
+    p = remat.plan_pipeline(stages, example, schedule=_schedule("1F1B"), n_microbatches=6, budget=[0.9, 0.9, 1.0, 1.0],
+                            world_size=4, optimizer=None, loss_fn=_sum)
+    composed = [r.plan.measured_peak_bytes for r in p.ranks]
+    replayed = _replayed_peaks("1F1B", 4, 4, 6, p, None, stages, example, _sum)
+    assert composed == replayed
 
 
 def test_a_fake_plan_of_8_stages_and_32_microbatches_measures_each_distinct_stage_once(monkeypatch):

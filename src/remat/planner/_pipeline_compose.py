@@ -80,19 +80,19 @@ def observe_stages(stages: list, x: torch.Tensor, blocks: Any, dtype: torch.dtyp
 
     out, seen = [], {}
     for i, make in enumerate(stages):
-        built, last = build_in(make, dtype), i == len(stages) - 1
-        key = stage_key(built, x, last)
+        built, ends = build_in(make, dtype), (i == 0, i == len(stages) - 1)
+        key = stage_key(built, x, ends)
         if key not in seen:
-            seen[key] = observe_stage(built, x, last, blocks)
+            seen[key] = observe_stage(built, x, ends, blocks)
         y, names, key, blocks_key = seen[key]
         out.append((x, names, (key, blocks_key)))
         x = y
     return out
 
 
-def observe_stage(stage: torch.nn.Module, x: torch.Tensor, last: bool, blocks: Any) -> tuple:
-    """Run a fake stage on its input ``x``: ``(output, its blocks' names, its `stage_key`, its
-    blocks' key)``. The blocks' key is what stages must share for one cost model of their blocks
+def observe_stage(stage: torch.nn.Module, x: torch.Tensor, ends: tuple[bool, bool], blocks: Any) -> tuple:
+    """Run a fake stage on its input ``x`` (``ends``: whether it is the first, the last):
+    ``(output, its blocks' names, its `stage_key`, its blocks' key)``. The blocks' key is what stages must share for one cost model of their blocks
     (each block's class, parameters and inputs, as the run shows them), with the parameters
     outside the blocks: the stage with the fewest is the one measured."""
     from remat._front.blocks import find_blocks
@@ -111,7 +111,7 @@ def observe_stage(stage: torch.nn.Module, x: torch.Tensor, last: bool, blocks: A
             hook.remove()
     inside = sum(p.numel() for _, m in chosen for p in m.parameters())
     outside = sum(p.numel() for p in stage.parameters()) - inside
-    key = stage_key(stage, x, last)
+    key = stage_key(stage, x, ends)
     return y, tuple(n for n, _ in chosen), key, (tuple((signature(m), seen.get(n)) for n, m in chosen), outside)
 
 
@@ -122,13 +122,13 @@ def _note_inputs(seen: dict, name: str, module: torch.nn.Module, args: tuple, kw
                        for t in tree_leaves((args, kwargs)))
 
 
-def stage_key(stage: torch.nn.Module, spec: Any, last: bool) -> tuple:
+def stage_key(stage: torch.nn.Module, spec: Any, ends: tuple[bool, bool]) -> tuple:
     """What two stages must share to be measured once (observed, not named): each module's
-    class in order, every parameter's and buffer's shape and dtype, the input's, and whether
-    the loss follows."""
+    class in order, every parameter's and buffer's shape and dtype, the input's, and ``ends``:
+    whether it is the first stage (its input takes no gradient) and the last (the loss follows)."""
     classes = tuple(type(m) for m in stage.modules())
     tensors = tuple((tuple(t.shape), t.dtype) for t in (*stage.parameters(), *stage.buffers()))
-    return classes, tensors, (tuple(spec.shape), spec.dtype), last
+    return classes, tensors, (tuple(spec.shape), spec.dtype), ends
 
 
 class _OneMicrobatch:
