@@ -13,33 +13,16 @@ from remat.planner._budget import parse_budget
 from remat.planner._loop import fit
 from remat.planner._pipeline_compose import Composer
 from remat.planner._result import Decision, Measured, Plan
-from remat.planner._solve import (
-    BudgetError,
-    Problem,
-    Solution,
-    evaluate,
-    floor,
-    solve,
-)
+from remat.planner._solve import BudgetError, Problem, Solution, evaluate, floor, solve
 
 API = "remat.plan_pipeline"
 
 
-def stage_counts(actions: list) -> dict[int, int]:
-    """Per stage of a rank, the most of its micro-batches held at once (forward run, backward not)."""
-    held: dict[int, int] = {}
-    most: dict[int, int] = {}
-    for kind, stage, _ in actions:
-        held[stage] = held.get(stage, 0) + (1 if kind == "F" else -1)
-        most[stage] = max(most.get(stage, 0), held[stage])
-    return most
-
-
 class _RankProblem:
     """A rank's blocks (its stages' in order) as one solver problem: each block's kept bytes
-    times the micro-batches its stage holds at once, its times per step (NOTE [A rank's peak
-    composed]); `problems` is offset so that it predicts ``keep_peak``, the composed peak
-    with no mark, and never below ``base`` (the optimizer's step)."""
+    times ``counts[stage]``, the micro-batches its stage holds at the unmarked peak, its times
+    per step (NOTE [A rank's peak composed]); `problems` is offset so that it predicts the
+    composed peak with no mark, and never below the optimizer's step."""
 
     def __init__(self, composer: Composer, held: list[int], counts: dict[int, int]) -> None:
         self.held, self.composer = held, composer
