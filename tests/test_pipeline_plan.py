@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import remat
 from remat.models.llama import LlamaConfig, llama_stages, next_token_loss
-from remat.planner import RankPlan, in_flight_counts, schedule_actions
+from remat.planner import RankPlan, in_flight_counts
 from tests._harness import assert_bitwise_equal, assert_every_rank_succeeded, spawn_two_ranks
 from tests.test_pipeline import (
     MICRO,
@@ -209,30 +209,15 @@ def _llama_plan(name: str, n_stages: int, world: int, micro: int, budget, **opti
                                loss_fn=_next_token, world_size=world, **options)
 
 
-def _replayed_peaks(name: str, n_stages: int, world: int, micro: int, plan: remat.PipelinePlan,
-                    optimizer, stages: list | None = None, example: torch.Tensor | None = None,
-                    loss=None) -> list[int]:
-    """Each rank's peak with its plan applied, its whole loop replayed on fake tensors (`_RankStep`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _replayed_peaks(name: str, world: int, plan: remat.PipelinePlan, optimizer, stages: list | None = None,
+                    example: torch.Tensor | None = None, loss=None) -> list[int]:
+    """Each rank's peak with its plan applied, its whole loop replayed on fake tensors."""
+    from remat.planner.internal import replayed_peaks
 
-    from remat.memory.internal import Step, build_in
-    from remat.planner._pipeline import _RankStep, _stage_inputs
-    from remat.planner.internal import measure_peak
-
-    stages, schedule = stages or llama_stages(LLAMA, n_stages), _schedule(name)
-    example = torch.zeros(2, 32, dtype=torch.long) if example is None else example
-    inputs = _stage_inputs(stages, example, None, None, True)
-    order = schedule_actions(schedule, n_stages, world, micro)
-    peaks = []
-    for rank in sorted(order):
-        held = list(plan.ranks[rank].stages)
-        step = _RankStep(held, order[rank], inputs, n_stages, micro, _next_token if loss is None else loss,
-                         sends_wait_next=name == "1F1B")
-        with FakeTensorMode():
-            model = torch.nn.ModuleList(build_in(stages[s], None) for s in held)
-            plan.ranks[rank].plan.apply(model)
-            peaks.append(measure_peak(model, Step(custom=step, batch=()), optimizer=optimizer, fake=True))
-    return peaks
+    return replayed_peaks(plan, stages or llama_stages(LLAMA, 4),
+                          torch.zeros(2, 32, dtype=torch.long) if example is None else example,
+                          schedule=_schedule(name), loss_fn=loss or _next_token, world_size=world,
+                          optimizer=optimizer)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -248,7 +233,7 @@ def test_a_composed_fake_plan_predicts_the_replay_of_each_rank(name, optimizer):
     assert all(set(r.plan.choices.values()) == {"keep"} for r in unmarked.ranks)
     for p in (marked, unmarked):
         composed = [r.plan.measured_peak_bytes for r in p.ranks]
-        replayed = _replayed_peaks(name, 4, world, 6, p, optimizer)
+        replayed = _replayed_peaks(name, world, p, optimizer)
         assert all(abs(c - m) <= 0.01 * m for c, m in zip(composed, replayed, strict=True)), (composed, replayed)
     assert [r.plan.no_recompute_peak_bytes for r in marked.ranks] == [
         r.plan.measured_peak_bytes for r in unmarked.ranks]
@@ -270,7 +255,7 @@ def test_equal_stages_of_a_float_input_keep_the_first_apart():
     p = remat.plan_pipeline(stages, example, schedule=_schedule("1F1B"), n_microbatches=6, budget=[0.9, 0.9, 1.0, 1.0],
                             world_size=4, optimizer=None, loss_fn=_sum)
     composed = [r.plan.measured_peak_bytes for r in p.ranks]
-    replayed = _replayed_peaks("1F1B", 4, 4, 6, p, None, stages, example, _sum)
+    replayed = _replayed_peaks("1F1B", 4, p, None, stages, example, _sum)
     assert composed == replayed
 
 

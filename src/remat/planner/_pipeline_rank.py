@@ -167,3 +167,35 @@ def _made(rank: _RankProblem, problem: Problem, solution: Solution, peaks: tuple
                 measured=Measured(peak_bytes=measured), solver=solution.solver, solve_s=seconds,
                 timing=f"{timing}; each stage measured on one micro-batch, the rank's peak composed")
 
+
+
+def replayed_peaks(plan: Any, stages: list, example: Any, *, schedule: type, loss_fn: Any = None,
+                   target: Any = None, world_size: int | None = None, dtype: Any = None,
+                   optimizer: Any = "adam") -> list[int]:
+    """Each rank's peak with its part of ``plan`` (a `remat.PipelinePlan` of factories) applied,
+    its whole loop replayed on fake tensors (`remat.planner._pipeline._RankStep`): the reference
+    the composed peaks are checked against (NOTE [A rank's peak composed]); the other arguments
+    as `remat.plan_pipeline` was given them."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.pipelining import schedules
+
+    from remat.memory.internal import Step, build_in
+    from remat.planner._measure import measure_peak
+    from remat.planner._pipeline import _RankStep, _stage_inputs, _sum_loss
+    from remat.planner._schedule import schedule_actions
+
+    single = issubclass(schedule, schedules.PipelineScheduleSingle)
+    world = world_size or (len(stages) if single else max(1, len(stages) // 2))
+    inputs = _stage_inputs(stages, example, target, dtype, True)
+    order = schedule_actions(schedule, len(stages), world, plan.n_microbatches)
+    peaks = []
+    for rank in sorted(order):
+        held = list(plan.ranks[rank].stages)
+        step = _RankStep(held, order[rank], inputs, len(stages), plan.n_microbatches, loss_fn or _sum_loss,
+                         sends_wait_next=issubclass(schedule, schedules.Schedule1F1B))
+        with FakeTensorMode():
+            model = torch.nn.ModuleList(build_in(stages[s], dtype) for s in held)
+            plan.ranks[rank].plan.apply(model)
+            peaks.append(measure_peak(model, Step(custom=step, batch=()), optimizer=optimizer, fake=True))
+    return peaks
