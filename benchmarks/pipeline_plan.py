@@ -13,6 +13,15 @@ per-round ratio to the unmarked pipeline, and each rank's peak (``remat.memory.t
     OMP_NUM_THREADS=1 python benchmarks/pipeline_plan.py [--rounds 20]
 
 Writes ``benchmarks/results/pipeline_plan.{json,md}``.
+
+With ``--seventy``: the speed of a fake-tensor plan beyond this machine (NOTE [A rank's peak
+composed]): a Llama-2 70B (``remat.models.llama.llama_70b``, bfloat16, Adam) split into 8
+stages on 8 ranks under ``Schedule1F1B`` (16 stages under ``ScheduleInterleaved1F1B``), 32
+micro-batches of one 4096-token sequence, a budget of 120 GiB per rank: the seconds of each
+``remat.plan_pipeline`` call (``--repeat`` calls, the median kept) and each rank's peaks.
+With ``--check`` also each rank's whole loop replayed on fake tensors with its plan applied
+(``remat.planner.internal.replayed_peaks``, minutes): its peak beside the composed one.
+Writes ``benchmarks/results/pipeline_plan_70b.{json,md}``.
 """
 
 from __future__ import annotations
@@ -155,10 +164,80 @@ def _budget() -> int:
     return (first.ranks[0].plan.no_recompute_peak_bytes + first.ranks[-1].plan.no_recompute_peak_bytes) // 2
 
 
+SEVENTY_BUDGET = "120GiB"
+
+
+def seventy(repeat: int, check: bool) -> dict:
+    """The 70B plans' seconds and per-rank peaks under 1F1B and interleaved 1F1B (with ``check``,
+    each rank's peak replayed too)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
+    from remat.models.llama import llama_70b, llama_stages, next_token_loss
+
+    out = {"torch": torch.__version__, "budget": SEVENTY_BUDGET, "micro_batches": 32, "ranks": 8,
+           "tokens": 4096, "schedules": {}}
+    from remat.planner.internal import replayed_peaks
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(out)
+
+    for schedule, n_stages in ((Schedule1F1B, 8), (ScheduleInterleaved1F1B, 16)):
+        seconds, plan, stages, example = [], None, llama_stages(llama_70b(), n_stages), torch.zeros(1, 4096, dtype=torch.long)
+        for _ in range(repeat):
+            start = time.perf_counter()
+            plan = remat.plan_pipeline(stages, example, schedule=schedule, n_microbatches=32, budget=SEVENTY_BUDGET,
+                                       loss_fn=loss, dtype=torch.bfloat16, world_size=8, device="cuda")
+            seconds.append(time.perf_counter() - start)
+        replayed = (replayed_peaks(plan, stages, example, schedule=schedule, loss_fn=loss, world_size=8,
+                                   dtype=torch.bfloat16) if check else [None] * len(plan.ranks))
+        print(plan, f"\n{schedule.__name__}: {statistics.median(seconds):.1f} s (median of {repeat})", flush=True)
+        out["schedules"][schedule.__name__] = {
+            "seconds": seconds, "median_s": statistics.median(seconds), "table": str(plan),
+            "ranks": [{"rank": r.rank, "stages": list(r.stages), "in_flight": r.in_flight,
+                       "no_recompute_peak": r.plan.no_recompute_peak_bytes, "peak": r.plan.measured_peak_bytes,
+                       "replayed_peak": replayed[r.rank], "choices": sorted(set(r.plan.choices.values()))}
+                      for r in plan.ranks]}
+    return out
+
+
+def _seventy_markdown(data: dict) -> str:
+    gib = 2 ** 30
+    lines = [(f"Llama-2 70B (bfloat16, Adam), 8 ranks, {data['micro_batches']} micro-batches of one "
+             f"{data['tokens']}-token sequence, budget {data['budget']} per rank, fake tensors "
+             f"(`benchmarks/pipeline_plan.py --seventy`, torch {data['torch']}, this machine's CPU)."), ""]
+    for name, got in data["schedules"].items():
+        lines += [(f"**{name}**: planned in {got['median_s']:.1f} s (median of "
+                  f"{len(got['seconds'])}: {', '.join(f'{s:.1f}' for s in got['seconds'])})."), "",
+                  "| rank | stages | in flight | peak unmarked (GiB) | peak planned (GiB) | replayed (bytes) |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['rank']} | {','.join(map(str, r['stages']))} | {r['in_flight']} | "
+                  f"{r['no_recompute_peak'] / gib:.2f} | {r['peak'] / gib:.2f} | {_replayed(r)} |" for r in got["ranks"]]
+        lines += ["", "```", got["table"], "```", ""]
+    return "\n".join(lines)
+
+
+def _replayed(row: dict) -> str:
+    """The replayed peak's column: equal to the composed one, or both in bytes."""
+    if row.get("replayed_peak") is None:
+        return "-"
+    if row["replayed_peak"] == row["peak"]:
+        return f"equal ({row['peak']:,})"
+    return f"{row['replayed_peak']:,} (composed {row['peak']:,})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--seventy", action="store_true", help="time the 70B fake-tensor plans instead")
+    parser.add_argument("--repeat", type=int, default=3, help="--seventy: plans per schedule")
+    parser.add_argument("--check", action="store_true", help="--seventy: replay each rank's loop too (minutes)")
     args = parser.parse_args()
+    if args.seventy:
+        data = seventy(args.repeat, args.check)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "pipeline_plan_70b.json").write_text(json.dumps(data, indent=1))
+        (RESULTS / "pipeline_plan_70b.md").write_text(_seventy_markdown(data))
+        return
     budget = _budget()
     configs, table = _configs(budget)
     results = _run_ranks(configs, args.rounds)

@@ -38,6 +38,7 @@ PAGES: dict[str, list[str]] = {
                      "docs/sections/ecosystem_note.md"],
     "distributed.md": ["docs/sections/parallel.md"],
     "pipeline.md": ["docs/sections/pipeline.md", "benchmarks/results/pipeline_plan.md",
+                    "docs/sections/pipeline_70b.md", "benchmarks/results/pipeline_plan_70b.md",
                     "docs/sections/pipeline_note.md"],
     "benchmarks.md": ["docs/sections/demo.md", "benchmarks/results/checkpoint_vs_torch.md",
                       "docs/sections/engine.md", "benchmarks/results/engine_overhead.md"],

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import remat
+from remat.models.llama import LlamaConfig, llama_stages, next_token_loss
 from remat.planner import RankPlan, in_flight_counts
 from tests._harness import assert_bitwise_equal, assert_every_rank_succeeded, spawn_two_ranks
 from tests.test_pipeline import (
@@ -191,3 +192,97 @@ def test_a_plan_per_rank_trains_bitwise_and_holds_each_rank_budget(world):
             assert got["peak"] <= budget, (name, rank, got["peak"], budget, want["peak"])
         if name == "1F1B":
             assert first.choices != last.choices  # the last rank holds one micro-batch
+
+
+# --- fake-tensor plans composed from one micro-batch per stage (NOTE [A rank's peak composed]) ---
+
+LLAMA = LlamaConfig(layers=8, width=64, heads=4, hidden=128, vocab=256)
+
+
+def _next_token(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return next_token_loss(output)
+
+
+def _llama_plan(name: str, n_stages: int, world: int, micro: int, budget, **options) -> remat.PipelinePlan:
+    return remat.plan_pipeline(llama_stages(LLAMA, n_stages), torch.zeros(2, 32, dtype=torch.long),
+                               schedule=_schedule(name), n_microbatches=micro, budget=budget,
+                               loss_fn=_next_token, world_size=world, **options)
+
+
+def _replayed_peaks(name: str, world: int, plan: remat.PipelinePlan, optimizer, stages: list | None = None,
+                    example: torch.Tensor | None = None, loss=None) -> list[int]:
+    """Each rank's peak with its plan applied, its whole loop replayed on fake tensors."""
+    from remat.planner.internal import replayed_peaks
+
+    return replayed_peaks(plan, stages or llama_stages(LLAMA, 4),
+                          torch.zeros(2, 32, dtype=torch.long) if example is None else example,
+                          schedule=_schedule(name), loss_fn=loss or _next_token, world_size=world,
+                          optimizer=optimizer)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("optimizer", [None, "adam"])
+def test_a_composed_fake_plan_predicts_the_replay_of_each_rank(name, optimizer):
+    # each rank marked (a budget below its unmarked peak); its composed peak must be what the
+    # replay of its whole loop measures with the plan applied: within 1% (here to the byte)
+    world = 2 if name.startswith("Interleaved") else 4
+    marked = _llama_plan(name, 4, world, 6, 0.96 if optimizer else 0.9, optimizer=optimizer)
+    unmarked = _llama_plan(name, 4, world, 6, 1.0, optimizer=optimizer)
+    assert any(set(r.plan.choices.values()) != {"keep"} for r in marked.ranks)
+    assert all(r.plan.measured_peak_bytes <= r.plan.budget_bytes for r in marked.ranks)
+    assert all(set(r.plan.choices.values()) == {"keep"} for r in unmarked.ranks)
+    for p in (marked, unmarked):
+        composed = [r.plan.measured_peak_bytes for r in p.ranks]
+        replayed = _replayed_peaks(name, world, p, optimizer)
+        assert all(abs(c - m) <= 0.01 * m for c, m in zip(composed, replayed, strict=True)), (composed, replayed)
+    assert [r.plan.no_recompute_peak_bytes for r in marked.ranks] == [
+        r.plan.measured_peak_bytes for r in unmarked.ranks]
+
+
+def _sum(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return output.sum()
+
+
+def _mlp_stage() -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
+                                                     torch.nn.Linear(128, 32)) for _ in range(2)])
+
+
+def test_equal_stages_of_a_float_input_keep_the_first_apart():
+    # four equal stages: the first one's input takes no gradient and sends none, so it is
+    # measured apart from the other three (which share one measurement)
+    stages, example = [_mlp_stage] * 4, torch.randn(16, 32)
+    p = remat.plan_pipeline(stages, example, schedule=_schedule("1F1B"), n_microbatches=6, budget=[0.9, 0.9, 1.0, 1.0],
+                            world_size=4, optimizer=None, loss_fn=_sum)
+    composed = [r.plan.measured_peak_bytes for r in p.ranks]
+    replayed = _replayed_peaks("1F1B", 4, p, None, stages, example, _sum)
+    assert composed == replayed
+
+
+def test_a_fake_plan_of_8_stages_and_32_microbatches_measures_each_distinct_stage_once(monkeypatch):
+    # the shape of the 70B benchmark (benchmarks/pipeline_plan.py --seventy), small: 8 Llama
+    # stages under 1F1B with 32 micro-batches; the first, the middle and the last stages are
+    # three kinds, so the unmarked profiles are three runs, and one cost model serves all blocks
+    import remat.planner._pipeline_compose as compose
+
+    runs = {"profile": 0, "costs": 0}
+    for name, key in (("stage_profile", "profile"), ("_stage_costs", "costs")):
+        original = getattr(compose, name)
+
+        def counted(*args, _original=original, _key=key):
+            runs[_key] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(compose, name, counted)
+    config = LlamaConfig(layers=16, width=64, heads=4, hidden=128, vocab=256)
+    p = remat.plan_pipeline(llama_stages(config, 8), torch.zeros(2, 32, dtype=torch.long),
+                            schedule=_schedule("1F1B"), n_microbatches=32, budget=1.0, loss_fn=_next_token)
+    assert [r.in_flight for r in p.ranks] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert runs == {"profile": 3, "costs": 1}
+    peaks = [r.plan.measured_peak_bytes for r in p.ranks]
+    assert peaks[1:7] == sorted(peaks[1:7], reverse=True) and len(set(peaks[1:7])) == 6
+    assert all(r.plan.measured_peak_bytes == r.plan.no_recompute_peak_bytes for r in p.ranks)
+    with pytest.raises(ValueError, match="blocks= must be a module type"):  # before any work
+        remat.plan_pipeline(llama_stages(config, 8), torch.zeros(2, 32, dtype=torch.long), schedule=_schedule("1F1B"),
+                            n_microbatches=32, budget=1.0, blocks=["blocks.0"])
+    assert runs == {"profile": 3, "costs": 1}

@@ -13,14 +13,17 @@ computes for every rank (``pipeline_order``: forward, backward, or input and wei
 stage s for micro-batch m). A schedule that computes its order this way works without a change
 here.
 
-Each rank is then planned as one model, `remat.plan` over a ``ModuleList`` of its stages, for
-the loop that rank runs: `_RankStep` replays its actions in the schedule's order on real
-tensors (a stage's input, a fresh tensor per micro-batch as a receive buffer is, is kept until
+Each rank of real stages is then planned as one model, `remat.plan` over a ``ModuleList`` of
+its stages, for the loop that rank runs: `_RankStep` replays its actions in the schedule's order
+on real tensors (a stage's input, a fresh tensor per micro-batch as a receive buffer is, is kept until
 that micro-batch's backward, as the stage keeps it), so the planner measures and holds the
 rank's budget in that very loop (NOTE [The step users run]), with the micro-batches in flight
 that the schedule gives it. Schedules that split a backward into input and weight backwards
 (zero-bubble) are refused: torch holds intermediate gradients between the two in ways the replay
-does not reproduce (it underestimated a rank by 24%), and a plan must hold its budget.
+does not reproduce (it underestimated a rank by 24%), and a plan must hold its budget. Stages
+given as factories (fake tensors) are not replayed whole: each distinct stage is measured on one
+micro-batch and each rank's peak composed from the replay's rules on byte counts (NOTE [A rank's
+peak composed] in ``_pipeline_compose.py``), equal to the replay's; ``compose=False`` replays.
 
 NOTE [What a pipeline rank holds]
 Besides each micro-batch's activations, a rank running torch 2.13's schedules holds, and the
@@ -49,6 +52,8 @@ from typing import Any
 import torch
 
 from remat.memory import format_bytes
+from remat.planner._pipeline_compose import Composer, composer_for, observe_stages
+from remat.planner._pipeline_rank import plan_rank
 from remat.planner._plan import Plan
 from remat.planner._schedule import _matched, in_flight, in_flight_counts, schedule_actions
 from remat.planner._solve import BudgetError
@@ -171,7 +176,9 @@ class RankPlan:
         in_flight: the most micro-batches it holds at once under the schedule (a
             micro-batch on two of its stages counts twice).
         kept_bytes: what one micro-batch's forward through its stages keeps for backward
-            with the plan applied (``remat.memory.saved_bytes``).
+            with the plan applied (``remat.memory.saved_bytes``; with stage factories, what
+            the tracker sees it leave alive besides the stages' outputs, which also counts
+            remat's random-state snapshots).
         plan: the [`Plan`][remat.Plan] of ``ModuleList(its stages)`` for its loop.
     """
 
@@ -254,7 +261,7 @@ class PipelinePlan:
 
 
 def _stage_inputs(stages: Sequence[Any], example: Any, target: Any, dtype: torch.dtype | None,
-                  fake: bool) -> dict[Any, Any]:
+                  fake: bool, blocks: Any = None) -> dict[Any, Any]:
     """What each stage receives for one micro-batch (the example, then each stage's output) and
     the last stage's ``"target"``: real tensors, or the shapes of fake ones run through the
     stages' factories."""
@@ -267,15 +274,13 @@ def _stage_inputs(stages: Sequence[Any], example: Any, target: Any, dtype: torch
         return inputs
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.memory.internal import build_in, fake_inputs
+    from remat.memory.internal import fake_inputs
 
     with FakeTensorMode() as mode, torch.no_grad():
         x = fake_inputs(mode, (example,), dtype)[0]
         inputs = {"target": None if target is None else _Spec(fake_inputs(mode, (target,), dtype)[0])}
-        for i, make in enumerate(stages):
-            built = build_in(make, dtype)
-            inputs[i], x = _Spec(x), built(x)
-            inputs[("blocks", i)] = _block_names(built)
+        for i, (given, names, keys) in enumerate(observe_stages(stages, x, blocks, dtype)):
+            inputs[i], inputs[("blocks", i)], inputs[("key", i)] = _Spec(given), names, keys
     return inputs
 
 
@@ -324,7 +329,12 @@ def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_micr
             schedule, half the stages for a multi-stage one.
         dtype: build factories' stages in this dtype.
         **plan_options: passed to [`remat.plan`][remat.plan] for every rank (``options``,
-            ``optimizer``, ``repeat``, ``blocks``, ``device``, ``throughput``, ...).
+            ``optimizer``, ``repeat``, ``blocks``, ``device``, ``throughput``, ...). With
+            factories, each distinct stage is measured once on one micro-batch and each rank's
+            peak composed (NOTE [A rank's peak composed]: a 70B model on 8 ranks with 32
+            micro-batches in seconds); ``compose=False`` replays each rank's whole loop
+            instead (the composition's reference; minutes at that size); ``blocks`` is then a
+            module type, or None for each stage's own blocks.
 
     Returns:
         A [`PipelinePlan`][remat.PipelinePlan]: one [`Plan`][remat.Plan] per rank.
@@ -375,8 +385,13 @@ def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_micr
                          f"backward, which hold memory in ways this planner does not replay; plan with "
                          f"the schedule's non-split counterpart (ScheduleInterleaved1F1B, Schedule1F1B): "
                          f"marks train exactly under {schedule.__name__} too")
-    inputs = _stage_inputs(stages, example, target, dtype, fake)
+    inputs = _stage_inputs(stages, example, target, dtype, fake, plan_options.get("blocks"))
     wait_next = issubclass(schedule, schedules.Schedule1F1B)
+    if fake and plan_options.get("compose", True):  # NOTE [A rank's peak composed]
+        composer = composer_for(stages, inputs, n_microbatches, loss_fn or _sum_loss, wait_next, plan_options)
+        ranks = [_plan_composed(rank, composer, order[rank], budgets[rank], schedule.__name__,
+                                plan_options.get("solver", "auto")) for rank in sorted(order)]
+        return PipelinePlan(schedule.__name__, n_microbatches, tuple(ranks))
     ranks = []
     for rank in sorted(order):
         held = sorted({s for _, s, _ in order[rank]})
@@ -398,6 +413,11 @@ def _check_pipeline(stages: list, schedule: Any, n_microbatches: Any, plan_optio
         raise TypeError(f"{API}: schedule must be a schedule class (Schedule1F1B, ...), got {schedule!r}")
     if not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ValueError(f"{API}: n_microbatches must be a positive int, got {n_microbatches!r}")
+    blocks = plan_options.get("blocks")
+    if factories and plan_options.get("compose", True) and not (blocks is None or isinstance(blocks, (type, tuple))):
+        raise ValueError(f"{API}: with stage factories, blocks= must be a module type (the blocks of "
+                         f"that type in each stage) or None (each stage's own blocks), got "
+                         f"{type(blocks).__name__}; names differ from stage to stage")
     for key in ("step", "batch"):
         if key in plan_options:
             raise ValueError(f"{API}: {key}= is set by the pipeline planner (each rank's loop); "
@@ -421,6 +441,22 @@ def _plan_rank(rank: int, step: _RankStep, stages: list, budget: Any, fake: bool
                           floor_bytes=err.floor_bytes) from err
     kept = _kept_per_microbatch(model, chosen, held, step.inputs, plan_options.get("dtype"))
     return RankPlan(rank, tuple(held), in_flight(step.actions), kept, chosen)
+
+
+def _plan_composed(rank: int, composer: Composer, actions: list, budget: Any, schedule: str,
+                   solver: str) -> RankPlan:
+    """``rank``'s plan on fake tensors, its peak composed (NOTE [A rank's peak composed])."""
+    actions = _matched(actions)
+    held = sorted({s for _, s, _ in actions})
+    try:
+        chosen = plan_rank(composer, actions, held, budget, solver)
+    except BudgetError as err:
+        raise BudgetError(f"{API}: rank {rank} (stages {held}, {in_flight(actions)} micro-batches "
+                          f"in flight under {schedule}): {err}", budget_bytes=err.budget_bytes,
+                          floor_bytes=err.floor_bytes) from err
+    kept = composer.kept(held, {s: {d.name.partition(".")[2]: d.choice for d in chosen.decisions
+                                    if d.name.split(".")[0] == str(pos)} for pos, s in enumerate(held)})
+    return RankPlan(rank, tuple(held), in_flight(actions), kept, chosen)
 
 
 def _kept_per_microbatch(model: Any, chosen: Plan, held: list[int], inputs: dict[Any, Any],
