@@ -54,6 +54,7 @@ import torch
 from remat.memory import format_bytes
 from remat.planner._pipeline_compose import Composer, composer_for, observe_stages
 from remat.planner._pipeline_rank import plan_rank
+from remat.planner._pipeline_step import _RankStep, _Spec
 from remat.planner._plan import Plan
 from remat.planner._schedule import _matched, in_flight, in_flight_counts, schedule_actions
 from remat.planner._solve import BudgetError
@@ -61,109 +62,6 @@ from remat.planner._solve import BudgetError
 __all__ = ["PipelinePlan", "RankPlan", "in_flight", "in_flight_counts", "plan_pipeline", "schedule_actions"]
 
 API = "remat.plan_pipeline"
-
-
-class _RankStep:
-    """One rank's loop: its actions in the schedule's order, on real or fake tensors (NOTE [A
-    plan per pipeline stage]). Called as ``step(model, batch)`` by `remat.plan`.
-
-    What a ``PipelineStage`` holds besides activations is held here as long as torch holds it
-    (NOTE [What a pipeline rank holds]): a receive buffer per micro-batch for each stage's input
-    and, below the last stage, for its output's gradient, all from the step's start; a sent
-    tensor (a stage's output, or its input's gradient) until its send is waited: the next send
-    under 1F1B, the step's end under the other schedules; the last stage's outputs and losses
-    until the step ends."""
-
-    def __init__(self, stages: list[int], actions: list, inputs: dict[Any, Any], n_stages: int,
-                 n_microbatches: int, loss_fn: Callable, sends_wait_next: bool) -> None:
-        self.position = {s: i for i, s in enumerate(stages)}
-        self.actions, self.inputs, self.n_stages, self.loss_fn = _matched(actions), inputs, n_stages, loss_fn
-        self.n, self.sends_wait_next = n_microbatches, sends_wait_next
-        self.fake = any(isinstance(x, _Spec) for x in inputs.values())
-        #: the rank's blocks, by name in the ``ModuleList`` of its stages (`remat.plan`'s default)
-        self.blocks = [f"{i}.{n}".rstrip(".") for i, s in enumerate(stages) for n in inputs[("blocks", s)]]
-        self._kept = None
-        self._kept = None if self.fake else self._buffers()  # before any step, as torch's first step
-
-    def _buffers(self) -> tuple[dict, dict, list]:
-        """A tensor per micro-batch for each stage's input (a receive buffer; the first stage's
-        micro-batches), for each output's gradient below the last stage, and the last stage's
-        targets. Real tensors: made once and kept across steps, as a ``PipelineStage`` keeps its
-        buffers (copies of the example's values); fake: made in each step, in the running mode,
-        from the shapes."""
-        if self._kept is not None:
-            return self._kept
-        last = self.n_stages - 1
-
-        def fresh(key: Any, ones: bool = False) -> list:
-            x = self.inputs.get(key)
-            if x is None:
-                return [None] * self.n
-            if isinstance(x, _Spec):
-                return [(torch.ones if ones else torch.zeros)(x.shape, dtype=x.dtype, device=x.device)
-                        for _ in range(self.n)]
-            return [torch.ones_like(x) if ones else x.clone() for _ in range(self.n)]
-
-        return ({s: fresh(s) for s in self.position},
-                {s: fresh(s + 1, ones=True) for s in self.position if s < last},
-                fresh("target") if last in self.position else [None] * self.n)
-
-    def __call__(self, model: torch.nn.ModuleList, batch: Any) -> None:
-        last = self.n_stages - 1
-        received, grads, targets = self._buffers()
-        kept, held = [], {}  # until the step ends; until the micro-batch's backward
-        sent = _Sends(self.actions, self.sends_wait_next)
-        for i, (kind, stage, mb) in enumerate(self.actions):
-            if kind == "F":
-                x = received[stage][mb % self.n]
-                if stage > 0:
-                    x = x.detach().requires_grad_(x.is_floating_point())
-                y = model[self.position[stage]](x)
-                if stage == last:  # the schedule computes the loss right after the forward
-                    kept.append(y.detach())
-                    y = self.loss_fn(y, targets[mb % self.n])
-                    kept.append(y)
-                else:
-                    sent.add("F", y.detach(), i)
-                held[(stage, mb)] = (x, y)
-            elif kind in ("B", "W"):
-                x, y = held.pop((stage, mb))
-                if stage == last:
-                    y.backward()
-                else:
-                    y.backward(grads[stage][mb % self.n])
-                if stage > 0 and x.grad is not None:
-                    sent.add("B", x.grad, i)
-                    x.grad = None
-
-
-class _Sends:
-    """The tensors a rank's sends hold (NOTE [What a pipeline rank holds]): every one until the
-    step ends, or under 1F1B (``latest``) the latest of each kind and the one its pending work
-    holds: a warm-up forward's output (not the last one's) until the backwards after the last
-    forward begin, then the latest input gradient."""
-
-    def __init__(self, actions: list, latest: bool) -> None:
-        kinds = [a[0] for a in actions]
-        self.first_b = next((i for i, k in enumerate(kinds) if k != "F"), len(kinds))
-        self.last_f = max((i for i, k in enumerate(kinds) if k == "F"), default=-1)
-        self.latest, self.held = latest, {"F": [], "B": [], "work": []}
-
-    def add(self, kind: str, t: torch.Tensor, i: int) -> None:
-        """Action ``i`` sends ``t`` (``kind`` ``"F"``: a stage's output; ``"B"``: an input's gradient)."""
-        if not self.latest:
-            self.held[kind].append(t)
-            return
-        self.held[kind] = [t]
-        if (kind == "F" and i < self.first_b - 1) or (kind == "B" and i > self.last_f):
-            self.held["work"] = [t]
-
-
-class _Spec:
-    """A stage input's shape, dtype and device (fake-tensor plans make the tensor in each run)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.shape, self.dtype, self.device = tuple(t.shape), t.dtype, t.device
 
 
 @dataclass(frozen=True)
@@ -380,11 +278,6 @@ def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_micr
     if fake:
         plan_options["dtype"] = dtype
     order = schedule_actions(schedule, len(stages), world, n_microbatches)
-    if any(kind == "I" for actions in order.values() for kind, _, _ in actions):
-        raise ValueError(f"{API}: {schedule.__name__} splits each backward into an input and a weight "
-                         f"backward, which hold memory in ways this planner does not replay; plan with "
-                         f"the schedule's non-split counterpart (ScheduleInterleaved1F1B, Schedule1F1B): "
-                         f"marks train exactly under {schedule.__name__} too")
     inputs = _stage_inputs(stages, example, target, dtype, fake, plan_options.get("blocks"))
     wait_next = issubclass(schedule, schedules.Schedule1F1B)
     if fake and plan_options.get("compose", True):  # NOTE [A rank's peak composed]
