@@ -281,7 +281,9 @@ def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_micr
     inputs = _stage_inputs(stages, example, target, dtype, fake, plan_options.get("blocks"))
     wait_next = issubclass(schedule, schedules.Schedule1F1B)
     if fake and plan_options.get("compose", True):  # NOTE [A rank's peak composed]
-        composer = composer_for(stages, inputs, n_microbatches, loss_fn or _sum_loss, wait_next, plan_options)
+        split = any(kind == "I" for actions in order.values() for kind, _, _ in actions)
+        composer = composer_for(stages, inputs, n_microbatches, loss_fn or _sum_loss, wait_next, plan_options,
+                                split)
         ranks = [_plan_composed(rank, composer, order[rank], budgets[rank], schedule.__name__,
                                 plan_options.get("solver", "auto")) for rank in sorted(order)]
         return PipelinePlan(schedule.__name__, n_microbatches, tuple(ranks))

@@ -184,7 +184,7 @@ class _Segments:
 
 
 def stage_profile(spec: StageSpec, choices: dict[str, str], loss_fn: Callable,
-                  dtype: torch.dtype | None) -> StageProfile:
+                  dtype: torch.dtype | None, split: bool = False) -> StageProfile:
     """Run one stage, ``choices`` marked, for one micro-batch under the tracker (NOTE [A rank's
     peak composed]).
 
@@ -209,11 +209,39 @@ def stage_profile(spec: StageSpec, choices: dict[str, str], loss_fn: Callable,
             seg = _Segments(tracker, [p for p in stage.parameters() if p.requires_grad])
             try:
                 (forward, loss, first, later), freed = _profile_round(stage, one, seg)
+                halves = _split_rounds(stage, one, seg) if split and spec.index > 0 else None
             finally:
                 for hook in seg.hooks:
                     hook.remove()
     return StageProfile(forward=forward, loss=loss, backward=(first, later), output_bytes=freed[1],
-                        input_grad_bytes=freed[0])
+                        input_grad_bytes=freed[0], split=halves)
+
+
+def _split_rounds(stage: torch.nn.Module, one: _OneMicrobatch, seg: _Segments) -> tuple:
+    """The input backward's ``(peak, net)`` and the weight backward's, the step's first and a
+    later one (NOTE [A backward split in two] in ``_pipeline.py``): two micro-batches run as
+    the replay runs them, the input's gradient let go after the input backward (it is sent),
+    the output (the last stage's, attached, and its loss) held through the weight backward."""
+    from remat.planner._split_backward import backward_input, backward_weight
+
+    stage.zero_grad(set_to_none=True)
+    halves: list = []
+    for _ in range(2):
+        x, grad, target = one.tensors()
+        out = stage(x)
+        y = one.loss_fn(out, target) if one.spec.last else out
+        start = seg.start()
+        groups = backward_input([y], None if one.spec.last else [grad], [x], stage.parameters())
+        if one.spec.last and not out._is_view():
+            out.detach_()
+        halves.append(seg.since(start))
+        x.grad = None
+        start = seg.start()
+        backward_weight(stage.parameters(), groups)
+        halves.append(seg.since(start))
+        del groups
+    stage.zero_grad(set_to_none=True)
+    return halves[0], halves[1], halves[3]
 
 
 def _profile_round(stage: torch.nn.Module, one: _OneMicrobatch, seg: _Segments) -> tuple:
@@ -260,13 +288,14 @@ class Composer:
         n_microbatches: micro-batches per step.
         loss_fn: the schedule's loss function.
         latest: each send is let go at the next one (``Schedule1F1B``).
+        split: the schedule splits backwards into input and weight backwards (zero-bubble).
         settings: the planner's settings for the stages' cost models (fake tensors).
         dtype: the stages' dtype.
     """
 
     def __init__(self, specs: list[StageSpec], n_microbatches: int, loss_fn: Callable, latest: bool,
-                 settings: Settings, dtype: torch.dtype | None) -> None:
-        self.specs, self.n, self.loss_fn, self.latest = specs, n_microbatches, loss_fn, latest
+                 settings: Settings, dtype: torch.dtype | None, split: bool = False) -> None:
+        self.specs, self.n, self.loss_fn, self.latest, self.split = specs, n_microbatches, loss_fn, latest, split
         self.settings, self.dtype = settings, dtype
         self._profiles: dict[tuple, StageProfile] = {}
         self._costs: dict[tuple, BlockCosts] = {}
@@ -276,7 +305,7 @@ class Composer:
         spec = self.specs[stage]
         key = (spec.key, tuple(sorted((n, c) for n, c in choices.items() if c != "keep")))
         if key not in self._profiles:
-            self._profiles[key] = stage_profile(spec, choices, self.loss_fn, self.dtype)
+            self._profiles[key] = stage_profile(spec, choices, self.loss_fn, self.dtype, self.split)
         return self._profiles[key]
 
     def costs(self, stage: int) -> BlockCosts:
@@ -356,7 +385,7 @@ def _stage_costs(spec: StageSpec, loss_fn: Callable, settings: Settings,
 
 
 def composer_for(stages: list, inputs: dict, n_microbatches: int, loss_fn: Callable, latest: bool,
-                 plan_options: dict) -> Composer:
+                 plan_options: dict, split: bool = False) -> Composer:
     """The `Composer` of fake ``stages`` (factories) from `remat.planner._pipeline._stage_inputs`'s
     ``inputs`` and `plan_pipeline`'s options for `remat.plan`."""
     last = len(stages) - 1
@@ -370,4 +399,4 @@ def composer_for(stages: list, inputs: dict, n_microbatches: int, loss_fn: Calla
                                         throughput=plan_options.get("throughput")),
                         solving=Solving(solver=plan_options.get("solver", "auto")),
                         progress=plan_options.get("progress"), compose=plan_options.get("compose", True))
-    return Composer(specs, n_microbatches, loss_fn, latest, settings, plan_options.get("dtype"))
+    return Composer(specs, n_microbatches, loss_fn, latest, settings, plan_options.get("dtype"), split)

@@ -23,6 +23,10 @@ class StageProfile:
             the input's gradient.
         output_bytes: the output's bytes (freed when the loop and the sends let it go).
         input_grad_bytes: the input's gradient's bytes (sent; 0 for the first stage).
+        split: under a schedule that splits backwards (NOTE [A backward split in two] in
+            ``_pipeline.py``; not for the first stage, whose weight backward is its whole
+            backward): ``(peak, net)`` of the input backward (``net`` counts the input's
+            gradient), of the step's first weight backward and of a later one.
     """
 
     forward: tuple[int, int]
@@ -30,6 +34,7 @@ class StageProfile:
     backward: tuple[tuple[int, int], tuple[int, int]]
     output_bytes: int
     input_grad_bytes: int
+    split: tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None = None
 
 
 class _Live:
@@ -126,21 +131,36 @@ def rank_peak(actions: list, profiles: dict[int, StageProfile], last: int, buffe
             continue
         out = None if stage == last else ("y", stage, mb)
         local = _rebind(live, local, out)
-        live.let_go(out, "held")
-        first = stage not in seen
-        seen.add(stage)
-        peak, net = p.backward[0 if first else 1]
-        live.spike(peak)
-        live.grow(net)
-        held[stage] -= 1
-        if stage > 0 and p.input_grad_bytes:
-            grad = ("grad", stage, mb)
-            live.made(grad, p.input_grad_bytes, "new")
-            sends.add("B", grad, i)
-            live.let_go(grad, "new")
+        _backward(live, sends, p, (kind, stage, mb, i), out, seen)
     if at_peak is not None:
         at_peak.update(live.at_peak)
     return live.peak
+
+
+def _backward(live: _Live, sends: _SendHolds, p: StageProfile, action: tuple, out: Any, seen: set) -> None:
+    """A full backward (``B``), or an input (``I``) or weight (``W``) one: the first stage's
+    input backward does nothing, its weight backward is a full one (NOTE [A backward split in
+    two]); its output is let go at the (weight) backward's end, its input's gradient sent."""
+    kind, stage, mb, i = action
+    if kind == "I" and p.split is None:
+        return
+    if kind != "I":
+        live.let_go(out, "held")
+        first = stage not in seen
+        seen.add(stage)
+    if p.split is not None and kind != "B":
+        peak, net = p.split[0] if kind == "I" else p.split[1 if first else 2]
+    else:
+        peak, net = p.backward[0 if first else 1]
+    live.spike(peak)
+    live.grow(net)
+    if kind != "I":
+        live.activations[stage] -= 1
+    if (kind != "W" or p.split is None) and stage > 0 and p.input_grad_bytes:
+        grad = ("grad", stage, mb)
+        live.made(grad, p.input_grad_bytes, "new")
+        sends.add("B", grad, i)
+        live.let_go(grad, "new")
 
 
 def _rebind(live: _Live, old: Any, new: Any) -> Any:
