@@ -56,7 +56,13 @@ from remat.planner._pipeline_compose import Composer, composer_for, observe_stag
 from remat.planner._pipeline_rank import plan_rank
 from remat.planner._pipeline_step import _RankStep, _Spec
 from remat.planner._plan import Plan
-from remat.planner._schedule import _matched, in_flight, in_flight_counts, schedule_actions
+from remat.planner._schedule import (
+    _matched,
+    in_flight,
+    in_flight_counts,
+    refuse_local_passing,
+    schedule_actions,
+)
 from remat.planner._solve import BudgetError
 
 __all__ = ["PipelinePlan", "RankPlan", "in_flight", "in_flight_counts", "plan_pipeline", "schedule_actions"]
@@ -278,6 +284,7 @@ def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_micr
     if fake:
         plan_options["dtype"] = dtype
     order = schedule_actions(schedule, len(stages), world, n_microbatches)
+    refuse_local_passing(schedule, order)
     inputs = _stage_inputs(stages, example, target, dtype, fake, plan_options.get("blocks"))
     wait_next = issubclass(schedule, schedules.Schedule1F1B)
     if fake and plan_options.get("compose", True):  # NOTE [A rank's peak composed]
