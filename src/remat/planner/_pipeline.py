@@ -18,9 +18,11 @@ its stages, for the loop that rank runs: `_RankStep` replays its actions in the 
 on real tensors (a stage's input, a fresh tensor per micro-batch as a receive buffer is, is kept until
 that micro-batch's backward, as the stage keeps it), so the planner measures and holds the
 rank's budget in that very loop (NOTE [The step users run]), with the micro-batches in flight
-that the schedule gives it. Schedules that split a backward into input and weight backwards
-(zero-bubble) are refused: torch holds intermediate gradients between the two in ways the replay
-does not reproduce (it underestimated a rank by 24%), and a plan must hold its budget. Stages
+that the schedule gives it; a backward split into an input and a weight backward (zero-bubble)
+is replayed as torch runs it (NOTE [A backward split in two]). Schedules that put two adjacent
+stages on one rank (a V: ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) are refused: torch
+hands tensors between those two without a receive, in place of the receive buffers and held
+from one step into the next, which the replay does not reproduce; a plan must hold its budget. Stages
 given as factories (fake tensors) are not replayed whole: each distinct stage is measured on one
 micro-batch and each rank's peak composed from the replay's rules on byte counts (NOTE [A rank's
 peak composed] in ``_pipeline_compose.py``), equal to the replay's; ``compose=False`` replays.
@@ -28,7 +30,7 @@ peak composed] in ``_pipeline_compose.py``), equal to the replay's; ``compose=Fa
 NOTE [What a pipeline rank holds]
 Besides each micro-batch's activations, a rank running torch 2.13's schedules holds, and the
 replay holds as long (checked to the byte against the real pipeline on 2 and 4 gloo ranks under
-GPipe, 1F1B and interleaved 1F1B, ``tests/test_pipeline_plan.py``):
+GPipe, 1F1B, interleaved 1F1B and interleaved zero-bubble, ``tests/test_pipeline_plan.py``):
 
 - a receive buffer per micro-batch for each stage's input and, below the last stage, for its
   output's gradient, made in the first step and kept (the first stage's micro-batches and the
@@ -37,7 +39,24 @@ GPipe, 1F1B and interleaved 1F1B, ``tests/test_pipeline_plan.py``):
   torch lets the send go: under ``Schedule1F1B`` the latest send of each kind and, in its
   pending work, the next-to-last warm-up forward's output until the forwards are done, then the
   latest input gradient; under the other schedules every send until the step ends;
-- the last stage's outputs (merged at the end) and its losses, until the step ends.
+- the last stage's outputs (merged at the end) and its losses, until the step ends; an output
+  that is a view keeps its autograd graph (torch detaches only outputs that are not views).
+
+NOTE [A backward split in two]
+Zero-bubble schedules (``ScheduleInterleavedZeroBubble``) run a stage's backward as an input
+backward ``I`` and, later, a weight backward ``W``. Torch 2.13's stage (``stage_backward_input``
+and ``stage_backward_weight`` in ``torch.distributed.pipelining._backward``) finds, in ``I``,
+the graph's nodes where a path to a parameter leaves the paths to the stage's input, records
+the gradients reaching them, computes the input's gradient with the graph retained, and
+detaches the output (or loss); it keeps those nodes (alive with everything saved for backward
+below them), the recorded gradients, the input and the output until ``W``, which computes the
+parameters' gradients from the recorded ones. The first stage's ``I`` does nothing and its
+``W`` is its whole backward. What ``W`` does not walk (a GELU between two linears, a dropout's
+mask) stays saved until the graph dies: at ``W``, or at the step's end on the last stage when
+its output is a view (its graph kept). `remat.planner._split_backward` does the same with
+public autograd APIs (``Node.register_prehook``, ``GradientEdge``): the replay and the
+composed peak (each stage's ``I`` and first and later ``W`` measured) equal the real
+pipeline's to the byte on 2 and 4 gloo ranks (``tests/test_pipeline_plan.py``).
 """
 
 from __future__ import annotations
@@ -222,7 +241,8 @@ def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_micr
         example: one micro-batch's input to the first stage (a tensor; with factories also a
             shape, for a float input).
         schedule: a ``torch.distributed.pipelining`` schedule class (``Schedule1F1B``,
-            ``ScheduleGPipe``, ``ScheduleInterleaved1F1B``, ...).
+            ``ScheduleGPipe``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
+            ...; not one that puts adjacent stages on a rank, a V).
         n_microbatches: micro-batches per step.
         budget: each rank's peak: one budget for all (as [`remat.plan`][remat.plan] reads
             it; a fraction is of that rank's own peak without recompute), or one per rank.
@@ -244,7 +264,8 @@ def plan_pipeline(stages: Sequence[Any], example: Any, *, schedule: type, n_micr
         A [`PipelinePlan`][remat.PipelinePlan]: one [`Plan`][remat.Plan] per rank.
 
     Raises:
-        ValueError: bad arguments (before any work), or the schedule refuses the layout.
+        ValueError: bad arguments (before any work), the schedule refuses the layout, or it
+            puts two adjacent stages on one rank (a V).
         TypeError: ``schedule`` is not a class.
         remat.BudgetError: a rank's budget is below what any plan reaches there.
 
