@@ -336,7 +336,9 @@ class Composer:
         profiles = {s: self.profile(s, choices[s]) for s in held}
         buffers = self.n * sum(_nbytes(self.specs[s].inputs[0]) + _nbytes(self.specs[s].inputs[1])
                                + _nbytes(self.specs[s].inputs[2]) for s in held)
-        return self.base(held)[0] + rank_peak(actions, profiles, last, buffers, self.latest, at_peak)
+        handoff = {s: (_nbytes(self.specs[s + 1].inputs[0]), _nbytes(self.specs[s].inputs[1]))
+                   for s in held if s + 1 in held}
+        return self.base(held)[0] + rank_peak(actions, profiles, last, buffers, self.latest, at_peak, handoff)
 
     def base(self, held: list[int]) -> tuple[int, int]:
         """What a rank holds before its loop (parameters, the optimizer's state) and the peak of

@@ -62,6 +62,9 @@ class _RankStep:
     def __call__(self, model: torch.nn.ModuleList, batch: Any) -> None:
         last = self.n_stages - 1
         received, grads, targets = self._buffers()
+        for s in self.position:  # a V's buffers handed over from the last step: alive until replaced
+            if s + 1 in self.position:
+                _seen(*received[s + 1], *grads[s])
         kept, held = [], {}  # until the step ends; until the micro-batch's (weight) backward
         sent = _Sends(self.actions, self.sends_wait_next)
         for i, (kind, stage, mb) in enumerate(self.actions):
@@ -74,6 +77,9 @@ class _RankStep:
                     kept.append(out)  # merged at the end: detached after its backward unless a view
                     y = self.loss_fn(out, targets[mb % self.n])
                     kept.append(y)
+                elif stage + 1 in self.position:  # handed on without a send (a V)
+                    received[stage + 1][mb % self.n] = y.detach()
+                    out = None
                 else:
                     sent.add("F", y.detach(), i)
                     out = None
@@ -106,9 +112,19 @@ class _RankStep:
         if out is not None and not out._is_view():
             out.detach_()
         if stage > 0 and x.grad is not None:
-            sent.add("B", x.grad, i)
+            if stage - 1 in self.position:  # in place of the previous stage's gradient buffer
+                grads[stage - 1][mb % self.n] = x.grad
+            else:
+                sent.add("B", x.grad, i)
             x.grad = None
         return y
+
+
+def _seen(*tensors: torch.Tensor) -> None:
+    """Read ``tensors`` (no reference kept), so that a tracker counts them from here, freed
+    when they are replaced; unread, it would count neither."""
+    for t in tensors:
+        t.detach()
 
 
 class _Sends:

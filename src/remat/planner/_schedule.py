@@ -52,27 +52,13 @@ def schedule_actions(schedule: type, n_stages: int, world: int, n_microbatches: 
             errors.append(f"{type(err).__name__}: {err}")
             continue
         order = getattr(built, "pipeline_order", None)
-        if order:
-            return {rank: [_action(a) for a in actions if a is not None and _action(a) is not None]
+        if order:  # an overlapped forward and backward (DualPipeV) runs one, then the other
+            flat = {rank: [sub for a in actions if a is not None for sub in (getattr(a, "sub_actions", None) or (a,))]
                     for rank, actions in order.items()}
+            return {rank: [_action(a) for a in actions if _action(a) is not None] for rank, actions in flat.items()}
     raise ValueError(f"{API}: {schedule.__name__} computes no action order for {n_stages} stages on "
                      f"{world} ranks with {n_microbatches} micro-batches"
                      + (f" ({errors[-1]})" if errors else ""))
-
-
-def refuse_local_passing(schedule: type, order: dict[int, list[tuple[str, int, int]]]) -> None:
-    """Refuse a layout where a rank holds two adjacent stages (a V, ``ScheduleZBVZeroBubble``,
-    ``ScheduleDualPipeV``): torch hands the output and its gradient from one to the other on
-    that rank without a receive, putting them in place of the receive buffers, held from one
-    step into the next; the replay holds a buffer per micro-batch, as a receive needs."""
-    for rank, actions in order.items():
-        held = {s for _, s, _ in actions}
-        pair = next((s for s in sorted(held) if s + 1 in held), None)
-        if pair is not None:
-            raise ValueError(f"{API}: {schedule.__name__} puts stages {pair} and {pair + 1} on rank {rank}, "
-                             f"which hand tensors to each other without a receive buffer, held in ways "
-                             f"this planner does not replay; plan with a schedule that gives each rank "
-                             f"stages apart (ScheduleInterleavedZeroBubble, ScheduleInterleaved1F1B)")
 
 
 def _no_loss(output: Any, target: Any) -> Any:

@@ -78,14 +78,21 @@ class _Live:
 class _SendHolds:
     """`remat.planner._pipeline._Sends` on byte counts: the tensors each send holds."""
 
-    def __init__(self, actions: list, latest: bool, live: _Live) -> None:
+    def __init__(self, actions: list, latest: bool, live: _Live, handoff: dict | None = None) -> None:
         kinds = [a[0] for a in actions]
         self.first_b = next((i for i, k in enumerate(kinds) if k != "F"), len(kinds))
         self.last_f = max((i for i, k in enumerate(kinds) if k == "F"), default=-1)
-        self.latest, self.live = latest, live
+        self.latest, self.live, self.handoff = latest, live, handoff or {}
         self.held: dict[str, Any] = {}
 
-    def add(self, kind: str, tensor: Any, i: int) -> None:
+    def add(self, kind: str, tensor: Any, i: int, stage: int = -1) -> None:
+        """Action ``i`` of ``stage`` sends ``tensor``; or, to a stage on this rank (a V), puts it
+        in place of that stage's buffer, which is freed (NOTE [What a pipeline rank holds])."""
+        local = stage if kind == "F" else stage - 1
+        if local in self.handoff:
+            self.live.hold(tensor, "buffer")
+            self.live.grow(-self.handoff[local][0 if kind == "F" else 1])
+            return
         if not self.latest:
             self.live.hold(tensor, ("sent", i))
             return
@@ -102,14 +109,16 @@ class _SendHolds:
 
 
 def rank_peak(actions: list, profiles: dict[int, StageProfile], last: int, buffer_bytes: int,
-              latest: bool, at_peak: dict | None = None) -> int:
+              latest: bool, at_peak: dict | None = None, handoff: dict | None = None) -> int:
     """The most bytes a rank's loop holds above what was alive before it (NOTE [A rank's peak
     composed]): ``actions`` its matched actions, ``profiles`` per stage it holds, ``last`` the
     last stage's index, ``buffer_bytes`` its receive buffers and targets (made first), ``latest``
     whether each send is let go at the next one (``Schedule1F1B``); ``at_peak`` (a dict) is
-    filled with the micro-batches each stage holds activations of at the peak."""
+    filled with the micro-batches each stage holds activations of at the peak; ``handoff``, for
+    each stage whose next is on this rank (a V), one micro-batch's bytes of that stage's input
+    buffer and of its own output's gradient buffer."""
     live = _Live(buffer_bytes)
-    sends = _SendHolds(actions, latest, live)
+    sends = _SendHolds(actions, latest, live, handoff)
     local = None  # the tensor the loop's ``y`` names between actions
     seen: set[int] = set()
     for i, (kind, stage, mb) in enumerate(actions):
@@ -127,7 +136,7 @@ def rank_peak(actions: list, profiles: dict[int, StageProfile], last: int, buffe
                 live.spike(p.loss[0])
                 live.grow(p.loss[1])
             else:
-                sends.add("F", out, i)
+                sends.add("F", out, i, stage)
             continue
         out = None if stage == last else ("y", stage, mb)
         local = _rebind(live, local, out)
@@ -159,7 +168,7 @@ def _backward(live: _Live, sends: _SendHolds, p: StageProfile, action: tuple, ou
     if (kind != "W" or p.split is None) and stage > 0 and p.input_grad_bytes:
         grad = ("grad", stage, mb)
         live.made(grad, p.input_grad_bytes, "new")
-        sends.add("B", grad, i)
+        sends.add("B", grad, i, stage)
         live.let_go(grad, "new")
 
 
