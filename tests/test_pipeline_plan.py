@@ -40,6 +40,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 DEADLINE_S = 240
 BATCH, SEQ = 32, 64  # activations outweigh the small stages' parameters, as in training
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two adjacent stages on a rank
 
 
 def _schedule(name: str) -> type:
@@ -193,7 +194,6 @@ def test_a_plan_per_rank_trains_bitwise_and_holds_each_rank_budget(world):
 
 # --- V layouts: two adjacent stages on a rank hand tensors over without a send ---
 
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 V_LAYOUT = {0: [0, 3], 1: [1, 2]}  # rank r holds stages r and 2p - 1 - r
 
 
@@ -318,12 +318,12 @@ def _replayed_peaks(name: str, world: int, plan: remat.PipelinePlan, optimizer, 
                           optimizer=optimizer)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", SCHEDULES + V_SCHEDULES)
 @pytest.mark.parametrize("optimizer", [None, "adam"])
 def test_a_composed_fake_plan_predicts_the_replay_of_each_rank(name, optimizer):
     # each rank marked (a budget below its unmarked peak); its composed peak must be what the
     # replay of its whole loop measures with the plan applied: within 1% (here to the byte)
-    world = 2 if name.startswith("Interleaved") else 4
+    world = 2 if name.startswith("Interleaved") or name in V_SCHEDULES else 4
     marked = _llama_plan(name, 4, world, 6, 0.96 if optimizer else 0.9, optimizer=optimizer)
     unmarked = _llama_plan(name, 4, world, 6, 1.0, optimizer=optimizer)
     assert any(set(r.plan.choices.values()) != {"keep"} for r in marked.ranks)
