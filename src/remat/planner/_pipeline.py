@@ -21,15 +21,15 @@ rank's budget in that very loop (NOTE [The step users run]), with the micro-batc
 that the schedule gives it; a backward split into an input and a weight backward (zero-bubble)
 is replayed as torch runs it (NOTE [A backward split in two]), and so are schedules that put two
 adjacent stages on one rank (a V: ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``, whose
-overlapped forward and backward run one after the other). Stages
-given as factories (fake tensors) are not replayed whole: each distinct stage is measured on one
+overlapped forward and backward run one after the other). Stages given as factories (fake tensors) are not replayed whole: each distinct stage is measured on one
 micro-batch and each rank's peak composed from the replay's rules on byte counts (NOTE [A rank's
 peak composed] in ``_pipeline_compose.py``), equal to the replay's; ``compose=False`` replays.
 
 NOTE [What a pipeline rank holds]
 Besides each micro-batch's activations, a rank running torch 2.13's schedules holds, and the
 replay holds as long (checked to the byte against the real pipeline on 2 and 4 gloo ranks under
-GPipe, 1F1B, interleaved 1F1B and interleaved zero-bubble, ``tests/test_pipeline_plan.py``):
+GPipe, 1F1B, interleaved 1F1B and interleaved zero-bubble, on 2 under ZBV and DualPipeV,
+``tests/test_pipeline_plan.py``):
 
 - a receive buffer per micro-batch for each stage's input and, below the last stage, for its
   output's gradient, made in the first step and kept (the first stage's micro-batches and the
