@@ -4,7 +4,8 @@ A stack of 12 pre-norm transformer blocks (``nn.MultiheadAttention`` and a GELU 
 one thread. Each way to mark runs beside the torch configuration that marks the same
 blocks (``torch.utils.checkpoint`` in the same implementation; torch's selective
 checkpoint for a policy; a checkpoint around the activation alone, the same tanh GELU, for a
-primitive mark; for ``output_recompute``, which keeps no block's output either, torch's
+primitive mark (which keeps the activation's output and so rebuilds nothing, where the
+primitive mark keeps it neither and runs the GELU again in backward); for ``output_recompute``, which keeps no block's output either, torch's
 nested checkpoint: one around the stack of checkpointed blocks, which keeps only the
 stack's input between forward and backward and re-runs every block twice in backward, as
 a chain of ``output_recompute`` regions does).
