@@ -79,7 +79,7 @@ def close(frame: Any, output: Any) -> Any:
     except Exception:
         frame.abandon()
         raise
-    if type(output) is not torch.Tensor or output._is_view() or Substitute.active:
+    if type(output) is not torch.Tensor or output._is_view():
         return None
     tensors = frame.arguments
     if any(x._version != v for x, v in zip(tensors, frame.versions)):
@@ -87,18 +87,15 @@ def close(frame: Any, output: Any) -> Any:
     key = storage_of(output)
     if key is None or any(storage_of(x) == key for x in tensors):
         return None  # NOTE [Arguments returned as outputs]
-    return _apply(frame, output, tensors)
+    return _apply(frame, output, tensors, key)
 
 
-def _apply(frame: Any, output: torch.Tensor, tensors: list) -> Any:
+def _apply(frame: Any, output: torch.Tensor, tensors: list, key: int) -> Any:
     frame.module_state.settle([])
     frame.params = [t for t in frame.known.read() if t.requires_grad]
     frame.arguments, frame.aliases = [], []  # the Function saves them
-    frame.returned = {storage_of(output)}
-    frame.targets, frame.bases = [], []
+    frame.returned = {key}
     frame.lean = True
     frame.pending = output
     inputs = [*tensors, *frame.params, *_per_use.extra_inputs(frame, tensors)]
-    result = _reentrant.Reentrant.apply(frame, len(tensors), *inputs)
-    frame.targets = None
-    return result
+    return _reentrant.Reentrant.apply(frame, len(tensors), *inputs)

@@ -125,7 +125,7 @@ def _lean_now(frame: Any) -> bool:
     """Whether a lean frame's backward may still skip the generic one (NOTE [Lean reentrant
     calls] in ``lean.py``): no second-order graph, no later region took its argument, its
     parameters are leaves without hooks, no process group whose collectives a re-run waits."""
-    if torch.is_grad_enabled() or frame.shared or frame.passthrough:
+    if torch.is_grad_enabled() or frame.shared:
         return False
     if any(p.grad_fn is not None or p._backward_hooks for p in frame.params):
         return False
@@ -156,10 +156,11 @@ def _lean(frame: Any, tensors: tuple, grads: tuple) -> tuple:
         found = list(torch.autograd.grad((out,), wrt + outside, grads[:1], allow_unused=True))
         _refuse_unforeseen(frame, outside, found[len(wrt):])
         del found[len(wrt):]
-    found.reverse()
-    input_grads = [None if w is None else found.pop() for w in wrts]
+    n = len(wrt) - len(frame.params)  # the arguments' gradients, then the parameters'
+    taken = iter(found[:n])
+    input_grads = [None if w is None else next(taken) for w in wrts]
     extra = _per_use.per_input(frame, input_grads, None)
-    return (None, None, *input_grads, *reversed(found), *extra)
+    return (None, None, *input_grads, *found[n:], *extra)
 
 
 def _accumulated(outs: list, wrt: list, out_grads: list, create_graph: bool) -> list:
