@@ -312,23 +312,34 @@ def test_nested_checkpoint_set_early_stop_no_recompution_needed():
         counter[0] += 1
         return x.sin()
 
-    # With early stopping (enabled by default)
-    a = torch.tensor(1.0, requires_grad=True)
-    with SinCounterMode() as python_dispatch_counter:
-        out = remat.checkpoint(fn, a, use_reentrant=False)
-        out.backward()
-    assert counter[0] == 2
-    assert python_dispatch_counter.count == 1
+    # remat reads the saved input back (NOTE [Saved arguments are read back]): nothing is
+    # rebuilt, so fn is not called again, with early stopping (enabled by default) or
+    # without it; torch calls fn again (counter 2) and stops before sin runs (count 1)
+    for early_stop in (True, False):
+        counter = [0]
+        a = torch.tensor(1.0, requires_grad=True)
+        with SinCounterMode() as python_dispatch_counter:
+            with remat.set_checkpoint_early_stop(early_stop):
+                out = remat.checkpoint(fn, a, use_reentrant=False)
+            out.backward()
+        assert counter[0] == 1
+        assert python_dispatch_counter.count == 1
+        assert torch.equal(a.grad, torch.tensor(1.0).cos())
 
-    # Without early stopping
-    counter = [0]
-    a = torch.tensor(1.0, requires_grad=True)
-    with SinCounterMode() as python_dispatch_counter:
-        with remat.set_checkpoint_early_stop(False):
-            out = remat.checkpoint(fn, a, use_reentrant=False)
-        out.backward()
-    assert counter[0] == 2
-    assert python_dispatch_counter.count == 2
+    # Case 1b: the one tensor saved is made inside: the region is re-run as torch re-runs it
+    def fn1b(x):
+        counter[0] += 1
+        return (x * 2).sin()
+
+    for early_stop, sins in ((True, 1), (False, 2)):
+        counter = [0]
+        a = torch.tensor(1.0, requires_grad=True)
+        with SinCounterMode() as python_dispatch_counter:
+            with remat.set_checkpoint_early_stop(early_stop):
+                out = remat.checkpoint(fn1b, a, use_reentrant=False)
+            out.backward()
+        assert counter[0] == 2
+        assert python_dispatch_counter.count == sins
 
     # Case 2: Forward saves no tensors
 

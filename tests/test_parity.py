@@ -77,7 +77,8 @@ def test_engine_errors_are_torch_checkpoint_errors():
 
     def fn(x):
         calls.append(1)
-        return x.sin() if len(calls) == 1 else x[:2].sin()  # a different shape when re-run
+        h = x * 2  # saved by sin: rebuilt (the argument itself would be read back)
+        return h.sin() if len(calls) == 1 else h[:2].sin()  # a different shape when re-run
 
     y = remat.checkpoint(fn, torch.ones(3, requires_grad=True), use_reentrant=False)
     with pytest.raises(tuc.CheckpointError) as caught:

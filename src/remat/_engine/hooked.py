@@ -42,6 +42,18 @@ A saved tensor that does not require grad (a region input a custom
 saved, which for a region input is the input itself: ``ctx.saved_tensors[0] is
 x`` holds inside a region as it does outside one (and in torch's checkpoint).
 
+NOTE [Saved arguments are read back]
+A tensor an operator saves that is one of the region's own arguments (GELU and a
+matrix product save their inputs) is not rebuilt: its holder keeps a weak reference
+and the version it was saved at, and backward hands back the argument itself while it
+is alive at that version, as autograd would. The region keeps its arguments for its
+re-run anyway, so this keeps no byte more; a region whose only saved tensors are
+arguments (a marked activation or matrix product) is then re-run only when a consumer
+needs its output, not for its own backward (one re-run fewer per step, for the same
+gradients). An argument gone (an ``output_recompute`` chain keeps none) or changed in
+place since is rebuilt as before: the re-run reads the inputs the region kept, and
+refuses one changed in place.
+
 NOTE [Keep outputs]
 ``Cell.recompute`` keeps the result of the cell's output operator. When the
 region closes, a holder whose tensor shares storage with one of the region's
@@ -121,8 +133,8 @@ def _leaves(output: Any) -> list:
 
 
 class _Holder:
-    __slots__ = ("__weakref__", "index", "kept", "kept_version", "out_of", "probe", "probe_version",
-                 "rebuilt", "saved_by")
+    __slots__ = ("__weakref__", "argument", "argument_version", "index", "kept", "kept_version", "out_of",
+                 "probe", "probe_version", "rebuilt", "saved_by")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -133,6 +145,8 @@ class _Holder:
         self.probe_version = -1  # the version it was saved at, while inputs may be written
         self.out_of: tuple | None = None  # (output index, layout) when it is an output
         self.saved_by: str | None = None
+        self.argument: weakref.ref | None = None  # NOTE [Saved arguments are read back]
+        self.argument_version = -1
 
     def keep(self, x: torch.Tensor) -> None:
         self.kept, self.kept_version, self.probe = x.detach(), x._version, None
@@ -188,6 +202,7 @@ class HookedFrame(RegionCore):
         self.input_of: list[int] = []  # argument slot -> its saved tensor (NOTE [Arguments that are one tensor])
         self._save_inputs(self.arguments)
         self.input_versions = [(t, t._version) for t in self.arguments]
+        self.argument_ids = frozenset(map(id, self.arguments))  # NOTE [Saved arguments are read back]
         self.arguments = []  # saved through the hooks around the region, not held here
 
     def abandon(self) -> None:
@@ -272,6 +287,8 @@ class HookedFrame(RegionCore):
             holder.keep(x)
         else:
             holder.probe = weakref.ref(x)
+            if id(x) in self.argument_ids:  # NOTE [Saved arguments are read back]
+                holder.argument, holder.argument_version = holder.probe, x._version
         if self.trace is not None:
             holder.saved_by = self.trace.last_op
         return holder
@@ -359,6 +376,12 @@ class HookedFrame(RegionCore):
                     f"version {holder.kept._version}; expected version {holder.kept_version} instead "
                     f"(saved by remat region '{self.name}')"
                 )
+        if holder.argument is not None:  # NOTE [Saved arguments are read back]
+            x = holder.argument()
+            if x is not None and x._version == holder.argument_version:
+                if holder.rebuilt:  # a re-run for the other saved tensors rebuilt it too
+                    holder.rebuilt.pop(_graph_task(), None)
+                return x.detach() if x.requires_grad else x
         gid = _graph_task()
         if gid not in holder.rebuilt:
             if gid in self.stored:
