@@ -57,7 +57,7 @@ def test_primitive_whose_saved_tensors_are_its_inputs_reruns_only_for_its_output
     # own output, not the product's. The operator's own backward reads only its inputs, read
     # back: no re-run for it (one more each before)
     assert recompute_count() - before == reruns
-    for a, b in zip(expected, got):
+    for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
 
 
@@ -79,7 +79,7 @@ def test_region_that_saves_only_its_argument_never_reruns(mode):
     before = recompute_count()
     got = _grads(run, x)
     assert recompute_count() - before == 0  # GELU saves its input only
-    for a, b in zip(expected, got):
+    for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
 
 
