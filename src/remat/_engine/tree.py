@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -33,15 +33,16 @@ class _Known:
     references to the modules and their tensors, the names of each module's tensor
     attributes; no object (NOTE [Snapshots reused while nothing changed])."""
 
-    __slots__ = ("attributes", "hooks", "ids", "key", "keys", "modules", "parameters", "refs", "sizes",
-                 "tensor_names")
+    __slots__ = ("attributes", "getters", "hooks", "ids", "key", "keys", "modules", "parameters", "refs",
+                 "sizes", "tensor_names")
     _serial = 0
 
     def __init__(self, modules: list[torch.nn.Module], dicts: list[dict]) -> None:
         self.modules = [weakref.ref(m) for m in modules]
         #: per module, the keys of its ``__dict__`` whose values are compared by identity
         self.attributes = [tuple(k for k in d if k not in _REGISTRIES) for d in dicts[0::_STRIDE]]
-        self.sizes, self.keys, self.hooks, self.ids = _identities(dicts, self.attributes)
+        self.getters = list(map(_getter, self.attributes))
+        self.sizes, self.keys, self.hooks, self.ids = _identities(dicts, self.getters)
         self.tensor_names = [[k for k, v in m.__dict__.items() if type(v) is torch.Tensor] for m in modules]
         tensors = [t for d in dicts[1::_STRIDE] for t in d.values()]  # parameters
         self.parameters = [weakref.ref(p) for p in {id(p): p for p in tensors if p is not None}.values()]
@@ -60,7 +61,7 @@ class _Known:
             return None
         dicts = _dicts(modules)
         try:
-            found = _identities(dicts, self.attributes)
+            found = _identities(dicts, self.getters)
         except KeyError:  # an attribute was removed
             return None
         if found != (self.sizes, self.keys, self.hooks, self.ids) or any(map(operator.is_, map(_DEREF, self.refs), _NONE)):
@@ -95,28 +96,32 @@ _REGISTRIES = frozenset((
     "_load_state_dict_post_hooks", "_remat_snapshot"))
 
 
-def _identities(dicts: list[dict], attributes: list[tuple]) -> tuple:
+def _identities(dicts: list[dict], getters: list[Callable[[dict], tuple]]) -> tuple:
     """What `_Known` compares: the sizes of every module's dictionaries; the keys of its
     ``__dict__``, parameters, buffers and children, and of its hook dictionaries that are not
     empty (a hook registered or removed adds or changes a key; a hook's key is never reused);
     the identities of its parameters, buffers and children and of its attributes
-    (``attributes``: its ``__dict__``'s keys but the registries themselves, whose contents
-    are compared instead). Equal only while they hold the very same objects.
+    (``getters``: per module, its ``__dict__``'s values under the keys seen but the
+    registries themselves, whose contents are compared instead; a key gone raises
+    ``KeyError``). Equal only while they hold the very same objects.
 
     Each identity is a new int: comparing the registries' own identities cost more than the
     rest, and the hook dictionaries (``OrderedDict``, nearly always empty) are walked only
     when they hold a hook (`filter`, in C)."""
     modules = dicts[0::_STRIDE]
-    registries = list(itertools.chain(dicts[1::_STRIDE], dicts[2::_STRIDE], dicts[3::_STRIDE]))
-    hooked = list(filter(None, itertools.chain.from_iterable(dicts[k::_STRIDE] for k in range(4, _STRIDE))))
+    registries = [*dicts[1::_STRIDE], *dicts[2::_STRIDE], *dicts[3::_STRIDE]]
+    hooked = list(filter(None, itertools.chain(*(dicts[k::_STRIDE] for k in range(4, _STRIDE)))))
     values = itertools.chain(itertools.chain.from_iterable(map(dict.values, registries)),
-                             itertools.chain.from_iterable(map(_values, modules, attributes)))
+                             itertools.chain.from_iterable(map(operator.call, getters, modules)))
     return (tuple(map(len, dicts)), tuple(itertools.chain.from_iterable(modules + registries)),
             tuple(itertools.chain.from_iterable(hooked)), tuple(map(id, values)))
 
 
-def _values(d: dict, keys: tuple) -> Iterator:
-    return map(d.__getitem__, keys)
+def _getter(keys: tuple) -> Callable[[dict], tuple]:
+    """``d -> tuple(d[k] for k in keys)``, in C where ``operator.itemgetter`` returns a tuple."""
+    if len(keys) >= 2:
+        return operator.itemgetter(*keys)
+    return lambda d: tuple(d[k] for k in keys)
 
 
 class _Cached:
