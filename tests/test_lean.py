@@ -181,3 +181,47 @@ def test_a_re_run_that_returns_another_structure_is_refused(monkeypatch):
         out.sum().backward()
     assert seen == {"open": 1, "close": 1, "backward": 1}
     assert_bitwise_equal([x.grad, *(p.grad for p in block.parameters())], before)  # nothing changed
+
+
+class _Gain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.spare = torch.nn.Linear(4, 4), 2.0
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * getattr(self, "gain", 1.0)
+
+
+def test_an_attribute_swapped_for_another_under_the_same_count_is_seen(monkeypatch):
+    """A key removed and another added keep the ``__dict__``'s size: the tree check still
+    sees it (the values are read under the keys seen: a key gone is a change)."""
+    torch.manual_seed(0)
+    base = _Gain()
+    marked = remat.recompute_module(copy.deepcopy(base), use_reentrant=True)
+    seen = _count(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        if step == 2:
+            for m in (base, marked):
+                del m.spare
+                m.gain = 3.0
+        x = torch.randn(2, 4, generator=g)
+        got = []
+        for m in (base, marked):
+            m.zero_grad()
+            xi = x.clone().requires_grad_()
+            m(xi).pow(2).sum().backward()
+            got.append([xi.grad, *(p.grad for p in m.parameters())])
+        assert_bitwise_equal(got[1], got[0])
+    assert seen["open"] == 2  # steps 1 and 3 on the facts; 0 and 2 (the tree changed) observed
+
+
+def test_attribute_getters_read_every_key_or_raise():
+    from remat._engine.tree import _getter
+
+    for keys in ((), ("a",), ("a", "b")):
+        d = {k: object() for k in keys}
+        assert _getter(keys)(d) == tuple(d[k] for k in keys)
+        if keys:
+            with pytest.raises(KeyError):
+                _getter(keys)({})
