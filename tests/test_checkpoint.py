@@ -437,9 +437,10 @@ def test_no_engine_object_outlives_its_graph(options):
     import gc
 
     from remat._engine import hooked as _hooked
+    from remat._engine import rebuilt as _rebuilt
     from remat._engine import reentrant as _reentrant
 
-    kinds = (_hooked.HookedFrame, _hooked._Holder, _reentrant.ReentrantFrame, _outputs.OutputRef)
+    kinds = (_hooked.HookedFrame, _rebuilt.Holder, _reentrant.ReentrantFrame, _outputs.OutputRef)
 
     def engine_objects() -> list:
         gc.collect()

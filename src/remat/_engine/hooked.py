@@ -1,7 +1,7 @@
 """``use_reentrant=False``: a region whose saved tensors are held by saved-tensor hooks (engine).
 
 See NOTE [Regions] in ``region.py``. While the region runs forward, every tensor it
-saves is packed into a `_Holder`; in backward the first unpack re-runs it.
+saves is packed into a `Holder`; in backward the first unpack re-runs it.
 
 NOTE [Arguments that are one tensor]
 A region called with one tensor in several argument slots (``attn(h, h, h)``) must
@@ -112,7 +112,16 @@ from remat._engine.core import Contexts, RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import OpTrace, storage_of
 from remat._engine.observe import engine_ops, replayed_state
-from remat._engine.rebuilt import RecomputeHooks, Stop, check, meta, refuse_expired
+from remat._engine.rebuilt import (
+    Holder,
+    RecomputeHooks,
+    Stop,
+    changed_after_rebuilt,
+    check,
+    meta,
+    refuse_expired,
+    unpacked_twice,
+)
 from remat._vocab.spec import RegionSpec
 
 _sequence_nr = torch.autograd._get_sequence_nr
@@ -130,37 +139,6 @@ def _graph_task() -> object:
 def _leaves(output: Any) -> list:
     """A region's output as a flat list (a single tensor without pytree)."""
     return [output] if isinstance(output, torch.Tensor) else pytree.tree_leaves(output)
-
-
-class _Holder:
-    __slots__ = ("__weakref__", "argument", "argument_version", "index", "kept", "kept_version", "out_of",
-                 "probe", "probe_version", "rebuilt", "saved_by")
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.kept: torch.Tensor | None = None
-        self.kept_version = 0
-        self.rebuilt: dict[int, tuple] = {}  # graph task -> (tensor, its version then, or None)
-        self.probe: weakref.ref | None = None
-        self.probe_version = -1  # the version it was saved at, while inputs may be written
-        self.out_of: tuple | None = None  # (output index, layout) when it is an output
-        self.saved_by: str | None = None
-        self.argument: weakref.ref | None = None  # NOTE [Saved arguments are read back]
-        self.argument_version = -1
-
-    def keep(self, x: torch.Tensor) -> None:
-        self.kept, self.kept_version, self.probe = x.detach(), x._version, None
-
-    def keep_as_saved(self, x: torch.Tensor) -> None:
-        """Keep ``x`` late, at the version it was saved at (NOTE [Regions that write their
-        inputs]): a write since then makes it stale, as autograd's own saved tensors are."""
-        saved = self.probe_version
-        self.keep(x)
-        if saved >= 0:
-            self.kept_version = saved
-
-    def kept_is_stale(self) -> bool:
-        return self.kept is not None and self.kept._version != self.kept_version
 
 
 class _SaveInputs(torch.autograd.Function):
@@ -271,8 +249,8 @@ class HookedFrame(RegionCore):
         return self.unflatten(leaves)
 
     # -- forward packing ---------------------------------------------------------
-    def pack(self, x: torch.Tensor) -> _Holder:
-        holder = _Holder(len(self.holders))
+    def pack(self, x: torch.Tensor) -> Holder:
+        holder = Holder(len(self.holders))
         if self.input_versions and not self.keep_all:  # NOTE [Regions that write their inputs]
             op = _sequence_nr()  # one autograd node per operator
             if op != self.recent_op:
@@ -365,7 +343,7 @@ class HookedFrame(RegionCore):
         self.out_refs.append(weakref.ref(ref))
 
     # -- backward ------------------------------------------------------------------
-    def unpack(self, holder: _Holder) -> torch.Tensor:
+    def unpack(self, holder: Holder) -> torch.Tensor:
         if holder.kept is not None:
             if not holder.kept_is_stale():
                 return holder.kept
@@ -385,41 +363,12 @@ class HookedFrame(RegionCore):
         gid = _graph_task()
         if gid not in holder.rebuilt:
             if gid in self.stored:
-                raise RecomputeError(self._unpacked_twice(holder, gid))
+                raise RecomputeError(unpacked_twice(self.name, holder, gid is _flags.current_group()))
             self.recompute(gid)
         x, version = holder.rebuilt.pop(gid)
         if version is not None and x._version != version:
-            raise RecomputeError(self._changed_after_rebuilt(holder, x, version))
+            raise RecomputeError(changed_after_rebuilt(self.name, holder, x, version))
         return x
-
-    def _changed_after_rebuilt(self, holder: _Holder, x: torch.Tensor, version: int) -> str:
-        """NOTE [Rebuilt tensors keep their version]."""
-        return (
-            f"remat: region '{self.name}' cannot be re-run exactly: saved tensor #{holder.index} "
-            f"(shape {list(x.shape)}) was changed in place later in the same re-run (version "
-            f"{version} when the re-run saved it, {x._version} now), as the forward changed it "
-            f"after saving it, so its value is not the one the forward saved (one of the "
-            f"variables needed for gradient computation has been modified by an inplace "
-            f"operation); make that in-place operation out of place (inplace=False, x = x.relu() "
-            f"for x.relu_()), or clone the tensor before it"
-        )
-
-    def _unpacked_twice(self, holder: _Holder, gid: object) -> str:
-        if gid is _flags.current_group():
-            return (
-                f"remat: region '{self.name}': saved tensor #{holder.index} is needed by two "
-                f"backward calls in one GraphExecGroup, which re-runs the region once for all of "
-                f"them. Unpack is being triggered for a tensor that was already unpacked once. "
-                f"Performing two backward calls that overlap (i.e. require the same saved "
-                f"activation in order to compute gradients) is not allowed while under the "
-                f"torch.utils.checkpoint.GraphExecGroup context. Run the overlapping call "
-                f"outside the group"
-            )
-        return (
-            f"remat: region '{self.name}': saved tensor #{holder.index} was unpacked twice in one "
-            f"backward. Unpack is being triggered for a tensor that was already unpacked once. "
-            f"If you are calling ctx.saved_tensors in backward, make sure to do so only once"
-        )
 
     def rebuild_output(self, index: int, ref: _outputs.OutputRef) -> torch.Tensor:
         """NOTE [Output pass]: rebuild an output for a consumer, keeping nothing else."""

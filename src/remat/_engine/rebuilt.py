@@ -122,3 +122,70 @@ def refuse_expired(name: str) -> None:
         f"only, and a later backward reached it (through a tensor a hook kept from the "
         f"re-run?); differentiate the tensors of the forward, not of its re-run"
     )
+
+
+class Holder:
+    """What a saved tensor of a ``use_reentrant=False`` region is packed into: the tensor kept,
+    a weak probe of it, its argument (NOTE [Saved arguments are read back] in ``hooked.py``),
+    or what the re-runs rebuilt, per graph task."""
+
+    __slots__ = ("__weakref__", "argument", "argument_version", "index", "kept", "kept_version", "out_of",
+                 "probe", "probe_version", "rebuilt", "saved_by")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.kept: torch.Tensor | None = None
+        self.kept_version = 0
+        self.rebuilt: dict[int, tuple] = {}  # graph task -> (tensor, its version then, or None)
+        self.probe: weakref.ref | None = None
+        self.probe_version = -1  # the version it was saved at, while inputs may be written
+        self.out_of: tuple | None = None  # (output index, layout) when it is an output
+        self.saved_by: str | None = None
+        self.argument: weakref.ref | None = None  # NOTE [Saved arguments are read back]
+        self.argument_version = -1
+
+    def keep(self, x: torch.Tensor) -> None:
+        self.kept, self.kept_version, self.probe = x.detach(), x._version, None
+
+    def keep_as_saved(self, x: torch.Tensor) -> None:
+        """Keep ``x`` late, at the version it was saved at (NOTE [Regions that write their
+        inputs]): a write since then makes it stale, as autograd's own saved tensors are."""
+        saved = self.probe_version
+        self.keep(x)
+        if saved >= 0:
+            self.kept_version = saved
+
+    def kept_is_stale(self) -> bool:
+        return self.kept is not None and self.kept._version != self.kept_version
+
+
+def changed_after_rebuilt(name: str, holder: Holder, x: torch.Tensor, version: int) -> str:
+    """NOTE [Rebuilt tensors keep their version]."""
+    return (
+        f"remat: region '{name}' cannot be re-run exactly: saved tensor #{holder.index} "
+        f"(shape {list(x.shape)}) was changed in place later in the same re-run (version "
+        f"{version} when the re-run saved it, {x._version} now), as the forward changed it "
+        f"after saving it, so its value is not the one the forward saved (one of the "
+        f"variables needed for gradient computation has been modified by an inplace "
+        f"operation); make that in-place operation out of place (inplace=False, x = x.relu() "
+        f"for x.relu_()), or clone the tensor before it"
+    )
+
+
+def unpacked_twice(name: str, holder: Holder, grouped: bool) -> str:
+    """A saved tensor unpacked a second time in one backward (or one ``GraphExecGroup``)."""
+    if grouped:
+        return (
+            f"remat: region '{name}': saved tensor #{holder.index} is needed by two "
+            f"backward calls in one GraphExecGroup, which re-runs the region once for all of "
+            f"them. Unpack is being triggered for a tensor that was already unpacked once. "
+            f"Performing two backward calls that overlap (i.e. require the same saved "
+            f"activation in order to compute gradients) is not allowed while under the "
+            f"torch.utils.checkpoint.GraphExecGroup context. Run the overlapping call "
+            f"outside the group"
+        )
+    return (
+        f"remat: region '{name}': saved tensor #{holder.index} was unpacked twice in one "
+        f"backward. Unpack is being triggered for a tensor that was already unpacked once. "
+        f"If you are calling ctx.saved_tensors in backward, make sure to do so only once"
+    )

@@ -2,7 +2,7 @@
 
 NOTE [Regions]
 A region is a callable run with its arguments. While it runs forward, every
-tensor it saves for backward is replaced by a `_Holder` and dropped; its
+tensor it saves for backward is replaced by a `Holder` (``rebuilt.py``) and dropped; its
 inputs are saved once, through whatever saved-tensor hooks are outside it (so a
 region nested in another keeps nothing the outer one drops). In backward, the
 first unpack of a holder re-runs the region once, under the forward's random
