@@ -225,3 +225,16 @@ def test_attribute_getters_read_every_key_or_raise():
         if keys:
             with pytest.raises(KeyError):
                 _getter(keys)({})
+
+
+def test_a_module_without_a_hook_dictionary_reads_as_one_without_hooks():
+    from remat._engine.tree import _STRIDE, _dicts
+
+    full, bare = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    del bare.__dict__["_backward_pre_hooks"]
+    got = _dicts([full, bare])
+    assert len(got) == 2 * _STRIDE
+    assert got[_STRIDE] is bare.__dict__ and got[_STRIDE + 1] is bare._parameters
+    assert [len(d) for d in got[_STRIDE + 4:]] == [0, 0, 0, 0]
+    assert got[:_STRIDE][4:] == [full._forward_hooks, full._forward_pre_hooks, full._backward_hooks,
+                                 full._backward_pre_hooks]

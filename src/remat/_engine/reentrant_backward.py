@@ -10,6 +10,7 @@ below) say what this code obeys. `Reentrant`'s backward calls
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any
 
 import torch
@@ -30,6 +31,9 @@ from remat._engine.observe import (
     refuse_lost,
     replayed_state,
 )
+
+_GRAD_FN = operator.attrgetter("grad_fn")
+_BACKWARD_HOOKS = operator.attrgetter("_backward_hooks")
 
 
 class Boundary(torch.autograd.Function):
@@ -127,7 +131,7 @@ def _lean_now(frame: Any) -> bool:
     parameters are leaves without hooks, no process group whose collectives a re-run waits."""
     if torch.is_grad_enabled() or frame.shared:
         return False
-    if any(p.grad_fn is not None or p._backward_hooks for p in frame.params):
+    if any(map(_GRAD_FN, frame.params)) or any(map(_BACKWARD_HOOKS, frame.params)):  # in C
         return False
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 

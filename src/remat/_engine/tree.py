@@ -74,16 +74,19 @@ _NONE = itertools.repeat(None)  # compared by identity (``in`` would call a tens
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _STRIDE = 4 + len(_HOOKS)  # dictionaries per module in `_dicts`
 _EMPTY: dict = {}
+_REGISTRY_VALUES = operator.itemgetter("_parameters", "_buffers", "_modules", *_HOOKS)
 
 
 def _dicts(modules: list[torch.nn.Module]) -> list[dict]:
-    """Per module: its ``__dict__``, parameters, buffers, children and hook dictionaries."""
+    """Per module: its ``__dict__``, parameters, buffers, children and hook dictionaries (read
+    in one call per module; a module without a hook dictionary gets an empty one)."""
     out: list[dict] = []
     for m in modules:
         d = m.__dict__
-        out += (d, d["_parameters"], d["_buffers"], d["_modules"], d.get("_forward_hooks", _EMPTY),
-                d.get("_forward_pre_hooks", _EMPTY), d.get("_backward_hooks", _EMPTY),
-                d.get("_backward_pre_hooks", _EMPTY))
+        try:
+            out += (d, *_REGISTRY_VALUES(d))
+        except KeyError:
+            out += (d, d["_parameters"], d["_buffers"], d["_modules"], *(d.get(k, _EMPTY) for k in _HOOKS))
     return out
 
 
