@@ -46,6 +46,7 @@ def models(quick: bool) -> dict:
     """name -> (build, inputs, loss_fn)."""
     scale = 1 if quick else 2
     tokens = torch.zeros(4, 64 * scale, dtype=torch.long)
+    long_tokens = torch.zeros(4, 256, dtype=torch.long)
     return {
         "gpt": (functools.partial(gpt, layers=6, width=128, heads=4, seq_len=64 * scale, vocab=512),
                 (tokens,), next_token_loss),
@@ -55,6 +56,13 @@ def models(quick: bool) -> dict:
                      (torch.randn(4 * scale, 3, 128, 128),), None),
         "unet": (functools.partial(unet, channels=(16, 32, 64), dropout=0.1),
                  (torch.randn(2 * scale, 3, 64, 64),), None),
+        # issue 27's shapes (section 'compile'): vocabulary 1,000, 256 tokens, batch 4; the
+        # Llama with RMSNorm, rotary positions, 8 query and 2 key/value heads, SwiGLU
+        "gpt256": (functools.partial(gpt, layers=4, width=256, heads=8, seq_len=256, vocab=1000),
+                   (long_tokens,), next_token_loss),
+        "llama256": (functools.partial(llama, layers=4, width=256, heads=8, kv_heads=2, hidden=688,
+                                       vocab=1000),
+                     (long_tokens,), next_token_loss),
     }
 
 
@@ -318,7 +326,7 @@ def versus_compile(name: str, build, inputs, loss_fn, fractions=(0.8, 0.5, 0.2),
     def measured_step(model, batch):  # the loop measured here: the output freed before backward
         return loss_fn(model(*batch) if isinstance(batch, tuple) else model(batch))
 
-    plans = {}
+    plans, missed = {}, {}
     for fraction in fractions:
         label = f"torch.compile, activation_memory_budget={fraction}"
         target = peaks[label]
@@ -329,6 +337,9 @@ def versus_compile(name: str, build, inputs, loss_fn, fractions=(0.8, 0.5, 0.2),
                                      step=measured_step, rounds=5)
         except remat.BudgetError as err:
             print(f"[vs compile {name}] remat.compile: no plan within {label}'s peak {target:,}: {err}")
+            missed[f"remat.compile(budget=) at the peak of budget={fraction}"] = {
+                "budget": int(baseline + target), "floor": getattr(err, "floor_bytes", None),
+                "error": str(err).split(";")[0]}
         else:
             step((model, compiled))
             c_label = f"remat.compile(budget=) at the peak of budget={fraction}"
@@ -349,7 +360,11 @@ def versus_compile(name: str, build, inputs, loss_fn, fractions=(0.8, 0.5, 0.2),
                 break
             budget -= measured - target
         if isinstance(plan, Exception) or measured > target:
-            print(f"[vs compile {name}] no eager plan within {label}'s peak {target:,}")
+            why = (f"{str(plan).split(';')[0]} (floor {plan.floor_bytes:,})" if isinstance(plan, Exception)
+                   else f"measured {measured:,} after re-planning")
+            print(f"[vs compile {name}] no eager plan within {label}'s peak {target:,}: {why}")
+            missed[f"remat.plan (eager) at the peak of budget={fraction}"] = {
+                "budget": int(budget), "floor": getattr(plan, "floor_bytes", None), "error": why}
             continue
         plan_label = f"remat.plan (eager) at the peak of budget={fraction}"
         configs[plan_label] = (model, model)
@@ -386,7 +401,8 @@ def versus_compile(name: str, build, inputs, loss_fn, fractions=(0.8, 0.5, 0.2),
     for v in verdicts:
         shown = ", ".join(f"{k} {x:.3f}" for k, x in v.items() if k != "budget")
         print(f"[vs compile {name}] budget {v['budget']}: {shown or 'no plan'}")
-    return {"model": name, "rounds": rounds, "rows": rows, "verdicts": verdicts}
+    return {"model": name, "rounds": rounds, "rows": rows, "verdicts": verdicts, "missed": missed,
+            "baseline_bytes": baseline}
 
 
 def max_batch(budget: str) -> dict:
@@ -514,6 +530,9 @@ def main() -> int:
     parser.add_argument("--anchor-models", default="gpt,resnet50", help="models of 'anchors'")
     parser.add_argument("--pairs", type=int, default=5, help="timed pairs per configuration in 'anchors'")
     parser.add_argument("--compile-models", default="gpt", help="models of 'compile'")
+    parser.add_argument("--compile-fractions", default="0.8,0.5,0.2",
+                        help="torch.compile's activation_memory_budget values of 'compile' (comma-separated)")
+    parser.add_argument("--compile-rounds", type=int, default=15, help="interleaved rounds of 'compile'")
     parser.add_argument("--inside-models", default="gpt", help="models of 'inside' (options inside blocks)")
     parser.add_argument("--rounds", type=int, default=31, help="interleaved rounds of 'inside'")
     parser.add_argument("--max-batch-budgets", default="160MiB,400MiB",
@@ -533,7 +552,10 @@ def main() -> int:
     if "inside" in sections:
         result["inside"] = [inside_blocks(n, *chosen[n], rounds=args.rounds) for n in args.inside_models.split(",")]
     if "compile" in sections:
-        result["versus_compile"] = [versus_compile(n, *chosen[n]) for n in args.compile_models.split(",")]
+        fractions = tuple(float(f) for f in args.compile_fractions.split(","))
+        result["versus_compile"] = [versus_compile(n, *chosen[n], fractions=fractions,
+                                                   rounds=args.compile_rounds)
+                                    for n in args.compile_models.split(",")]
     if "maxbatch" in sections:
         result["max_batch"] = {b: max_batch(b) for b in args.max_batch_budgets.split(",")}
     if "speed" in sections:

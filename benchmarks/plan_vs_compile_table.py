@@ -15,9 +15,10 @@ DEFAULT = pathlib.Path(__file__).resolve().parent / "results" / "plan_sweep_comp
 
 
 def table(results: dict) -> str:
-    head = (f"{'model':<6} {'budget':>6}  {'torch.compile':>22}  {'remat.compile(budget=)':>30}  "
+    m = max([6, *(len(run["model"]) for run in results["versus_compile"])])  # the model column's width
+    head = (f"{'model':<{m}} {'budget':>6}  {'torch.compile':>22}  {'remat.compile(budget=)':>30}  "
             f"{'remat.plan, eager':>28}")
-    units = (f"{'':<6} {'':>6}  {'peak MiB':>10} {'step ms':>11}  {'peak':>8} {'step ms':>11} "
+    units = (f"{'':<{m}} {'':>6}  {'peak MiB':>10} {'step ms':>11}  {'peak':>8} {'step ms':>11} "
              f"{'x compile':>9}  {'peak':>8} {'step ms':>10} {'x compile':>8}")
     lines = [head, units]
     for run in results["versus_compile"]:
@@ -25,14 +26,18 @@ def table(results: dict) -> str:
         for verdict in run["verdicts"]:
             fraction = verdict["budget"]
             torch_row = rows[f"torch.compile, activation_memory_budget={fraction}"]
-            first = (f"{run['model']:<6} {fraction:>6}  {torch_row['peak_bytes'] / 2**20:>10.2f} "
+            first = (f"{run['model']:<{m}} {fraction:>6}  {torch_row['peak_bytes'] / 2**20:>10.2f} "
                      f"{_ms(torch_row):>11}")
             cells = [first]
             for kind, label, width in (("compiled", "remat.compile(budget=)", 11),
                                        ("eager", "remat.plan (eager)", 10)):
                 row = rows.get(f"{label} at the peak of budget={fraction}")
-                if row is None:
-                    cells.append(f"{'no plan':>{width + 19}}")
+                if row is None:  # with the floor above the peak, where the log has it
+                    missed = run.get("missed", {}).get(f"{label} at the peak of budget={fraction}", {})
+                    floor = missed.get("floor")
+                    shown = (f"no plan (floor {(floor - run['baseline_bytes']) / 2**20:.2f})"
+                             if floor is not None and "baseline_bytes" in run else "no plan")
+                    cells.append(f"{shown:>{width + 19}}")
                     continue
                 cells.append(f"{row['peak_bytes'] / 2**20:>8.2f} {_ms(row):>{width}} "
                              f"{verdict[f'{kind}_time_ratio']:>8.3f}x")
