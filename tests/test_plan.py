@@ -471,7 +471,8 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
         full = costs.problem()
         inside = [o for o, name in enumerate(full.options) if name.startswith("children:")]
         assert [full.options[o] for o in inside] == ["children:attn", "children:fc", "children:gelu",
-                                                     "children:attn+fc+gelu"]
+                                                     "children:attn+fc+gelu",  # NOTE [Every child]:
+                                                     "children:ln1+attn+ln2+fc+gelu+proj"]
         blocks_only = Problem(**{**full.__dict__, "kept": [
             [None if o in inside else k for o, k in enumerate(row)] for row in full.kept]})
         plans = [_fit(model, costs, (p, p), budget, floor(p), settings) for p in (full, blocks_only)]
@@ -813,3 +814,27 @@ def test_a_uniform_marking_measured_within_the_budget_wins_over_a_slower_plan(mo
     monkeypatch.setattr(_plan, "solve", lambda *a, **k: Solution(("keep", "selective"), 0.0, 0.0, "dp"))
     plan = _plan._fit(None, costs, (problem, problem), budget, 0.0, Settings(step=Step(), solving=Solving(verify=False)))
     assert list(plan.choices.values()) == ["keep", "selective"]  # faster than any uniform marking
+
+
+def test_every_child_together_lowers_the_floor_and_plans_reach_it(monkeypatch):
+    """NOTE [Every child]: the layer norms get no option of their own, but marked with the rest
+    they take the floor lower; a budget between the two floors gets a plan, held, bitwise."""
+    from remat.planner import _measure
+
+    inner = _measure.inner_options
+    x = small_gpt_tokens()
+    low = remat.plan(small_gpt(), *x, budget=1.0, repeat=1).floor_bytes
+    with monkeypatch.context() as m:
+        m.setattr(_measure, "inner_options", lambda *a, **k: inner(*a, **{**k, "every": False}))
+        high = remat.plan(small_gpt(), *x, budget=1.0, repeat=1).floor_bytes
+        with pytest.raises(remat.BudgetError):
+            remat.plan(small_gpt(), *x, budget=(low + high) // 2, repeat=1)
+    assert low < high
+    p = remat.plan(small_gpt(), *x, budget=(low + high) // 2, repeat=1)
+    assert p.measured_peak_bytes <= p.budget_bytes
+    assert any(c == "children:ln1+attn+ln2+fc+gelu+proj" for c in p.choices.values()), p.choices
+    expected = grads(small_gpt(), x[0])
+    marked = small_gpt()
+    p.apply(marked)
+    got = grads(marked, x[0])
+    assert all(torch.equal(got[n], expected[n]) for n in expected)

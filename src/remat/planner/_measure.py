@@ -118,7 +118,8 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
         if option == "keep" and settings.build is not None:
             measured, blocks = net, _named(net, blocks)
         if option == "keep":  # NOTE [Options inside blocks], [Options per operator]
-            inner = inner_options(traced, {r.name: r for r in reports["keep"].rows}, settings.options)
+            inner = inner_options(traced, {r.name: r for r in reports["keep"].rows}, settings.options,
+                                  every=True)  # NOTE [Every child]
             columns = list(dict.fromkeys(c for name in names for c in inner[name]))
             pending += columns
     steps: dict[str, float] = {}

@@ -24,6 +24,16 @@ operator mark counts two runs: one hands its output to whoever saved it, one reb
 what it saved itself, NOTE [Output pass]). Blocks of different classes bring their own
 columns; a block lacks the others.
 
+NOTE [Every child]
+The children that keep least (a block's layer norms: a tenth of what its attention keeps)
+get no option of their own, but they set how low a block can go inside: with the
+attention, the MLP's products and the activation marked, a block still keeps each norm's
+output (the input of what is marked), and on a vocabulary-heavy GPT that left the eager
+floor 7% above the peak torch.compile reaches at an ``activation_memory_budget`` of 0.1.
+So the eager planner also offers every child that may be marked, together (``"children:
+ln1+attn+ln2+fc+gelu+proj"``): the lowest a block goes without being re-run whole, measured like
+every other option and chosen only where it is the fastest within the budget.
+
 NOTE [Options per operator]
 Between ``recompute`` (keep nothing inside a block) and ``selective`` (keep every
 matrix product, convolution and attention) lie the per-operator options, family
@@ -166,15 +176,16 @@ def cut_options(nodes: Mapping[str, tuple[int, Sequence[str]]], needed: Iterable
 
 def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
                   leaving: set[str] = frozenset(), calls: int = 1, *, share: float = CHILD_SHARE,
-                  limit: int = MAX_CHILDREN, operators: bool = False) -> list[str]:
+                  limit: int = MAX_CHILDREN, operators: bool = False, every: bool = False) -> list[str]:
     """The ``children:`` options of block ``name`` from the rows of an unmarked run
     (NOTE [Options inside blocks]); ``leaving``: children whose output is the block's;
     ``calls``: how many times the step runs each block (micro-batches); ``share``, ``limit``:
     the least share of the block's kept bytes a child must drop, the most children;
     ``operators``: also all the single-operator children together (norms, activations:
-    cheap to rebuild), when that is not already an option."""
+    cheap to rebuild), when that is not already an option; ``every``: also every child
+    that may be marked, together (NOTE [Every child]), when that is not already one."""
     total = rows[name].kept
-    scored = []
+    scored, eligible = [], []
     for order, (child, kid) in enumerate(block.named_children()):
         row = rows.get(f"{name}.{child}")
         if row is None or row.calls != calls or "+" in child or ":" in child:
@@ -182,6 +193,7 @@ def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
         cell = next(kid.children(), None) is not None
         if not cell and child in leaving:
             continue  # rebuilt in a later block's backward (with an FSDP unit resharded)
+        eligible.append(child)
         saving = row.kept - row.output_bytes if cell else row.kept
         if total > 0 and saving >= share * total:
             scored.append((-saving, order, child))
@@ -192,19 +204,21 @@ def child_options(name: str, block: torch.nn.Module, rows: Mapping[str, Any],
     alone = [c for c in chosen if next(kids[c].children(), None) is None]
     if operators and 1 < len(alone) < len(chosen):
         found.append(str(Choice(CHILDREN, tuple(alone))))
+    if every and chosen and len(eligible) > len(chosen):  # NOTE [Every child]
+        found.append(str(Choice(CHILDREN, tuple(eligible))))
     return found
 
 
 def inner_options(traced: Trace, unmarked: Mapping[str, Any], options: Sequence[str], *,
                   share: float = CHILD_SHARE, limit: int = MAX_CHILDREN,
-                  operators: bool = False) -> dict[str, list[str]]:
+                  operators: bool = False, every: bool = False) -> dict[str, list[str]]:
     """Block name -> its options inside the block (``children:``, ``ops:``) from the trace
     and the unmarked run's rows (NOTE [Options inside blocks], [Options per operator])."""
     inner: dict[str, list[str]] = {name: [] for name in traced.names}
     for k, (name, block) in enumerate(traced.blocks):
         if CHILDREN in options:
             inner[name] += child_options(name, block, unmarked, traced.leaving[name], traced.calls,
-                                         share=share, limit=limit, operators=operators)
+                                         share=share, limit=limit, operators=operators, every=every)
         if OPS in options:
             i, candidates = traced.index[k], traced.ops.candidates
             inner[name] += ops_options(candidates.of(i), candidates.small_results(i))
