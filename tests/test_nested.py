@@ -312,19 +312,23 @@ def test_nested_checkpoint_set_early_stop_no_recompution_needed():
         counter[0] += 1
         return x.sin()
 
+    def run(f, early_stop: bool) -> tuple[int, int, torch.Tensor]:
+        """``(calls of f, sin dispatches, the input's gradient)`` over one forward and backward."""
+        counter[0] = 0
+        a = torch.tensor(1.0, requires_grad=True)
+        with SinCounterMode() as python_dispatch_counter:
+            with remat.set_checkpoint_early_stop(early_stop):
+                out = remat.checkpoint(f, a, use_reentrant=False)
+            out.backward()
+        return counter[0], python_dispatch_counter.count, a.grad
+
     # remat reads the saved input back (NOTE [Saved arguments are read back]): nothing is
     # rebuilt, so fn is not called again, with early stopping (enabled by default) or
     # without it; torch calls fn again (counter 2) and stops before sin runs (count 1)
     for early_stop in (True, False):
-        counter = [0]
-        a = torch.tensor(1.0, requires_grad=True)
-        with SinCounterMode() as python_dispatch_counter:
-            with remat.set_checkpoint_early_stop(early_stop):
-                out = remat.checkpoint(fn, a, use_reentrant=False)
-            out.backward()
-        assert counter[0] == 1
-        assert python_dispatch_counter.count == 1
-        assert torch.equal(a.grad, torch.tensor(1.0).cos())
+        calls, sins, grad = run(fn, early_stop)
+        assert (calls, sins) == (1, 1)
+        assert torch.equal(grad, torch.tensor(1.0).cos())
 
     # Case 1b: the one tensor saved is made inside: the region is re-run as torch re-runs it
     def fn1b(x):
@@ -332,14 +336,9 @@ def test_nested_checkpoint_set_early_stop_no_recompution_needed():
         return (x * 2).sin()
 
     for early_stop, sins in ((True, 1), (False, 2)):
-        counter = [0]
-        a = torch.tensor(1.0, requires_grad=True)
-        with SinCounterMode() as python_dispatch_counter:
-            with remat.set_checkpoint_early_stop(early_stop):
-                out = remat.checkpoint(fn1b, a, use_reentrant=False)
-            out.backward()
-        assert counter[0] == 2
-        assert python_dispatch_counter.count == sins
+        calls, dispatched, grad = run(fn1b, early_stop)
+        assert (calls, dispatched) == (2, sins)
+        assert torch.equal(grad, 2 * torch.tensor(2.0).cos())
 
     # Case 2: Forward saves no tensors
 

@@ -129,16 +129,22 @@ def _run(rank: int, world: int, name: str, plan_json: str | None) -> dict:
         assert list(plan.ranks[rank].stages) == indices
         plan.apply(*modules, rank=rank)
     schedule = schedule_of(name, modules, indices, n_stages)
+    return _two_steps(modules, rank, lambda ids, target: step_once(schedule, rank, world, ids, target))
+
+
+def _two_steps(modules: list, rank: int, step) -> dict:
+    """``step(ids, target)`` (it returns the losses) twice: the first infers the stages'
+    shapes, the second is measured; its gradients, losses and tracked peak."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     target = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     peak, losses = 0, []
-    for _ in range(2):  # the first step infers the stages' shapes; the second is measured
+    for _ in range(2):
         for module in modules:
             module.zero_grad(set_to_none=True)
         torch.manual_seed(10 + rank)
         with remat.memory.track() as tracker:
-            losses = step_once(schedule, rank, world, ids, target)
+            losses = step(ids, target)
         peak = tracker.peak_bytes
     return {"grads": [p.grad for m in modules for p in m.parameters()], "losses": [x.detach() for x in losses],
             "peak": peak}
@@ -234,25 +240,18 @@ def _v_run(rank: int, name: str, plan_json: str | None, counted: bool) -> dict:
     if plan_json is not None:
         remat.PipelinePlan.from_json(plan_json).apply(*modules, rank=rank)
     schedule = schedule_of(name, modules, indices, 4)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    target = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    peak, losses = 0, []
-    for _ in range(2):  # the first step infers the stages' shapes; the second is measured
-        for module in modules:
-            module.zero_grad(set_to_none=True)
-        torch.manual_seed(10 + rank)
-        losses = []
-        with remat.memory.track() as tracker:
-            if counted:
-                _held_over(schedule)
-            if rank == 0:  # the first and the last stage
-                schedule.step(ids, target=target, losses=losses)
-            else:
-                schedule.step()
-        peak = tracker.peak_bytes
-    return {"grads": [p.grad for m in modules for p in m.parameters()], "losses": [x.detach() for x in losses],
-            "peak": peak}
+
+    def step(ids: torch.Tensor, target: torch.Tensor) -> list:
+        losses: list = []
+        if counted:
+            _held_over(schedule)
+        if rank == 0:  # the first and the last stage
+            schedule.step(ids, target=target, losses=losses)
+        else:
+            schedule.step()
+        return losses
+
+    return _two_steps(modules, rank, step)
 
 
 def v_ranks(rank: int, inbox) -> dict:

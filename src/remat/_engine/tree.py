@@ -33,15 +33,14 @@ class _Known:
     references to the modules and their tensors, the names of each module's tensor
     attributes; no object (NOTE [Snapshots reused while nothing changed])."""
 
-    __slots__ = ("attributes", "getters", "hooks", "ids", "key", "keys", "modules", "parameters", "refs",
-                 "sizes", "tensor_names")
+    __slots__ = ("getters", "hooks", "ids", "key", "keys", "modules", "parameters", "refs", "sizes",
+                 "tensor_names")
     _serial = 0
 
     def __init__(self, modules: list[torch.nn.Module], dicts: list[dict]) -> None:
         self.modules = [weakref.ref(m) for m in modules]
-        #: per module, the keys of its ``__dict__`` whose values are compared by identity
-        self.attributes = [tuple(k for k in d if k not in _REGISTRIES) for d in dicts[0::_STRIDE]]
-        self.getters = list(map(_getter, self.attributes))
+        #: per module, its ``__dict__``'s values under the keys compared by identity
+        self.getters = [_getter(tuple(k for k in d if k not in _REGISTRIES)) for d in dicts[0::_STRIDE]]
         self.sizes, self.keys, self.hooks, self.ids = _identities(dicts, self.getters)
         self.tensor_names = [[k for k, v in m.__dict__.items() if type(v) is torch.Tensor] for m in modules]
         tensors = [t for d in dicts[1::_STRIDE] for t in d.values()]  # parameters
