@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import operator
 import threading
 import weakref
@@ -156,6 +157,7 @@ def _registry_name(module: torch.nn.Module, registry: dict) -> str:
 
 
 _ABSENT = object()
+_COPIED = (True,) * 4 + (False,) * (_STRIDE - 4)  # of a module's dictionaries: all but its hooks'
 _VERSION = operator.attrgetter("_version")
 
 #: adapters' checks that a wrapper refills parameters in place (NOTE [Parameters changed
@@ -166,6 +168,14 @@ _REFILL_CHECKS: list[Callable[[], bool]] = []
 def add_refill_check(check: Callable[[], bool]) -> None:
     """Register ``check``: while it returns True, parameters' versions are not compared."""
     _REFILL_CHECKS.append(check)
+
+
+def _refilling() -> bool:
+    """Whether a registered check says a wrapper refills parameters in place now."""
+    for check in _REFILL_CHECKS:
+        if check():
+            return True
+    return False
 
 
 def _reorder(where: dict, keys: list) -> None:
@@ -192,13 +202,14 @@ class ModuleState:
         roots: the region's modules (`modules_of`); their whole trees are kept.
     """
 
-    __slots__ = ("copies", "entries", "foreign", "forward_params", "keys", "name", "overwritten", "param_versions",
-                 "root", "seen", "sources", "tree", "versioned")
+    __slots__ = ("_entries", "copies", "foreign", "forward_params", "keys", "made", "name", "overwritten",
+                 "param_versions", "root", "seen", "sources", "tree", "versioned")
 
     def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
         self.name, self.root = name, roots[0] if roots else None
         self.overwritten: list[torch.Tensor] = []  # written by the forward, not as state
-        self.entries: list[_Entry] = []
+        self._entries: list[_Entry] = []  # made when first read (`entries`)
+        self.made: list = []  # per tree kept: (modules, tensor names, first copy) of entries not made yet
         self.keys: list[int] = []  # of the trees kept (NOTE [Snapshots reused while nothing changed] in ``tree.py``)
         self.seen: set[int] | None = None  # the modules kept, once `add` needs them
         self.tree: _Known | None = None  # what is known of the one tree kept whole
@@ -212,27 +223,43 @@ class ModuleState:
             self.add(root)
 
     def add(self, module: torch.nn.Module) -> None:
-        """Keep ``module``'s tree as it is now (its modules not kept yet)."""
-        if self.entries and id(module) in self._seen():
+        """Keep ``module``'s tree as it is now (its modules not kept yet).
+
+        Its dictionaries are copied now; the `_Entry` of each module is made when first
+        read (`entries`), except for a module with buffers or tensor attributes, whose
+        versions are read now."""
+        if self.keys and id(module) in self._seen():
             return
         modules, dicts, known = _tree(module)
-        if self.entries:  # a region that is a plain function: the modules it calls
+        names = known.tensor_names
+        if self.keys:  # a region that is a plain function: the modules it calls
             keep = [i for i, m in enumerate(modules) if id(m) not in self._seen()]
             self.seen.update(id(modules[i]) for i in keep)
             modules = [modules[i] for i in keep]
             dicts = [dicts[i * _STRIDE + k] for i in keep for k in range(_STRIDE)]
-            names = [known.tensor_names[i] for i in keep]
+            names = [names[i] for i in keep]
             self.tree = None
         else:  # the usual case: one tree, kept whole
-            names, self.tree = known.tensor_names, known
-        sources = (dicts[::_STRIDE], dicts[1::_STRIDE], dicts[2::_STRIDE], dicts[3::_STRIDE])
-        copies = tuple(list(map(dict.copy, d)) for d in sources)
-        entries = list(map(_Entry, modules, *copies, names))
-        self.entries += entries
-        self.versioned += [entry for entry in entries if entry.versions]
-        for where, d in ((self.sources, sources), (self.copies, copies)):
-            where += (*d[0], *d[1], *d[2], *d[3])
+            self.tree = known
+        sources = list(itertools.compress(dicts, itertools.cycle(_COPIED)))  # 4 per module
+        first = len(self.copies)
+        self.sources += sources
+        self.copies += map(dict.copy, sources)
+        self.made.append((modules, names, first))
+        if modules and (any(names) or any(dicts[2::_STRIDE])):  # buffers or tensor attributes: versions now
+            self.versioned += [entry for entry in self.entries[-len(modules):] if entry.versions]
         self.keys.append(known.key)
+
+    @property
+    def entries(self) -> list[_Entry]:
+        """One `_Entry` per module kept, in order."""
+        if self.made:
+            made, self.made = self.made, []
+            for modules, names, first in made:
+                c = self.copies
+                self._entries += [_Entry(m, c[k], c[k + 1], c[k + 2], c[k + 3], n)
+                                  for m, n, k in zip(modules, names, range(first, first + 4 * len(modules), 4))]
+        return self._entries
 
     def unchanged(self) -> bool:
         """Whether every module's attributes, parameters and buffers are the ones the forward
@@ -309,13 +336,15 @@ class ModuleState:
         again before it reads it. But a later forward may have written it since, so its
         value is kept around each re-run (`restored`).
         """
-        replayed = {id(t) for t, _ in state}
-        self.overwritten = [t for _, t in self._changed() if id(t) not in replayed]
-        self._refresh()
+        if self.versioned:  # buffers or tensor attributes
+            replayed = {id(t) for t, _ in state}
+            self.overwritten = [t for _, t in self._changed() if id(t) not in replayed]
+            self._refresh()
         self.forward_params = self.parameters()
-        if not any(check() for check in _REFILL_CHECKS):  # NOTE [Parameters changed before backward]
+        if not _refilling():  # NOTE [Parameters changed before backward]
             self.param_versions = list(map(_VERSION, self.forward_params))
-            self.foreign = [(weakref.ref(t), tuple(t.shape), t._version) for t in outside]
+            if outside:
+                self.foreign = [(weakref.ref(t), tuple(t.shape), t._version) for t in outside]
 
     def _changed(self) -> list[tuple[_Entry, torch.Tensor]]:
         return [(entry, t) for entry in self.versioned for _, t, version in entry.versions

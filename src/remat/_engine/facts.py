@@ -71,6 +71,7 @@ from typing import Any
 
 import torch
 
+from remat._engine import tree as _tree
 from remat._engine.errors import RecomputeError
 
 _CAPACITY = 8  # observations kept per module (input shapes, train and eval, ...)
@@ -97,7 +98,16 @@ class Facts:
 
 
 _DEREF = weakref.ref.__call__  # dereference in C
-_STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NO_FACTS: dict = {}
+
+
+def _table(frame: Any) -> dict:
+    """The facts kept for the region's root module, in its cache (``tree.cached``: a copy or
+    a pickle of the module starts without them)."""
+    kept = _tree.cached(frame.module_state.root)
+    if kept.facts is None:
+        kept.facts = {}
+    return kept.facts
 
 
 _VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format)
@@ -146,7 +156,8 @@ def known(frame: Any, key: tuple | None) -> Facts | None:
     """What an earlier call with ``key`` found, when it found the region needs no watching."""
     if key is None:
         return None
-    facts = _STORE.get(frame.module_state.root, {}).get(key)  # None: watched on every call
+    kept = frame.module_state.root.__dict__.get("_remat_snapshot")
+    facts = (getattr(kept, "facts", None) or _NO_FACTS).get(key)  # None: watched on every call
     return facts if facts is not None and facts.alive() else None
 
 
@@ -156,7 +167,7 @@ def learn(frame: Any, key: tuple | None, observe: Any, outside: list = ()) -> No
         return  # state to replay: watched on every call
     if outside:
         return  # NOTE [Tensors read from outside the module]: their versions, every call
-    table = _STORE.setdefault(frame.module_state.root, {})
+    table = _table(frame)
     if key in table and table[key] is None:
         return  # its reads were seen to vary (`watch_always`)
     reads = []
@@ -177,7 +188,7 @@ def learn(frame: Any, key: tuple | None, observe: Any, outside: list = ()) -> No
 def watch_always(frame: Any, key: tuple | None) -> None:
     """Watch the region's calls with ``key`` from now on (NOTE [Reads that vary])."""
     if key is not None:
-        _STORE.setdefault(frame.module_state.root, {})[key] = None
+        _table(frame)[key] = None
 
 
 def outside_reads(frame: Any) -> list[torch.Tensor]:
@@ -191,7 +202,7 @@ def outside_reads(frame: Any) -> list[torch.Tensor]:
 
 
 def forget(frame: Any, key: tuple | None) -> None:
-    _STORE.get(frame.module_state.root, {}).pop(key, None)
+    _table(frame).pop(key, None)
 
 
 def confirm(frame: Any, key: tuple | None) -> None:

@@ -8,7 +8,7 @@ leaves the caller's random state untouched afterwards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
 from typing import Any
 
 import torch
@@ -65,27 +65,28 @@ def _devices_of(args: Any) -> tuple[str, list[int]]:
     return device_type, indices
 
 
-def _autocast_state(device_type: str) -> dict | None:
+def _autocast_state(device_type: str) -> tuple | None:
+    """``(enabled, dtype, cache_enabled)`` of autocast on ``device_type``; None where it has none."""
     if device_type != "cpu" and not torch.amp.is_autocast_available(device_type):
         return None
-    return {
-        "enabled": torch.is_autocast_enabled(device_type),
-        "dtype": torch.get_autocast_dtype(device_type),
-        "cache_enabled": torch.is_autocast_cache_enabled(),
-    }
+    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled())
 
 
-@dataclass
 class Replay:
-    """What a region's forward ran under: random state and autocast settings."""
+    """What a region's forward ran under: random state and autocast settings.
 
-    device_type: str
-    devices: list[int]
-    cpu_rng: torch.Tensor | None
-    device_rng: list[torch.Tensor] | None
-    cpu_autocast: dict | None
-    device_autocast: dict | None
-    device_initialized: bool
+    ``cpu_rng``, ``device_rng``: the generators' states (None: not preserved);
+    ``cpu_autocast``, ``device_autocast``: `_autocast_state` of each device type.
+    """
+
+    __slots__ = ("cpu_autocast", "cpu_rng", "device_autocast", "device_rng", "device_type", "devices")
+
+    def __init__(self, device_type: str, devices: list[int], cpu_rng: torch.Tensor | None,
+                 device_rng: list[torch.Tensor] | None, cpu_autocast: tuple | None,
+                 device_autocast: tuple | None) -> None:
+        self.device_type, self.devices, self.cpu_rng, self.device_rng = device_type, devices, cpu_rng, device_rng
+        self.cpu_autocast, self.device_autocast = cpu_autocast, device_autocast
 
     def context(self) -> _Replaying:
         """Run the enclosed code under the forward's random and autocast state.
@@ -103,7 +104,7 @@ class _Replaying:
     __slots__ = ("autocast", "module", "replay", "states")
 
     def __init__(self, replay: Replay) -> None:
-        self.replay, self.module, self.states, self.autocast = replay, None, None, []
+        self.replay, self.module, self.states, self.autocast = replay, None, None, None
 
     def __enter__(self) -> None:
         replay = self.replay
@@ -128,13 +129,16 @@ class _Replaying:
             self.__exit__(None, None, None)
             raise
 
-    def _enter_autocast(self, device_type: str, settings: dict) -> None:
-        context = torch.amp.autocast(device_type, **settings)
+    def _enter_autocast(self, device_type: str, settings: tuple) -> None:
+        enabled, dtype, cache_enabled = settings
+        context = torch.amp.autocast(device_type, enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
         context.__enter__()
+        if self.autocast is None:
+            self.autocast = []
         self.autocast.append(context)
 
     def __exit__(self, *exc_info: object) -> None:
-        autocast, self.autocast = self.autocast, []
+        autocast, self.autocast = self.autocast, None
         try:
             while autocast:
                 autocast.pop().__exit__(*exc_info)
@@ -156,28 +160,25 @@ def capture(args: Any, preserve_rng_state: bool) -> Replay:
     Returns:
         A `Replay` whose ``context()`` restores that state.
     """
-    device_type, devices = _devices_of(args)
-    if not devices and DefaultDeviceType.get_device_type() not in ("cpu", "meta"):
-        device_type = DefaultDeviceType.get_device_type()  # autocast only: no device to seed
-    initialized = False
-    device_rng = None
-    if device_type != "cpu":
-        module = torch.get_device_module(device_type)
-        initialized = bool(getattr(module, "_initialized", True))
-        if preserve_rng_state and initialized:
-            device_rng = [module.get_rng_state(i) for i in devices]
     cpu_rng = torch.get_rng_state() if preserve_rng_state else None
     if cpu_rng is not None:
         note_allocation(cpu_rng)
-    return Replay(
-        device_type=device_type,
-        devices=devices,
-        cpu_rng=cpu_rng,
-        device_rng=device_rng,
-        cpu_autocast=_autocast_state("cpu"),
-        device_autocast=_autocast_state(device_type) if device_type != "cpu" else None,
-        device_initialized=initialized,
-    )
+    default = DefaultDeviceType._default_device_type or DefaultDeviceType.get_device_type()
+    if default == "cpu" and isinstance(args, list) and all(map(_ON_CPU, args)):  # the usual CPU case
+        return Replay("cpu", [], cpu_rng, None, _autocast_state("cpu"), None)
+    device_type, devices = _devices_of(args)
+    if not devices and default not in ("cpu", "meta"):
+        device_type = default  # autocast only: no device to seed
+    device_rng = None
+    if device_type != "cpu":
+        module = torch.get_device_module(device_type)
+        if preserve_rng_state and getattr(module, "_initialized", True):
+            device_rng = [module.get_rng_state(i) for i in devices]
+    return Replay(device_type, devices, cpu_rng, device_rng, _autocast_state("cpu"),
+                  _autocast_state(device_type) if device_type != "cpu" else None)
+
+
+_ON_CPU = operator.attrgetter("is_cpu")
 
 
 def generator_states(tensors: Any) -> list[torch.Tensor]:

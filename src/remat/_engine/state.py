@@ -84,8 +84,10 @@ def note_allocation(tensor: object) -> None:
     allocated without an operator, so a dispatch mode never sees them; the
     trackers listening here (``remat.memory.track``) count them while they live.
     """
-    for listener in list(getattr(_local, "allocation_listeners", ())):
-        listener(tensor)
+    listeners = getattr(_local, "allocation_listeners", None)
+    if listeners:  # none but while a tracker listens
+        for listener in list(listeners):
+            listener(tensor)
 
 
 @contextlib.contextmanager

@@ -131,10 +131,11 @@ class _Cached:
     (NOTE [Snapshots reused while nothing changed]); a copy or a pickle of the module
     starts without it."""
 
-    __slots__ = ("tree",)
+    __slots__ = ("facts", "tree")
 
     def __init__(self) -> None:
         self.tree: _Known | None = None
+        self.facts: dict | None = None  # NOTE [Observed once, confirmed every call] (facts.py)
 
     def __deepcopy__(self, memo: dict) -> _Cached:
         return _Cached()
@@ -146,14 +147,19 @@ class _Cached:
         return (type(None), ())
 
 
+def cached(root: torch.nn.Module) -> _Cached:
+    """What ``root``'s region calls keep in its ``__dict__`` (made on first use)."""
+    found = root.__dict__.get("_remat_snapshot")
+    if type(found) is not _Cached:
+        found = root.__dict__["_remat_snapshot"] = _Cached()
+    return found
+
+
 def _tree(root: torch.nn.Module) -> tuple[list, list, _Known]:
     """``root.modules()``, their dictionaries (`_dicts`) and what is known of them: the
     last call's while every module in it is alive and current, else walked again."""
-    d = root.__dict__
-    cached = d.get("_remat_snapshot")
-    if type(cached) is not _Cached:
-        cached = d["_remat_snapshot"] = _Cached()
-    known = cached.tree
+    kept = cached(root)
+    known = kept.tree
     if known is not None and (found := known.current()) is not None:
         return found[0], found[1], known
     modules, seen, stack = [], set(), [root]
@@ -165,5 +171,5 @@ def _tree(root: torch.nn.Module) -> tuple[list, list, _Known]:
         modules.append(m)
         stack.extend(c for c in reversed(m.__dict__["_modules"].values()) if c is not None)
     dicts = _dicts(modules)
-    cached.tree = known = _Known(modules, dicts)
+    kept.tree = known = _Known(modules, dicts)
     return modules, dicts, known
