@@ -68,13 +68,15 @@ class RegionCore:
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, name: str,
                  contexts: tuple | None) -> None:
         self.fn, self.spec, self.name, self.contexts = fn, spec, name, contexts
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-            leaves, self.treespec = list(args), None  # the common case, without pytree
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # the common case, without pytree
+            self.treespec, self.tensor_slots = None, list(range(len(args)))
+            self.leaves: list = [None] * len(args)
+            self.arguments: list[torch.Tensor] = list(args)
         else:
             leaves, self.treespec = pytree.tree_flatten((args, kwargs))
-        self.tensor_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        self.leaves: list = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        self.arguments: list[torch.Tensor] = [leaves[i] for i in self.tensor_slots]
+            self.tensor_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+            self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+            self.arguments = [leaves[i] for i in self.tensor_slots]
         self.replay = _rng.capture(self.arguments, spec.preserve_rng_state)
         self.kept_collectives: list | None = None  # NOTE [Kept collectives]
         self.runs = 0
@@ -97,6 +99,8 @@ class RegionCore:
 
     def call_with(self, tensors: list) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with the tensor arguments replaced by ``tensors``."""
+        if self.treespec is None and len(tensors) == len(self.leaves):  # tensors only
+            return tuple(tensors), {}
         leaves = list(self.leaves)
         for slot, x in zip(self.tensor_slots, tensors, strict=True):
             leaves[slot] = x

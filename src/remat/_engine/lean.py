@@ -74,11 +74,12 @@ def close(frame: Any, output: Any) -> Any:
     """The forward returned: confirm the facts, then the Function (NOTE [Lean reentrant calls]).
 
     Returns None when the output needs the generic close."""
-    try:
-        _facts.confirm(frame, frame.facts_key)
-    except Exception:
-        frame.abandon()
-        raise
+    if frame.module_state.versioned:  # buffers or tensor attributes it could have written
+        try:
+            _facts.confirm(frame, frame.facts_key)
+        except Exception:
+            frame.abandon()
+            raise
     if type(output) is not torch.Tensor or output._is_view():
         return None
     tensors = frame.arguments

@@ -53,6 +53,7 @@ parameters through another re-run, a separate sum, with the same effect.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -65,6 +66,9 @@ from remat._engine.modes import storage_of
 from remat._engine.observe import Substitute, substituted
 from remat._engine.reentrant_backward import Link, differentiate
 
+_NOTHING: Any = MappingProxyType({})  # an empty mapping no call changes
+_FINISHED = _boundary.ModuleState("", [])  # what a finished frame holds instead of its modules' state
+
 
 class ReentrantFrame(RegionCore):
     """A region run as a custom ``autograd.Function`` (``use_reentrant=True``).
@@ -73,38 +77,46 @@ class ReentrantFrame(RegionCore):
     [Observed reads]); `close` hands the output to `Reentrant`.
     """
 
+    # what most calls leave as it is: read from the class until a call sets its own
+    # (each is rebound, never changed in place, where a call sets it)
+    written: Any = frozenset()  # arguments the forward changed in place
+    state: Any = ()  # NOTE [Observed writes]
+    pending: Any = None  # the output, until the Function returns it
+    structure: Any = None  # NOTE [Outputs of any structure] (structure.py)
+    # NOTE [Written arguments]
+    dirty: Any = ()
+    links: Any = _NOTHING
+    targets: list | None = None
+    target_of: Any = _NOTHING
+    bases: list | None = None
+    views: Any = _NOTHING
+    n_targets = n_bases = 0
+    copied: Any = _NOTHING  # NOTE [Arguments returned as outputs]
+    passthrough: Any = _NOTHING  # output position -> the argument it is
+    returned: Any = frozenset()  # storages of the outputs
+    escaped: Any = ()  # attributes handed out as outputs
+    picks: Any = None  # other escapes handed out as outputs (escapes.Picks)
+    released = False  # let go of its module after its first backward
+    extra: Any = ()  # NOTE [Per-use gradients]: (argument, more inputs)
+    lean = False  # NOTE [Lean reentrant calls] (lean.py)
+
     def __init__(self, fn: Any, args: tuple, kwargs: dict, spec: Any, name: str,
                  contexts: tuple | None) -> None:
         super().__init__(fn, args, kwargs, spec, name, contexts)
-        made: dict[int, torch.Tensor] = {}  # NOTE [Arguments that are one tensor] (hooked.py)
-        self.aliases = [made.setdefault(id(x), x.detach() if x.requires_grad else x)
-                        for x in self.arguments]
-        first: dict[int, int] = {}
-        self.same_as = {i: first.setdefault(id(x), i) for i, x in enumerate(self.arguments)}
-        self.same_as = {i: j for i, j in self.same_as.items() if i != j}
-        self.versions = [x._version for x in self.arguments]
-        self.written: set[int] = set()  # arguments the forward changed in place
+        arguments = self.arguments
+        if len(arguments) == 1:  # the usual case
+            x = arguments[0]
+            self.aliases = [x.detach() if x.requires_grad else x]
+            self.same_as = _NOTHING
+        else:
+            made: dict[int, torch.Tensor] = {}  # NOTE [Arguments that are one tensor] (hooked.py)
+            self.aliases = [made.setdefault(id(x), x.detach() if x.requires_grad else x) for x in arguments]
+            first: dict[int, int] = {}
+            same_as = {i: first.setdefault(id(x), i) for i, x in enumerate(arguments)}
+            self.same_as = {i: j for i, j in same_as.items() if i != j}
+        self.versions = [x._version for x in arguments]
         self.params: list[torch.Tensor] = []  # the tensors it read besides its arguments
-        self.state: list = []  # NOTE [Observed writes]
-        self.pending: Any = None  # the output, until the Function returns it
-        self.structure: Any = None  # NOTE [Outputs of any structure] (structure.py)
-        # NOTE [Written arguments]
-        self.dirty: list[int] = []
-        self.links: dict[int, torch.Tensor] = {}
-        self.targets: list | None = None
-        self.target_of: dict[int, int] = {}
-        self.bases: list | None = None
-        self.views: dict[int, tuple] = {}
-        self.n_targets = self.n_bases = 0
-        self.copied: dict[int, bool] = {}  # NOTE [Arguments returned as outputs]
-        self.passthrough: dict[int, int] = {}  # output position -> the argument it is
-        self.returned: set[int] = set()  # storages of the outputs
-        self.escaped: list[tuple[dict, str]] = []  # attributes handed out as outputs
-        self.picks: Any = None  # other escapes handed out as outputs (escapes.Picks)
-        self.released = False  # let go of its module after its first backward
-        self.extra: list[tuple[int, int]] = []  # NOTE [Per-use gradients]: (argument, more inputs)
         self.shared: set[int] = set()  # arguments a later region took too
-        self.lean = False  # NOTE [Lean reentrant calls] (lean.py)
 
     def abandon(self) -> None:
         super().abandon()
@@ -122,8 +134,8 @@ class ReentrantFrame(RegionCore):
         region's output to: that output leads back here through autograd, a cycle Python's
         collector cannot free once the module drops the list (NOTE [Module state at the
         boundary])."""
-        self.fn, self.escaped, self.picks, self.params, self.state = None, [], None, [], []
-        self.module_state = _boundary.ModuleState(self.name, [])
+        self.fn, self.escaped, self.picks, self.params, self.state = None, (), None, [], ()
+        self.module_state = _FINISHED  # nothing re-runs it: an empty state, shared
 
 
 def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list = (),

@@ -157,9 +157,12 @@ def _lean(frame: Any, tensors: tuple, grads: tuple) -> tuple:
     found: list = [None] * len(wrt)
     if out.requires_grad and wrt:
         outside = _facts.outside_reads(frame)  # NOTE [Reads that vary]
-        found = list(torch.autograd.grad((out,), wrt + outside, grads[:1], allow_unused=True))
-        _refuse_unforeseen(frame, outside, found[len(wrt):])
-        del found[len(wrt):]
+        if outside:
+            found = list(torch.autograd.grad((out,), wrt + outside, grads[:1], allow_unused=True))
+            _refuse_unforeseen(frame, outside, found[len(wrt):])
+            del found[len(wrt):]
+        else:
+            found = list(torch.autograd.grad((out,), wrt, grads[:1], allow_unused=True))
     n = len(wrt) - len(frame.params)  # the arguments' gradients, then the parameters'
     taken = iter(found[:n])
     input_grads = [None if w is None else next(taken) for w in wrts]

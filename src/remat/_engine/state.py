@@ -14,7 +14,19 @@ from collections.abc import Iterator
 
 import torch
 
-_local = threading.local()
+
+class _Thread(threading.local):
+    """This thread's engine state: re-run depth and count, whether each running re-run's
+    backward keeps its graph, the allocation listeners (one thread-local read per use)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.runs = 0
+        self.kept: list[bool] = []
+        self.listeners: list = []
+
+
+_local = _Thread()
 
 
 def is_recomputing() -> bool:
@@ -31,17 +43,17 @@ def is_recomputing() -> bool:
         >>> seen
         [False, True]
     """
-    return getattr(_local, "recompute_depth", 0) > 0
+    return _local.depth > 0
 
 
 def recompute_depth() -> int:
     """Return how many re-runs enclose the running code in this thread (0 outside any)."""
-    return getattr(_local, "recompute_depth", 0)
+    return _local.depth
 
 
 def recompute_count() -> int:
     """Return how many region re-runs have started in this thread (a counter for tests)."""
-    return getattr(_local, "recompute_runs", 0)
+    return _local.runs
 
 
 class _Recomputing:
@@ -50,22 +62,21 @@ class _Recomputing:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        _local.recompute_depth = getattr(_local, "recompute_depth", 0) + 1
-        _local.recompute_runs = getattr(_local, "recompute_runs", 0) + 1
-        kept = getattr(_local, "graph_kept", None)
-        if kept is None:
-            kept = _local.graph_kept = []
-        kept.append(torch.is_grad_enabled())  # entered before the re-run enables grad
+        state = _local
+        state.depth += 1
+        state.runs += 1
+        state.kept.append(torch.is_grad_enabled())  # entered before the re-run enables grad
 
     def __exit__(self, *exc_info: object) -> None:
-        _local.recompute_depth -= 1
-        _local.graph_kept.pop()
+        state = _local
+        state.depth -= 1
+        state.kept.pop()
 
 
 def rerun_keeps_graph() -> bool:
     """Whether the innermost running re-run serves a backward that keeps its graph
     (``create_graph=True``: what the re-run builds outlives that backward)."""
-    kept = getattr(_local, "graph_kept", None)
+    kept = _local.kept
     return bool(kept and kept[-1])
 
 
@@ -84,7 +95,7 @@ def note_allocation(tensor: object) -> None:
     allocated without an operator, so a dispatch mode never sees them; the
     trackers listening here (``remat.memory.track``) count them while they live.
     """
-    listeners = getattr(_local, "allocation_listeners", None)
+    listeners = _local.listeners
     if listeners:  # none but while a tracker listens
         for listener in list(listeners):
             listener(tensor)
@@ -93,9 +104,7 @@ def note_allocation(tensor: object) -> None:
 @contextlib.contextmanager
 def listening_to_allocations(listener: object) -> Iterator[None]:
     """Call ``listener(tensor)`` for each `note_allocation` in this thread while active."""
-    listeners = getattr(_local, "allocation_listeners", None)
-    if listeners is None:
-        listeners = _local.allocation_listeners = []
+    listeners = _local.listeners
     listeners.append(listener)
     try:
         yield

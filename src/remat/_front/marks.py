@@ -350,10 +350,11 @@ class MarkedForward:
         inner: an instance-level ``forward`` that was set before the mark, or None.
     """
 
-    __slots__ = ("_remat_module", "inner")  # a name Dynamo's module paths can drop (_graph)
+    __slots__ = ("_remat_module", "_run", "inner")  # a name Dynamo's module paths can drop (_graph)
 
     def __init__(self, module: torch.nn.Module, inner: Callable | None) -> None:
         self._remat_module, self.inner = module, inner
+        self._run = functools.partial(_replay, module)  # what the region runs: a partial, the engine sees the module
 
     @property
     def module(self) -> torch.nn.Module:
@@ -386,8 +387,7 @@ class MarkedForward:
             guarded = guard(module, args, kwargs)
             if guarded is not None:
                 args, kwargs = guarded
-        fn = functools.partial(_replay, module)  # a partial: the engine sees the module
-        return _region.run(fn, args, kwargs, spec, name=type(module).__name__)
+        return _region.run(self._run, args, kwargs, spec, name=type(module).__name__)
 
     def __reduce__(self) -> tuple:
         return (MarkedForward, (self.module, self.inner))
@@ -397,9 +397,11 @@ def _replay(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """What a marked module's region runs, in forward and in recomputation: its plain forward."""
     args, kwargs = _taken(args, kwargs)
     marked = module.__dict__.get("forward")
-    forward = marked.plain() if isinstance(marked, MarkedForward) else functools.partial(type(module).forward, module)
-    spec = mark_of(module)
-    if not _RUN_CONTEXTS or spec is None:
+    if isinstance(marked, MarkedForward) and marked.inner is not None:
+        forward = marked.inner
+    else:  # the class's forward, called on the module (the same as `MarkedForward.plain`)
+        forward = functools.partial(type(module).forward, module)
+    if not _RUN_CONTEXTS or (spec := mark_of(module)) is None:
         return forward(*args, **kwargs)
     contexts = []
     for context in _RUN_CONTEXTS:
