@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from remat._engine import boundary as _boundary
 from remat._engine import facts as _facts
+from remat._engine import flat as _flat
 from remat._engine import rng as _rng
 from remat._vocab.spec import RegionSpec
 
@@ -73,7 +74,7 @@ class RegionCore:
             self.leaves: list = [None] * len(args)
             self.arguments: list[torch.Tensor] = list(args)
         else:
-            leaves, self.treespec = pytree.tree_flatten((args, kwargs))
+            leaves, self.treespec = _flat.flatten(args, kwargs)  # NOTE [Plain arguments flattened directly]
             self.tensor_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
             self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
             self.arguments = [leaves[i] for i in self.tensor_slots]
@@ -95,6 +96,8 @@ class RegionCore:
         """``(args, kwargs)`` from the flat leaves."""
         if self.treespec is None:
             return tuple(leaves), {}
+        if type(self.treespec) is _flat.Plain:
+            return self.treespec.unflatten(leaves)
         return pytree.tree_unflatten(leaves, self.treespec)
 
     def call_with(self, tensors: list) -> tuple[tuple, dict]:

@@ -73,6 +73,7 @@ import torch
 
 from remat._engine import tree as _tree
 from remat._engine.errors import RecomputeError
+from remat._engine.flat import Plain
 
 _CAPACITY = 8  # observations kept per module (input shapes, train and eval, ...)
 
@@ -148,7 +149,8 @@ def key_of(frame: Any, arguments: list) -> tuple | None:
     leaves = tuple(_leaf_key(x) for x in frame.leaves) if frame.treespec is not None else ()
     autocast = (torch.is_autocast_enabled(), torch.get_autocast_dtype("cpu")
                 if torch.is_autocast_enabled() else None)
-    return (frame.spec, state.fingerprint(), inputs, str(frame.treespec), leaves, autocast,
+    structure = frame.treespec if type(frame.treespec) is Plain else str(frame.treespec)  # hashable
+    return (frame.spec, state.fingerprint(), inputs, structure, leaves, autocast,
             _global_hooks())
 
 
