@@ -232,9 +232,9 @@ def test_a_module_without_a_hook_dictionary_reads_as_one_without_hooks():
 
     full, bare = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     del bare.__dict__["_backward_pre_hooks"]
-    got = _dicts([full, bare])
+    got = _dicts([full, bare])  # kind by kind: the __dicts__, then each registry of both
     assert len(got) == 2 * _STRIDE
-    assert got[_STRIDE] is bare.__dict__ and got[_STRIDE + 1] is bare._parameters
-    assert [len(d) for d in got[_STRIDE + 4:]] == [0, 0, 0, 0]
-    assert got[:_STRIDE][4:] == [full._forward_hooks, full._forward_pre_hooks, full._backward_hooks,
-                                 full._backward_pre_hooks]
+    assert got[1] is bare.__dict__ and got[3] is bare._parameters
+    assert [len(d) for d in got[9::2]] == [0, 0, 0, 0]
+    assert got[8::2] == [full._forward_hooks, full._forward_pre_hooks, full._backward_hooks,
+                         full._backward_pre_hooks]

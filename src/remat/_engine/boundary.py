@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import operator
 import threading
 import weakref
@@ -157,7 +156,6 @@ def _registry_name(module: torch.nn.Module, registry: dict) -> str:
 
 
 _ABSENT = object()
-_COPIED = (True,) * 4 + (False,) * (_STRIDE - 4)  # of a module's dictionaries: all but its hooks'
 _VERSION = operator.attrgetter("_version")
 
 #: adapters' checks that a wrapper refills parameters in place (NOTE [Parameters changed
@@ -235,18 +233,20 @@ class ModuleState:
         if self.keys:  # a region that is a plain function: the modules it calls
             keep = [i for i, m in enumerate(modules) if id(m) not in self._seen()]
             self.seen.update(id(modules[i]) for i in keep)
+            whole = len(modules)
             modules = [modules[i] for i in keep]
-            dicts = [dicts[i * _STRIDE + k] for i in keep for k in range(_STRIDE)]
+            dicts = [dicts[k * whole + i] for k in range(_STRIDE) for i in keep]
             names = [names[i] for i in keep]
             self.tree = None
         else:  # the usual case: one tree, kept whole
             self.tree = known
-        sources = list(itertools.compress(dicts, itertools.cycle(_COPIED)))  # 4 per module
+        n = len(modules)
+        sources = dicts[:4 * n]  # their attributes, parameters, buffers and children
         first = len(self.copies)
         self.sources += sources
         self.copies += map(dict.copy, sources)
         self.made.append((modules, names, first))
-        if modules and (any(names) or any(dicts[2::_STRIDE])):  # buffers or tensor attributes: versions now
+        if modules and (any(names) or any(dicts[2 * n:3 * n])):  # buffers or tensor attributes: versions now
             self.versioned += [entry for entry in self.entries[-len(modules):] if entry.versions]
         self.keys.append(known.key)
 
@@ -257,8 +257,9 @@ class ModuleState:
             made, self.made = self.made, []
             for modules, names, first in made:
                 c = self.copies
-                self._entries += [_Entry(m, c[k], c[k + 1], c[k + 2], c[k + 3], n)
-                                  for m, n, k in zip(modules, names, range(first, first + 4 * len(modules), 4))]
+                n = len(modules)
+                self._entries += [_Entry(m, c[k], c[k + n], c[k + 2 * n], c[k + 3 * n], tensor_names)
+                                  for m, tensor_names, k in zip(modules, names, range(first, first + n))]
         return self._entries
 
     def unchanged(self) -> bool:

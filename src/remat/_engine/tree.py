@@ -40,12 +40,13 @@ class _Known:
     def __init__(self, modules: list[torch.nn.Module], dicts: list[dict]) -> None:
         self.modules = [weakref.ref(m) for m in modules]
         #: per module, its ``__dict__``'s values under the keys compared by identity
-        self.getters = [_getter(tuple(k for k in d if k not in _REGISTRIES)) for d in dicts[0::_STRIDE]]
+        n = len(modules)
+        self.getters = [_getter(tuple(k for k in d if k not in _REGISTRIES)) for d in dicts[:n]]
         self.sizes, self.keys, self.hooks, self.ids = _identities(dicts, self.getters)
         self.tensor_names = [[k for k, v in m.__dict__.items() if type(v) is torch.Tensor] for m in modules]
-        tensors = [t for d in dicts[1::_STRIDE] for t in d.values()]  # parameters
+        tensors = [t for d in dicts[n:2 * n] for t in d.values()]  # parameters
         self.parameters = [weakref.ref(p) for p in {id(p): p for p in tensors if p is not None}.values()]
-        tensors += [t for d in dicts[2::_STRIDE] for t in d.values()]  # buffers
+        tensors += [t for d in dicts[2 * n:3 * n] for t in d.values()]  # buffers
         tensors += [m.__dict__[k] for m, names in zip(modules, self.tensor_names) for k in names]
         self.refs = [weakref.ref(t) for t in tensors if t is not None]
         _Known._serial += 1
@@ -72,21 +73,23 @@ _DEREF = weakref.ref.__call__  # dereference in C
 _NONE = itertools.repeat(None)  # compared by identity (``in`` would call a tensor's __eq__)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _STRIDE = 4 + len(_HOOKS)  # dictionaries per module in `_dicts`
+_DICT = operator.attrgetter("__dict__")
 _EMPTY: dict = {}
 _REGISTRY_VALUES = operator.itemgetter("_parameters", "_buffers", "_modules", *_HOOKS)
 
 
 def _dicts(modules: list[torch.nn.Module]) -> list[dict]:
-    """Per module: its ``__dict__``, parameters, buffers, children and hook dictionaries (read
-    in one call per module; a module without a hook dictionary gets an empty one)."""
-    out: list[dict] = []
-    for m in modules:
-        d = m.__dict__
-        try:
-            out += (d, *_REGISTRY_VALUES(d))
-        except KeyError:
-            out += (d, d["_parameters"], d["_buffers"], d["_modules"], *(d.get(k, _EMPTY) for k in _HOOKS))
-    return out
+    """The modules' dictionaries, kind by kind: every module's ``__dict__``, then every
+    module's parameters, buffers, children and each of its hook dictionaries (``_STRIDE``
+    kinds of ``len(modules)``; read in C, a module without a hook dictionary gets an empty
+    one)."""
+    attrs = list(map(_DICT, modules))
+    try:
+        registries = list(map(_REGISTRY_VALUES, attrs))
+    except KeyError:
+        registries = [(d["_parameters"], d["_buffers"], d["_modules"], *(d.get(k, _EMPTY) for k in _HOOKS))
+                      for d in attrs]
+    return [*attrs, *itertools.chain.from_iterable(zip(*registries))] if attrs else []
 
 
 #: what ``nn.Module.__init__`` binds to the dictionaries and sets it fills in place: never
@@ -110,9 +113,9 @@ def _identities(dicts: list[dict], getters: list[Callable[[dict], tuple]]) -> tu
     Each identity is a new int: comparing the registries' own identities cost more than the
     rest, and the hook dictionaries (``OrderedDict``, nearly always empty) are walked only
     when they hold a hook (`filter`, in C)."""
-    modules = dicts[0::_STRIDE]
-    registries = [*dicts[1::_STRIDE], *dicts[2::_STRIDE], *dicts[3::_STRIDE]]
-    hooked = list(filter(None, itertools.chain(*(dicts[k::_STRIDE] for k in range(4, _STRIDE)))))
+    n = len(getters)
+    modules, registries = dicts[:n], dicts[n:4 * n]
+    hooked = list(filter(None, dicts[4 * n:]))
     values = itertools.chain(itertools.chain.from_iterable(map(dict.values, registries)),
                              itertools.chain.from_iterable(map(operator.call, getters, modules)))
     return (tuple(map(len, dicts)), tuple(itertools.chain.from_iterable(modules + registries)),
