@@ -269,10 +269,12 @@ class Keywords(Block):
         super().__init__()
         self.fc = nn.Linear(D, D)
 
-    def forward(self, x, gate=None, *, scale: float = 1.0, mode: str = "plain"):
+    def forward(self, x, gate=None, *, scale: float = 1.0, mode: str = "plain", pair=None):
         y = self.fc(x) * scale
         if gate is not None:
             y = y + gate
+        if pair is not None:  # a tuple of a tensor and a plain value (a rotary pair's shape)
+            y = y * pair[1] + pair[0]
         return torch.tanh(y) if mode == "tanh" else y
 
 
@@ -637,6 +639,8 @@ class Stage(remat.nn.Cell):
                 kwargs = {"scale": p["scale"], "mode": p["mode"]}
                 if p["gate"]:
                     kwargs["gate"] = torch.cos(h)
+                if p["mode"] == "tanh":  # no new draw: the seeds keep their models
+                    kwargs["pair"] = (torch.sin(h), 0.5)
             elif b["kind"] == "closure":
                 block.memo = torch.sigmoid(h)
             out = call(block, self.calls.get(i), args, kwargs)

@@ -150,6 +150,9 @@ class _Replaying:
                     self.module.set_rng_state(state, device)
 
 
+_ON_CPU = operator.attrgetter("is_cpu")
+
+
 def capture(args: Any, preserve_rng_state: bool) -> Replay:
     """Record the random and autocast state a region's forward is about to run under.
 
@@ -176,9 +179,6 @@ def capture(args: Any, preserve_rng_state: bool) -> Replay:
             device_rng = [module.get_rng_state(i) for i in devices]
     return Replay(device_type, devices, cpu_rng, device_rng, _autocast_state("cpu"),
                   _autocast_state(device_type) if device_type != "cpu" else None)
-
-
-_ON_CPU = operator.attrgetter("is_cpu")
 
 
 def generator_states(tensors: Any) -> list[torch.Tensor]:
