@@ -62,26 +62,39 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+class _Watch(weakref.ref):
+    """A registered output's weak reference; its death forgets the entry (`_forget`).
+
+    Held by the entry itself: an entry replaced first takes its watch with it, whose
+    callback then never runs (the new entry has its own). Cheaper than a
+    ``weakref.finalize`` per output, which a region pays on every call."""
+
+    __slots__ = ("key",)
+
+
 def register(frame: Any, outputs: list) -> None:
     """Register the tensor ``outputs`` of ``frame`` (flat list) as not to be kept; the hook is
     pushed only when one is (a region that only passes its inputs through registers none, and
     a hook pushed then had no output whose death would pop it: it stayed after the step)."""
     registered = False
+    frame_ref = weakref.ref(frame)
     for index, t in enumerate(outputs):
-        if not isinstance(t, torch.Tensor) or t.is_sparse or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor) or t.is_sparse or t.is_meta:
             continue
-        key = _key(t)
+        key = t.untyped_storage()._cdata
         layout = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
-        _registry[key] = (weakref.ref(frame), index, layout, id(t), t._version)
-        weakref.finalize(t, _forget, key, id(t))
+        watch = _Watch(t, _forget)
+        watch.key = key
+        _registry[key] = (frame_ref, index, layout, watch, t._version)
         registered = True
     if registered:
         _push_hook()
 
 
-def _forget(key: int, token: int) -> None:
+def _forget(watch: _Watch) -> None:
+    key = watch.key
     entry = _registry.get(key)
-    if entry is not None and entry[3] == token:
+    if entry is not None and entry[3] is watch:
         del _registry[key]
     if not _registry:
         if torch._C._current_graph_task_id() != -1:
