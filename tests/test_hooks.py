@@ -7,6 +7,8 @@ once; the re-run calls ``forward`` on the arguments forward got, not the module.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -179,13 +181,6 @@ class _Capturing(torch.nn.Module):
         return self.act(self.fc(x))
 
 
-def _tensors_alive() -> int:
-    import gc
-
-    gc.collect()
-    return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
-
-
 @pytest.mark.parametrize("options", [None, {}, {"use_reentrant": True}, {"output_recompute": True}],
                          ids=["unmarked", "non-reentrant", "reentrant", "output_recompute"])
 def test_a_capture_list_the_module_drops_without_emptying_is_freed(options):
@@ -193,8 +188,11 @@ def test_a_capture_list_the_module_drops_without_emptying_is_freed(options):
     module holds; each step the model rebinds the list without emptying it. The region kept
     the list in its copy of the module's attributes, and the list's tensors led back to the
     region through autograd (its Function, or the re-run's saved-tensor hook): a cycle Python's
-    collector cannot free, 5 (reentrant) and 9 (output_recompute) tensors more every step."""
-    before = _tensors_alive()
+    collector cannot free, 5 (reentrant) and 9 (output_recompute) tensors more every step.
+    Every tensor a list held must be freed once the model is gone (watched by weak
+    references: a count of every live tensor saw an earlier test's tensors let go under
+    pytest-xdist, on the code before and after)."""
+    held: list[weakref.ref] = []
 
     def train(steps: int) -> None:
         model = torch.nn.Sequential(_Capturing(), _Capturing())
@@ -204,10 +202,12 @@ def test_a_capture_list_the_module_drops_without_emptying_is_freed(options):
             model(torch.randn(4, 8, requires_grad=True)).sum().backward()
             for block in model:
                 assert block.captured  # the hook ran
+                held.extend(weakref.ref(t) for t in block.captured)
                 block.captured = []
 
     train(3)
-    assert _tensors_alive() == before
+    gc.collect()
+    assert len(held) >= 6 and [r for r in held if r() is not None] == []
 
 
 class _SideLossBlock(torch.nn.Module):
@@ -233,7 +233,7 @@ def test_a_capture_list_of_a_marked_child_inside_a_marked_block_is_freed(inner):
     backward that made it ends."""
     from remat._engine import outputs
 
-    before = _tensors_alive()
+    held: list[weakref.ref] = []  # every tensor a list held (see the test above)
 
     def train(steps: int) -> None:
         torch.manual_seed(0)
@@ -244,11 +244,13 @@ def test_a_capture_list_of_a_marked_child_inside_a_marked_block_is_freed(inner):
         for _ in range(steps):
             loss = model(x).square().mean() + model[1].fc.captured.pop().square().mean()
             loss.backward()
+            held.extend(weakref.ref(t) for t in model[1].fc.captured)  # the re-run's
             model[1].fc.captured = []  # rebound, not emptied
 
     train(3)
+    gc.collect()
     assert not outputs._registry
-    assert _tensors_alive() == before
+    assert held and [r for r in held if r() is not None] == []
 
 
 def test_a_backward_through_a_re_runs_capture_is_refused():

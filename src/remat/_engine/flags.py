@@ -112,16 +112,15 @@ def set_checkpoint_debug_enabled(enabled: bool | None) -> Iterator[None]:
         _debug = previous
 
 
-def _first_set(*values: bool | None) -> bool | None:
-    return next((v for v in values if v is not None), None)
-
-
 def resolve(spec: RegionSpec) -> RegionSpec:
     """Return ``spec`` with the global switches applied (NOTE [Global switches])."""
     if spec.use_reentrant:
         return spec
-    early_stop = _first_set(_early_stop, getattr(_torch_checkpoint, "_enable_checkpoint_early_stop", None))
-    debug = _first_set(_debug, getattr(_torch_checkpoint, "_checkpoint_debug_enabled", None))
+    early_stop = _early_stop if _early_stop is not None else getattr(
+        _torch_checkpoint, "_enable_checkpoint_early_stop", None)
+    debug = _debug if _debug is not None else getattr(_torch_checkpoint, "_checkpoint_debug_enabled", None)
+    if early_stop is None and debug is None:  # the usual case: no switch set
+        return spec
     changes: dict[str, Any] = {}
     if early_stop is not None and early_stop != spec.early_stop:
         changes["early_stop"] = bool(early_stop)

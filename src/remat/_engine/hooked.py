@@ -199,34 +199,38 @@ class HookedFrame(RegionCore):
             self.finish_keeping()
             return output
         flat = _leaves(output)
-        self._copy_returned_inputs(inputs, flat)
+        out_keys = list(map(storage_of, flat))  # each storage read once for the three uses below
+        in_keys = set(map(storage_of, inputs)) - {None}
+        if in_keys and not in_keys.isdisjoint(out_keys):
+            self._copy_returned_inputs(inputs, set(out_keys) - {None})
         if spec.output_recompute or spec.keep_outputs:
-            self.settle_outputs(flat)
+            self.settle_outputs(flat, out_keys)
         if spec.output_recompute:  # an input passed through is not this region's to rebuild
-            keys = {storage_of(t) for t in inputs} - {None}
-            _outputs.register(self, [None if storage_of(t) in keys else t for t in flat])
+            _outputs.register(self, [None if k in in_keys else t for t, k in zip(flat, out_keys)])
         return output
 
-    def _copy_returned_inputs(self, inputs: list, flat: list) -> None:
-        """Save a copy of each input the region returns, or returns a view of.
+    def _copy_returned_inputs(self, inputs: list, keys: set) -> None:
+        """Save a copy of each input the region returns (its storage among ``keys``, the
+        outputs'), or returns a view of.
 
         NOTE [Arguments returned as outputs] (``reentrant.py``): a caller may change
         such an output in place, which would change the input the re-run starts from.
         """
-        keys = {storage_of(t) for t in flat} - {None}
         shared = [storage_of(t) in keys for t in inputs]
-        if keys and any(shared):
-            with engine_ops():
-                copies = [t.detach().clone().requires_grad_(t.requires_grad) if s else t
-                          for t, s in zip(inputs, shared)]
-            self._save_inputs(copies)
+        with engine_ops():
+            copies = [t.detach().clone().requires_grad_(t.requires_grad) if s else t
+                      for t, s in zip(inputs, shared)]
+        self._save_inputs(copies)
 
     # -- inputs ----------------------------------------------------------------
     def _save_inputs(self, tensors: list) -> None:
         """Save the tensor arguments once each (NOTE [Arguments that are one tensor])."""
         if tensors:
-            first: dict[int, int] = {}  # every slot is saved (an enclosing region counts them)
-            self.input_of = [first.setdefault(id(t), i) for i, t in enumerate(tensors)]
+            if len(tensors) == 1:
+                self.input_of = [0]
+            else:  # every slot is saved (an enclosing region counts them)
+                first: dict[int, int] = {}
+                self.input_of = [first.setdefault(id(t), i) for i, t in enumerate(tensors)]
             with engine_ops():
                 dummy = torch.empty((0,), requires_grad=True)
                 self.saver = _SaveInputs.apply(dummy, *tensors)
@@ -317,15 +321,16 @@ class HookedFrame(RegionCore):
                 f"in-place operation out-of-place (e.g. inplace=False) or move it out of the region"
             )
 
-    def settle_outputs(self, flat_outputs: list) -> None:
-        """Match saved tensors with the outputs, once the region has returned.
+    def settle_outputs(self, flat_outputs: list, keys: list) -> None:
+        """Match saved tensors with the outputs (``keys``: their storages), once the region
+        has returned.
 
         A holder whose tensor shares storage with an output keeps it (NOTE [Keep
         outputs]) or, under ``output_recompute``, will take it from the output
         pass (NOTE [Output pass]).
         """
-        where = {t.untyped_storage()._cdata: j for j, t in enumerate(flat_outputs)
-                 if isinstance(t, torch.Tensor)}
+        where = {k if k is not None else t.untyped_storage()._cdata: j
+                 for j, (t, k) in enumerate(zip(flat_outputs, keys)) if isinstance(t, torch.Tensor)}
         for ref in self.holders:
             holder = ref()
             if holder is None or holder.probe is None:

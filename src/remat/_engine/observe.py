@@ -322,16 +322,23 @@ def restore_state(state: list) -> None:
                 t.data.copy_(before)
 
 
-@contextlib.contextmanager
-def engine_ops() -> Iterator[None]:
+class _EngineOps:
+    """`engine_ops`: a class, not a generator (every region entered under grad makes one)."""
+
+    __slots__ = ("saved",)
+
+    def __enter__(self) -> None:
+        self.saved, _replaying[0] = _replaying[0], True
+
+    def __exit__(self, *exc_info: object) -> None:
+        _replaying[0] = self.saved
+
+
+def engine_ops() -> _EngineOps:
     """The engine's own operators (a region's bookkeeping tensors), unseen by the watchers:
     they run when a region opens under grad, which a reentrant forward's inner regions do
     in the re-run only (NOTE [Escapes handed back by position])."""
-    saved, _replaying[0] = _replaying[0], True
-    try:
-        yield
-    finally:
-        _replaying[0] = saved
+    return _EngineOps()
 
 
 @contextlib.contextmanager
