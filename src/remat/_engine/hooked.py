@@ -125,6 +125,7 @@ from remat._engine.rebuilt import (
 from remat._vocab.spec import RegionSpec
 
 _sequence_nr = torch.autograd._get_sequence_nr
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # as outputs.py reads the stack
 
 
 def _graph_task() -> object:
@@ -171,6 +172,7 @@ class HookedFrame(RegionCore):
         self.expired = False  # NOTE [Regions made inside a re-run]
         self.trace, self.recompute_trace = OpTrace() if spec.debug else None, None  # OpTrace | None
         self.saver: torch.Tensor | None = None
+        self.held: list | None = None  # NOTE [Inputs held directly]
         self.input_versions: list | None = None  # until close: NOTE [Regions that write their inputs]
         self.keep_all = False
         self.lost: list[int] = []
@@ -185,7 +187,7 @@ class HookedFrame(RegionCore):
 
     def abandon(self) -> None:
         super().abandon()
-        self.input_versions, self.recent, self.saver = None, [], None
+        self.input_versions, self.recent, self.saver, self.held = None, [], None, None
 
     def close(self, output: Any) -> Any:
         """The forward returned ``output``: settle what the region keeps; return what the caller sees."""
@@ -224,30 +226,56 @@ class HookedFrame(RegionCore):
 
     # -- inputs ----------------------------------------------------------------
     def _save_inputs(self, tensors: list) -> None:
-        """Save the tensor arguments once each (NOTE [Arguments that are one tensor])."""
-        if tensors:
-            if len(tensors) == 1:
-                self.input_of = [0]
-            else:  # every slot is saved (an enclosing region counts them)
-                first: dict[int, int] = {}
-                self.input_of = [first.setdefault(id(t), i) for i, t in enumerate(tensors)]
-            with engine_ops():
-                dummy = torch.empty((0,), requires_grad=True)
-                self.saver = _SaveInputs.apply(dummy, *tensors)
+        """Save the tensor arguments once each (NOTE [Arguments that are one tensor]).
 
-    def inputs(self) -> tuple[tuple, dict]:
-        leaves = list(self.leaves)
+        NOTE [Inputs held directly]
+        The arguments are saved through a custom Function so that whatever saved-tensor
+        hooks are outside the region pack them: an enclosing region (which counts and
+        drops them), remat's hook for outputs nobody keeps (NOTE [Output recompute]),
+        CPU offload. With no hook outside, saving does nothing a reference does not: a
+        Function's saved input is the tensor itself, handed back as itself, refused once
+        its version moved. So then the frame holds each argument with its version and
+        refuses a moved one the same way, without the Function's node (about a quarter
+        of a marked activation's forward cost in remat's code).
+        """
+        if not tensors:
+            return
+        if len(tensors) == 1:
+            self.input_of = [0]
+        else:  # every slot is saved (an enclosing region counts them)
+            first: dict[int, int] = {}
+            self.input_of = [first.setdefault(id(t), i) for i, t in enumerate(tensors)]
+        if _top_hooks(False) is None:
+            self.held, self.saver = [(t, t._version) for t in tensors], None
+            return
+        with engine_ops():
+            dummy = torch.empty((0,), requires_grad=True)
+            self.saver, self.held = _SaveInputs.apply(dummy, *tensors), None
+
+    def _saved_inputs(self) -> tuple | list:
+        """The saved arguments, per slot; a moved one is refused (NOTE [Inputs held directly])."""
+        if self.held is not None:
+            if any(t._version != v for t, v in self.held):
+                raise RecomputeError(self._moved_input())
+            return [t for t, _ in self.held]
         try:
-            saved = self.saver.grad_fn.saved_tensors if self.saver is not None else ()
+            return self.saver.grad_fn.saved_tensors if self.saver is not None else ()
         except RuntimeError as err:
             if "modified by an inplace operation" not in str(err):
                 raise
-            raise RecomputeError(
-                f"remat: region '{self.name}' cannot be re-run: one of its inputs was changed in "
-                f"place after the region ran (one of the variables needed for gradient "
-                f"computation has been modified by an inplace operation). A region is rebuilt "
-                f"from its inputs in backward; change the input out of place, or clone it first"
-            ) from err
+            raise RecomputeError(self._moved_input()) from err
+
+    def _moved_input(self) -> str:
+        return (
+            f"remat: region '{self.name}' cannot be re-run: one of its inputs was changed in "
+            f"place after the region ran (one of the variables needed for gradient "
+            f"computation has been modified by an inplace operation). A region is rebuilt "
+            f"from its inputs in backward; change the input out of place, or clone it first"
+        )
+
+    def inputs(self) -> tuple[tuple, dict]:
+        leaves = list(self.leaves)
+        saved = self._saved_inputs()
         for slot, k in zip(self.tensor_slots, self.input_of):
             leaves[slot] = saved[k]
         return self.unflatten(leaves)
@@ -312,7 +340,7 @@ class HookedFrame(RegionCore):
 
     def finish_keeping(self) -> None:
         """Close a region that keeps what it saved; it is never re-run."""
-        self.saver = None  # the saved inputs are stale
+        self.saver = self.held = None  # the saved inputs are stale
         if self.lost:
             raise RecomputeError(
                 f"remat: region '{self.name}' changed one of its inputs in place after it had "
