@@ -25,7 +25,12 @@ is the machine's noise), as microseconds over torch's reentrant checkpoint:
 What ``remat`` takes beyond the last line is the engine's own code around those parts (the
 mark, the frame, the checks of the output and arguments a lean call makes).
 
-    OMP_NUM_THREADS=1 python benchmarks/reentrant_parts.py [--trials 25]
+``--stack`` measures the same configurations where they cost most, in place: a step of
+``engine_overhead.py``'s 12 blocks of width 32 on 2 x 16 tokens, every configuration in
+each of ``--rounds`` interleaved rounds (the order rotated each round), reported as the
+median and interquartile range of the per-round ratios to torch's reentrant checkpoint.
+
+    OMP_NUM_THREADS=1 python benchmarks/reentrant_parts.py [--trials 25] [--stack --rounds 60]
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import copy
+import statistics
 import sys
+import time
 import timeit
 from typing import Any
 
@@ -135,10 +142,69 @@ def run(trials: int) -> dict[str, float]:
     return {name: min(found) for name, found in times.items()}
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def _stack_configs(width: int) -> dict[str, tuple[Any, torch.nn.Module]]:
+    """``name -> (forward over the 12 blocks, the blocks)`` for every configuration."""
+    torch.manual_seed(0)
+    base = torch.nn.ModuleList([eo.Block(width) for _ in range(eo.BLOCKS)])
+    marked = copy.deepcopy(base)
+    remat.apply(marked, where=eo.Block, use_reentrant=True)
+
+    def chain(calls: list) -> Any:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            for call in calls:
+                x = call(x)
+            return x
+        return forward
+
+    configs = {"torch": (chain([lambda x, b=b: tuc.checkpoint(b, x, use_reentrant=True) for b in base]), base)}
+    for level, name in enumerate(PARTS):
+        blocks = copy.deepcopy(base)
+        configs[name] = (chain([_minimal(b, mark_of(marked[0]), level) for b in blocks]), blocks)
+    configs["remat"] = (chain(list(marked)), marked)
+    return configs
+
+
+def run_stack(rounds: int, width: int = 32) -> dict[str, tuple[float, float, float]]:
+    """Per configuration, the median and quartiles of its step's ratio to torch's, in place."""
+    torch.set_num_threads(1)
+    configs = _stack_configs(width)
+    x = torch.randn(2, 16, width, requires_grad=True)
+
+    def step(name: str) -> float:
+        forward, blocks = configs[name]
+        start = time.perf_counter()
+        forward(x).sum().backward()
+        took = time.perf_counter() - start
+        for p in blocks.parameters():
+            p.grad = None
+        return took
+
+    names = list(configs)
+    for name in names:  # warm-up: remat's first call is observed
+        for _ in range(5):
+            step(name)
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        took = {name: step(name) for name in names[r % len(names):] + names[:r % len(names)]}
+        for name in names:
+            ratios[name].append(took[name] / took["torch"])
+    return {name: (statistics.median(found), *statistics.quantiles(found, n=4)[::2])
+            for name, found in ratios.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=25)
+    parser.add_argument("--stack", action="store_true", help="12 blocks of width 32 in place")
+    parser.add_argument("--rounds", type=int, default=60)
     args = parser.parse_args(argv)
+    if args.stack:
+        found = run_stack(args.rounds)
+        print(f"| configuration | step / torch's reentrant checkpoint (median of {args.rounds} rounds) | IQR |")
+        print("|---|---|---|")
+        for name, (median, low, high) in found.items():
+            print(f"| {name} | {median:.3f}x | {low:.3f}-{high:.3f} |")
+        return found
     least = run(args.trials)
     base = least["torch"]
     print(f"| configuration | step us (least of {args.trials}) | over torch's reentrant checkpoint |")
