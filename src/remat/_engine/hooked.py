@@ -202,23 +202,24 @@ class HookedFrame(RegionCore):
             return output
         flat = _leaves(output)
         out_keys = list(map(storage_of, flat))  # each storage read once for the three uses below
-        in_keys = set(map(storage_of, inputs)) - {None}
+        in_list = list(map(storage_of, inputs))
+        in_keys = set(in_list) - {None}
         if in_keys and not in_keys.isdisjoint(out_keys):
-            self._copy_returned_inputs(inputs, set(out_keys) - {None})
+            returned = set(out_keys)
+            self._copy_returned_inputs(inputs, [k is not None and k in returned for k in in_list])
         if spec.output_recompute or spec.keep_outputs:
             self.settle_outputs(flat, out_keys)
         if spec.output_recompute:  # an input passed through is not this region's to rebuild
             _outputs.register(self, [None if k in in_keys else t for t, k in zip(flat, out_keys)])
         return output
 
-    def _copy_returned_inputs(self, inputs: list, keys: set) -> None:
-        """Save a copy of each input the region returns (its storage among ``keys``, the
-        outputs'), or returns a view of.
+    def _copy_returned_inputs(self, inputs: list, shared: list[bool]) -> None:
+        """Save a copy of each input the region returns, or returns a view of (``shared``:
+        per input, whether an output shares its storage).
 
         NOTE [Arguments returned as outputs] (``reentrant.py``): a caller may change
         such an output in place, which would change the input the re-run starts from.
         """
-        shared = [storage_of(t) in keys for t in inputs]
         with engine_ops():
             copies = [t.detach().clone().requires_grad_(t.requires_grad) if s else t
                       for t, s in zip(inputs, shared)]

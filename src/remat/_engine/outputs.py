@@ -81,7 +81,7 @@ def register(frame: Any, outputs: list) -> None:
     for index, t in enumerate(outputs):
         if not isinstance(t, torch.Tensor) or t.is_sparse or t.is_meta:
             continue
-        key = t.untyped_storage()._cdata
+        key = _key(t)
         layout = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
         watch = _Watch(t, _forget)
         watch.key = key
