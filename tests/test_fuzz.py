@@ -145,6 +145,9 @@ def test_generator_covers_every_block_wire_and_mark_kind():
     assert {(form, reentrant) for form, reentrant, _ in over_marked} == {
         (form, reentrant) for form in fm.FORMS for reentrant in (False, True)}
     assert any(not early_stop for _, _, early_stop in over_marked)
+    # forwards under a user's saved-tensor hook (the region saves through it), and not
+    outer = [fm.make_case(seed).outer_hooks for seed in range(100)]
+    assert any(outer) and not all(outer)
 
 
 # --- the harness itself must catch what it claims to catch -----------------------------
