@@ -122,6 +122,7 @@ from remat._engine.rebuilt import (
     refuse_expired,
     unpacked_twice,
 )
+from remat._engine.selective import ReplayMode, SaveMode
 from remat._vocab.spec import RegionSpec
 
 _sequence_nr = torch.autograd._get_sequence_nr
@@ -171,6 +172,8 @@ class HookedFrame(RegionCore):
         self.counter: dict[int, int] = {}
         self.expired = False  # NOTE [Regions made inside a re-run]
         self.trace, self.recompute_trace = OpTrace() if spec.debug else None, None  # OpTrace | None
+        #: the policy's forward mode, told what is saved (NOTE [Dead operators in a selective re-run])
+        self.save_mode = contexts[0] if contexts is not None and type(contexts[0]) is SaveMode else None
         self.saver: torch.Tensor | None = None
         self.held: list | None = None  # NOTE [Inputs held directly]
         self.input_versions: list | None = None  # until close: NOTE [Regions that write their inputs]
@@ -302,6 +305,8 @@ class HookedFrame(RegionCore):
                 holder.argument, holder.argument_version = holder.probe, x._version
         if self.trace is not None:
             holder.saved_by = self.trace.last_op
+        if self.save_mode is not None and (flow := self.save_mode.store.flow) is not None:
+            flow.note_saved(x)  # NOTE [Dead operators in a selective re-run]
         return holder
 
     def _next_operator(self, op: int) -> None:
@@ -465,6 +470,8 @@ class HookedFrame(RegionCore):
             if self.kept_collectives is not None:
                 stack.enter_context(_collectives.replaying(self))  # NOTE [Kept collectives]
             if self.contexts is not None:
+                if type(self.contexts[1]) is ReplayMode:  # NOTE [Dead operators in a selective re-run]
+                    self.contexts[1].prune = stop_at is not None  # early stop, carried through
                 stack.enter_context(self.contexts[1])
             if self.trace is not None:
                 self.recompute_trace = stack.enter_context(OpTrace())

@@ -44,6 +44,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from remat._engine import dead as _dead
 from remat._engine.errors import RecomputeError
 from remat._engine.rng import drew, generator_states
 from remat._engine.state import recompute_depth
@@ -117,6 +118,22 @@ class _Store:
         self.watched: dict[Any, tuple[Any, int]] = {}
         self.aliases: dict[tuple[Any, int], list] = {}
         self.finished = False  # the forward returned (NOTE [Re-runs inside a selective forward])
+        self.flow: _dead.Flow | None = None  # NOTE [Dead operators in a selective re-run]
+
+    def stored(self, key: Any, index: int) -> list | None:
+        """The kept output of call ``index`` of ``key`` as ``(alias, version)`` pairs (its
+        watched aliases too), or None when not kept."""
+        entry = self.kept.get(key, {}).get(index)
+        if entry is None:
+            return None
+        return [t for t in pytree.tree_leaves(entry, is_leaf=_is_pair) if _is_pair(t)] + self.aliases.get((key, index), [])
+
+    def hands_back(self, key: Any, index: int) -> bool:
+        """Whether recomputation hands call ``index`` of ``key`` back without running it:
+        kept, unchanged since forward, and drew nothing (NOTE [Kept random operators])."""
+        stored = self.stored(key, index)
+        return (stored is not None and (key, index) not in self.draws
+                and all(t._version == version for t, version in stored))
 
 
 class SaveMode(TorchDispatchMode):
@@ -146,6 +163,8 @@ class SaveMode(TorchDispatchMode):
     def __enter__(self):
         self.depth = recompute_depth()
         self.store.finished = False
+        # NOTE [Dead operators in a selective re-run]
+        self.store.flow = _dead.Flow() if _dead.worth_recording(self.policy) else None
         return super().__enter__()
 
     def __exit__(self, *exc_info):
@@ -156,10 +175,14 @@ class SaveMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if recompute_depth() > self.depth:  # NOTE [Re-runs inside a selective forward]
             return func(*args, **kwargs)
+        flow = self.store.flow
+        call = flow.before(func, args, kwargs) if flow is not None and flow.usable else -1
         keeps = _keeps(self.policy, func)
         random = keeps and torch.Tag.nondeterministic_seeded in func.tags
         before = generator_states((args, kwargs)) if random else None
         out = func(*args, **kwargs)
+        if call >= 0:
+            flow.after(call, func, out)
         if self.store.watched and not func.is_view:  # NOTE [Aliases with a version of their own]
             for t in pytree.tree_leaves(out):
                 entry = self.store.watched.get(_storage_key(t))
@@ -170,6 +193,8 @@ class SaveMode(TorchDispatchMode):
             index = self.calls[key]
             self.calls[key] += 1
             self.store.count[key] = index + 1
+            if call >= 0:
+                flow.keys[call] = (key, index)
             if _decides_to_keep(self.policy, func, args, kwargs, out, index):
                 self.store.kept[key][index] = pytree.tree_map_only(
                     torch.Tensor, lambda t: (_alias(t), t._version), out
@@ -183,31 +208,52 @@ class SaveMode(TorchDispatchMode):
 
 
 class ReplayMode(TorchDispatchMode):
-    """Recompute half: return kept outputs, run every other operator."""
+    """Recompute half: return kept outputs, skip dead calls, run every other operator."""
 
     def __init__(self, policy: Policy | CallPolicy, store: _Store) -> None:
         super().__init__()
         self.policy, self.store = policy, store
         self.calls: dict[Any, int] = defaultdict(int)
         self.depth = 0
+        #: set by the region before a re-run that only rebuilds saved tensors (NOTE [Dead
+        #: operators in a selective re-run]); read and cleared as the re-run starts
+        self.prune = False
+        self.live: list[bool] | None = None  # per forward call, while the re-run follows it
+        self.call = 0
+        self.made = False  # a placeholder was handed out in this re-run
+        self.reading = True  # the running call is live
 
     def __enter__(self):
         self.calls.clear()
         self.depth = recompute_depth()
+        self.call, self.made, self.live, self.reading = 0, False, None, True
+        flow, store = self.store.flow, self.store
+        if self.prune and flow is not None and flow.usable and store.finished:
+            handed_back = {c for c, (k, i) in flow.keys.items() if store.hands_back(k, i)}
+            self.live = flow.live(handed_back)
+            _dead.judge(self.policy, flow, self.live, handed_back)
+        self.prune = False
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         # NOTE [Re-runs inside a selective forward]: a re-run inside this re-run (an inner
         # region's forward that calls backward) is not this re-run's calls
-        if not _keeps(self.policy, func) or recompute_depth() > self.depth:
-            return func(*args, **(kwargs or {}))
+        if recompute_depth() > self.depth:
+            return func(*args, **kwargs)
+        if self.live is not None and func is not _dead.DETACH:  # NOTE [Dead operators in a selective re-run]
+            skipped = self._skipped(func)
+            if skipped is not None:
+                return skipped
+        if not _keeps(self.policy, func):
+            return self._run(func, args, kwargs)
         key = _counted(self.policy, func)
         index = self.calls[key]
         self.calls[key] += 1
         kept = self.store.kept.get(key, {})
         if index not in kept:
             if index < self.store.count.get(key, 0) or not self.store.finished:
-                return func(*args, **(kwargs or {}))  # not kept, handed back already, or ahead
+                return self._run(func, args, kwargs)  # not kept, handed back already, or ahead
                 # of a forward still running (NOTE [Re-runs inside a selective forward])
             raise RecomputeError(
                 f"remat selective recompute: {func} call #{index} ran in recomputation but "
@@ -215,17 +261,38 @@ class ReplayMode(TorchDispatchMode):
                 f"{func} invocation index {index} encountered during backward but not found "
                 f"in storage."
             )
+        stored = self.store.stored(key, index)
         entry = kept.pop(index)  # handed back once; a later backward rebuilds it
-        stored = [t for t in pytree.tree_leaves(entry, is_leaf=_is_pair) if _is_pair(t)]
-        stored += self.store.aliases.get((key, index), [])
         if any(t._version != version for t, version in stored):
-            return func(*args, **(kwargs or {}))  # changed in place after forward: rebuild it
+            return self._run(func, args, kwargs)  # changed in place after forward: rebuild it
         if (key, index) in self.store.draws:
             # NOTE [Kept random operators]: the draw still runs, so the generator stands where
             # forward left it for the random operators rebuilt after this one
-            func(*args, **(kwargs or {}))
+            self._run(func, args, kwargs)
         # a fresh alias: autograd attaches the recomputation's graph to it, not to the store
         return pytree.tree_map(lambda p: _alias(p[0]) if _is_pair(p) else p, entry, is_leaf=_is_pair)
+
+    def _skipped(self, func: Any) -> Any:
+        """Placeholders for a dead call, numbered as in forward; None for a call that runs."""
+        call, live, flow = self.call, self.live, self.store.flow
+        self.call = call + 1
+        if call >= len(live) or flow.funcs[call] is not func:
+            self.live, self.reading = None, True  # the re-run diverged: run the rest
+            return None
+        self.reading = live[call]
+        if not flow.skips(call, live):
+            return None
+        self.made = True
+        if _keeps(self.policy, func):  # numbered as in forward; a kept output is let go
+            key = _counted(self.policy, func)
+            self.store.kept.get(key, {}).pop(self.calls[key], None)
+            self.calls[key] += 1
+        return flow.placeholder(call)
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.made and self.reading and any(t.is_meta for t in _dead.tensors_of(args, kwargs)):
+            _dead.refuse_placeholder(func, self.policy)
+        return func(*args, **kwargs)
 
 
 def _storage_key(t: Any) -> Any:
