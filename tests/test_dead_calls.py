@@ -7,8 +7,6 @@ off (every call re-run), and counts the calls the re-run ran or skipped.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
