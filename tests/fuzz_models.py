@@ -38,6 +38,7 @@ from torch import nn
 
 import remat
 from remat import ops
+from remat._engine import dead as _dead
 from remat._front.blocks import find_blocks
 
 D = 8  # feature width of every block
@@ -712,6 +713,16 @@ POLICIES: dict[str, remat.Policy] = {
     "save_calls_random": remat.save_calls("aten::native_dropout#0", "aten::addmm#0"),
 }
 
+#: drawn for a whole case, last (`Case.cut`): policies that keep what cheap operators make
+#: of products (an activation that saves its output, a residual sum, a softmax), so the
+#: products before them are dead in the re-run (NOTE [Dead operators in a selective re-run])
+CUT_POLICIES: dict[str, remat.Policy] = {
+    "save_calls_cut": remat.save_calls("aten::relu#0", "aten::tanh#0", "aten::sigmoid#0", "aten::add#0",
+                                       "aten::add#1", "aten::_softmax#0", "aten::relu#1", "aten::tanh#1"),
+    "save_calls_cut_late": remat.save_calls("aten::add#1", "aten::add#2", "aten::relu#1", "aten::tanh#1",
+                                            "aten::gelu#1", "aten::mul#2"),
+}
+
 
 def _torch_selective() -> Any:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -742,7 +753,7 @@ def _options(r: random.Random, *, policy: bool = True) -> dict:
 def _mark_options(opts: dict) -> dict:
     out = dict(opts)
     if "policy" in out:
-        out["policy"] = POLICIES[out["policy"]]
+        out["policy"] = {**POLICIES, **CUT_POLICIES}[out["policy"]]
     return out
 
 
@@ -927,6 +938,8 @@ class Case:
     #: offload would be), on both sides: regions then save their arguments through it
     #: (NOTE [Inputs held directly] in ``hooked.py``) and keep their outputs
     outer_hooks: bool = False
+    #: every policy of the case's marks is one of `CUT_POLICIES` (drawn last)
+    cut: str | None = None
 
     @property
     def reentrant(self) -> bool:
@@ -939,7 +952,8 @@ class Case:
                   f"penalty={self.penalty} func={self.func_check} rebind={self.rebind_captures} "
                   f"compiled={self.compiled}" + (f" change={self.change}" if self.change else "")
                   + (f" edit={self.edit_before_backward}" if self.edit_before_backward else "")
-                  + (" outer_hooks" if self.outer_hooks else ""))]
+                  + (" outer_hooks" if self.outer_hooks else "")
+                  + (f" cut={self.cut}" if self.cut else ""))]
         for i, stage in enumerate(self.desc["stages"]):
             for j, b in enumerate(stage):
                 lines.append(f"  stages.{i}.blocks.{j}: {b['kind']} {b['p']} wire={b['wire']}")
@@ -1044,6 +1058,12 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
         if params:
             case.edit_before_backward = r.choice(params)
     case.outer_hooks = not compiled and r.random() < 0.2  # drawn last: earlier seeds keep their cases
+    if not compiled and r.random() < 0.4:  # drawn after it: the cases before keep theirs
+        case.cut = r.choice(sorted(CUT_POLICIES))
+        for mark in case.plan:  # every mark that takes a policy gets it
+            m = mark.get("mark", mark)
+            if m["kind"] in ("cell", "module", "blocks", "name") and not m["opts"].get("use_reentrant"):
+                m["opts"]["policy"] = case.cut
     return case
 
 
@@ -1441,8 +1461,10 @@ def _resync(base: _Side, marked: _Side) -> None:
 
 
 def run_case(case: Case) -> Result:
-    """Run ``case``: baseline and marked model in lockstep; compare everything."""
-    with _memory_cap(MEMORY_CAP):
+    """Run ``case``: baseline and marked model in lockstep; compare everything. Every policy
+    region records its flow, so every dead call is skipped (NOTE [Flows recorded where they
+    pay] in ``remat/_engine/dead.py``)."""
+    with _memory_cap(MEMORY_CAP), _dead.recorded_everywhere():
         return _run_case(case)
 
 

@@ -12,8 +12,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
+from remat._engine import dead as _dead
 from remat._engine.dead import skipped_calls
 from tests._harness import assert_bitwise_equal
+
+
+@pytest.fixture(autouse=True)
+def _fresh_judgement():
+    """Each test starts with no policy judged (NOTE [Flows recorded where they pay])."""
+    _dead._WORTH.clear()
+
 
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import remat
+from remat._engine.dead import skipped_calls
 from tests import fuzz_models as fm
 
 EAGER_CASES = int(os.environ.get("REMAT_FUZZ_CASES", "1200"))
@@ -71,7 +72,10 @@ def _write_report(results: list[fm.Result]) -> None:
 
 
 def test_fuzz_eager_marks_change_no_number():
+    skipped = skipped_calls()
     results = _run([fm.make_case(seed) for seed in range(EAGER_CASES)])
+    if EAGER_CASES >= 300:  # the policies of `fm.CUT_POLICIES` leave calls dead in re-runs
+        assert skipped_calls() > skipped, "no case's re-run skipped a dead call"
     _write_report(results)
     summary = _summary(results)
     print("\n" + summary)
@@ -148,6 +152,9 @@ def test_generator_covers_every_block_wire_and_mark_kind():
     # forwards under a user's saved-tensor hook (the region saves through it), and not
     outer = [fm.make_case(seed).outer_hooks for seed in range(100)]
     assert any(outer) and not all(outer)
+    # cases whose policies leave products dead in the re-run (NOTE [Dead operators in a
+    # selective re-run]), each of them
+    assert {fm.make_case(seed).cut for seed in range(100)} == {None, *fm.CUT_POLICIES}
 
 
 # --- the harness itself must catch what it claims to catch -----------------------------

@@ -51,6 +51,8 @@ in the re-run; one that records a dead activation records its placeholder.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,12 +82,14 @@ def _kind(func: Any) -> int:
     kind = _KIND.get(func)
     if kind is None:
         schema = func._schema
-        if (func.namespace != "aten" or schema.is_mutable or not schema.returns
-                or torch.Tag.nondeterministic_seeded in func.tags
-                or any(type(r.type) is not torch.TensorType for r in schema.returns)):
+        if func.namespace != "aten" or schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
+            kind = _RUNS
+        elif func.is_view:  # a view of a list of tensors too (``split``)
+            kind = _VIEW
+        elif not schema.returns or any(type(r.type) is not torch.TensorType for r in schema.returns):
             kind = _RUNS
         else:
-            kind = _VIEW if func.is_view else _SKIPPABLE
+            kind = _SKIPPABLE
         _KIND[func] = kind
     return kind
 
@@ -114,6 +118,19 @@ _WORTH: dict = {}
 _LOOK_AGAIN = 64
 
 
+_EVERYWHERE = [False]
+
+
+@contextlib.contextmanager
+def recorded_everywhere() -> Iterator[None]:
+    """Record every policy region's flow while active (tests: every dead call skipped)."""
+    before, _EVERYWHERE[0] = _EVERYWHERE[0], True
+    try:
+        yield
+    finally:
+        _EVERYWHERE[0] = before
+
+
 def worth_recording(policy: Any) -> bool:
     """NOTE [Flows recorded where they pay]
     Noting a forward's flow costs a few microseconds per operator; skipping pays where a
@@ -122,6 +139,8 @@ def worth_recording(policy: Any) -> bool:
     (a plan's policy differs per block; a shared one records while any of its regions
     skips a product). What is not recorded is not skipped: exactness never depends on it.
     """
+    if _EVERYWHERE[0]:
+        return True
     entry = _WORTH.get(policy)
     if entry is None:
         if len(_WORTH) > 1024:  # policies made per call (a context_fn's closure)

@@ -175,36 +175,51 @@ class SaveMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if recompute_depth() > self.depth:  # NOTE [Re-runs inside a selective forward]
             return func(*args, **kwargs)
-        flow = self.store.flow
+        flow, store = self.store.flow, self.store
         call = flow.before(func, args, kwargs) if flow is not None and flow.usable else -1
-        keeps = _keeps(self.policy, func)
-        random = keeps and torch.Tag.nondeterministic_seeded in func.tags
+        keeps, random, is_view = _facts(self.policy, func)
         before = generator_states((args, kwargs)) if random else None
         out = func(*args, **kwargs)
         if call >= 0:
             flow.after(call, func, out)
-        if self.store.watched and not func.is_view:  # NOTE [Aliases with a version of their own]
-            for t in pytree.tree_leaves(out):
-                entry = self.store.watched.get(_storage_key(t))
+        if store.watched and not is_view:  # NOTE [Aliases with a version of their own]
+            for t in (out,) if type(out) is torch.Tensor else pytree.tree_leaves(out):
+                entry = store.watched.get(_storage_key(t))
                 if entry is not None:
-                    self.store.aliases.setdefault(entry, []).append((_alias(t), t._version))
+                    store.aliases.setdefault(entry, []).append((_alias(t), t._version))
         if keeps:
             key = _counted(self.policy, func)
             index = self.calls[key]
             self.calls[key] += 1
-            self.store.count[key] = index + 1
+            store.count[key] = index + 1
             if call >= 0:
                 flow.keys[call] = (key, index)
             if _decides_to_keep(self.policy, func, args, kwargs, out, index):
-                self.store.kept[key][index] = pytree.tree_map_only(
+                store.kept[key][index] = pytree.tree_map_only(
                     torch.Tensor, lambda t: (_alias(t), t._version), out
                 )
                 for t in pytree.tree_leaves(out):
                     if _storage_key(t) is not None:
-                        self.store.watched[_storage_key(t)] = (key, index)
+                        store.watched[_storage_key(t)] = (key, index)
                 if random and drew(before, generator_states((args, kwargs))):
-                    self.store.draws.add((key, index))  # NOTE [Kept random operators]
+                    store.draws.add((key, index))  # NOTE [Kept random operators]
         return out
+
+
+#: (policy, operator) -> (its calls are counted, it is a counted random operator, it is a
+#: view): learned once per pair, read at every call of the forward
+_FACTS: dict = {}
+
+
+def _facts(policy: Policy | CallPolicy, func: Any) -> tuple[bool, bool, bool]:
+    found = _FACTS.get((policy, func))
+    if found is None:
+        if len(_FACTS) > 4096:  # policies made per call (a context_fn's closure)
+            _FACTS.clear()
+        keeps = _keeps(policy, func)
+        found = _FACTS[policy, func] = (keeps, keeps and torch.Tag.nondeterministic_seeded in func.tags,
+                                        func.is_view)
+    return found
 
 
 class ReplayMode(TorchDispatchMode):
@@ -245,7 +260,7 @@ class ReplayMode(TorchDispatchMode):
             skipped = self._skipped(func)
             if skipped is not None:
                 return skipped
-        if not _keeps(self.policy, func):
+        if not _facts(self.policy, func)[0]:
             return self._run(func, args, kwargs)
         key = _counted(self.policy, func)
         index = self.calls[key]
@@ -283,7 +298,7 @@ class ReplayMode(TorchDispatchMode):
         if not flow.skips(call, live):
             return None
         self.made = True
-        if _keeps(self.policy, func):  # numbered as in forward; a kept output is let go
+        if _facts(self.policy, func)[0]:  # numbered as in forward; a kept output is let go
             key = _counted(self.policy, func)
             self.store.kept.get(key, {}).pop(self.calls[key], None)
             self.calls[key] += 1
@@ -297,7 +312,7 @@ class ReplayMode(TorchDispatchMode):
 
 def _storage_key(t: Any) -> Any:
     """The storage ``t`` holds, as a key (None for a non-tensor or a tensor without one)."""
-    if not isinstance(t, torch.Tensor) or is_traceable_wrapper_subclass(t):
+    if type(t) is not torch.Tensor and (not isinstance(t, torch.Tensor) or is_traceable_wrapper_subclass(t)):
         return None
     return t.untyped_storage()._cdata
 
