@@ -61,8 +61,8 @@ from remat._engine.errors import RecomputeError
 from remat._vocab.policy import COMPUTE_INTENSIVE_OPS
 
 _SKIPPABLE, _VIEW, _RUNS = 0, 1, 2
-_KIND: dict = {}  # operator -> its kind, learned once per operator
-_INTENSIVE: dict = {}  # operator -> whether it is a matrix product, a convolution, attention
+_KIND: dict = {}  # id of an operator -> its kind, learned once per operator
+_INTENSIVE: dict = {}  # id of an operator -> whether it is a matrix product, a convolution, attention
 _graph_task = torch._C._current_graph_task_id
 _skipped = [0]
 
@@ -79,7 +79,7 @@ DETACH = torch.ops.aten.detach.default
 
 def _kind(func: Any) -> int:
     """Whether a dead call of ``func`` is skipped (0), runs as a view (1) or always runs (2)."""
-    kind = _KIND.get(func)
+    kind = _KIND.get(id(func))  # an operator lives as long as torch: its id is its key
     if kind is None:
         schema = func._schema
         if func.namespace != "aten" or schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
@@ -90,7 +90,7 @@ def _kind(func: Any) -> int:
             kind = _RUNS
         else:
             kind = _SKIPPABLE
-        _KIND[func] = kind
+        _KIND[id(func)] = kind
     return kind
 
 
@@ -106,9 +106,9 @@ def tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def _intensive(func: Any) -> bool:
-    found = _INTENSIVE.get(func)
+    found = _INTENSIVE.get(id(func))
     if found is None:
-        found = _INTENSIVE[func] = func._schema.name in COMPUTE_INTENSIVE_OPS
+        found = _INTENSIVE[id(func)] = func._schema.name in COMPUTE_INTENSIVE_OPS
     return found
 
 
@@ -202,11 +202,19 @@ class Flow:
                 self.needed.add(call)
             return -1
         deps, grad = [], False
-        for t in tensors_of(args, kwargs):
-            c = producer.get(id(t))
-            if c is not None:
-                deps.append(c)
-            grad = grad or t.requires_grad
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, torch.Tensor):
+                c = producer.get(id(a))
+                if c is not None:
+                    deps.append(c)
+                grad = grad or a.requires_grad
+            elif type(a) is list or type(a) is tuple:
+                for t in a:
+                    if isinstance(t, torch.Tensor):
+                        c = producer.get(id(t))
+                        if c is not None:
+                            deps.append(c)
+                        grad = grad or t.requires_grad
         self.deps.append(deps)
         self.funcs.append(func)
         self.differentiable = grad and torch.is_grad_enabled()

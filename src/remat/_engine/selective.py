@@ -177,7 +177,7 @@ class SaveMode(TorchDispatchMode):
             return func(*args, **kwargs)
         flow, store = self.store.flow, self.store
         call = flow.before(func, args, kwargs) if flow is not None and flow.usable else -1
-        keeps, random, is_view = _facts(self.policy, func)
+        _, keeps, random, is_view = _facts(self.policy, func)
         before = generator_states((args, kwargs)) if random else None
         out = func(*args, **kwargs)
         if call >= 0:
@@ -206,19 +206,21 @@ class SaveMode(TorchDispatchMode):
         return out
 
 
-#: (policy, operator) -> (its calls are counted, it is a counted random operator, it is a
-#: view): learned once per pair, read at every call of the forward
+#: (id of a policy, id of an operator) -> (the policy, whether the operator's calls are
+#: counted, whether it is a counted random operator, whether it is a view): learned once per
+#: pair, read at every call (ids: hashing a policy or an operator is Python code; the policy
+#: held, so its id is not reused while the entry stands; an operator lives as long as torch)
 _FACTS: dict = {}
 
 
-def _facts(policy: Policy | CallPolicy, func: Any) -> tuple[bool, bool, bool]:
-    found = _FACTS.get((policy, func))
-    if found is None:
+def _facts(policy: Policy | CallPolicy, func: Any) -> tuple:
+    found = _FACTS.get((id(policy), id(func)))
+    if found is None or found[0] is not policy:
         if len(_FACTS) > 4096:  # policies made per call (a context_fn's closure)
             _FACTS.clear()
         keeps = _keeps(policy, func)
-        found = _FACTS[policy, func] = (keeps, keeps and torch.Tag.nondeterministic_seeded in func.tags,
-                                        func.is_view)
+        found = _FACTS[id(policy), id(func)] = (
+            policy, keeps, keeps and torch.Tag.nondeterministic_seeded in func.tags, func.is_view)
     return found
 
 
@@ -260,7 +262,7 @@ class ReplayMode(TorchDispatchMode):
             skipped = self._skipped(func)
             if skipped is not None:
                 return skipped
-        if not _facts(self.policy, func)[0]:
+        if not _facts(self.policy, func)[1]:
             return self._run(func, args, kwargs)
         key = _counted(self.policy, func)
         index = self.calls[key]
@@ -298,7 +300,7 @@ class ReplayMode(TorchDispatchMode):
         if not flow.skips(call, live):
             return None
         self.made = True
-        if _facts(self.policy, func)[0]:  # numbered as in forward; a kept output is let go
+        if _facts(self.policy, func)[1]:  # numbered as in forward; a kept output is let go
             key = _counted(self.policy, func)
             self.store.kept.get(key, {}).pop(self.calls[key], None)
             self.calls[key] += 1
