@@ -27,7 +27,6 @@ import torch
 import remat
 from remat.models.gpt import GPT, GPTConfig
 
-
 EXAMPLE = "readme"
 
 
