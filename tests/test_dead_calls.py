@@ -260,3 +260,19 @@ def test_a_kept_output_changed_after_forward_is_rebuilt_from_live_inputs():
     before = skipped_calls()
     assert_bitwise_equal(grads(True), grads(False), "grad")
     assert skipped_calls() == before
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_call_returning_a_nested_or_sparse_tensor_is_never_skipped():
+    """A nested tensor has no sizes or strides to stand in for (noting them raised, in a
+    forward), a sparse one no dense placeholder: such a call is live whatever reads it."""
+    x = torch.randn(3, 4, requires_grad=True)
+    outputs = {torch.ops.aten._nested_tensor_from_tensor_list.default:
+               torch.nested.as_nested_tensor([x.detach(), x.detach()[:2]]),
+               torch.ops.aten._to_sparse.default: x.detach().to_sparse(),
+               torch.ops.aten.mul.Tensor: x.detach() * 2}
+    flow = _dead.Flow()
+    for func, out in outputs.items():
+        flow.after(flow.before(func, (x,), {}), func, out)
+    assert [out is None for out in flow.outs] == [True, True, False]
+    assert flow.needed == {0, 1}

@@ -235,7 +235,8 @@ class Flow:
             producer[id(t)] = call
             if t.is_meta:
                 self.usable = False
-            if skippable and t.is_floating_point():
+            if (skippable and type(t) is torch.Tensor and t.is_floating_point() and t.layout == torch.strided
+                    and not t.is_nested):  # a plain dense tensor: its placeholder is one too
                 metas.append((t.shape, t.stride(), t.dtype))
             else:
                 skippable = False
