@@ -276,3 +276,53 @@ def test_a_call_returning_a_nested_or_sparse_tensor_is_never_skipped():
         flow.after(flow.before(func, (x,), {}), func, out)
     assert [out is None for out in flow.outs] == [True, True, False]
     assert flow.needed == {0, 1}
+
+
+def test_an_attention_inside_an_inner_region_under_a_selective_region_trains():
+    """``nn.MultiheadAttention`` in an inner region, the whole under a selective region that
+    keeps matrix products: what the inner region saves is live in the outer re-run, and a
+    kept output is handed back, dead or not."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.attn = torch.nn.LayerNorm(16), torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, x):
+            h = self.norm(x)
+            return x + self.attn(h, h, h, need_weights=False)[0]
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.attn = torch.nn.Linear(16, 16), Attention()
+
+        def forward(self, x):
+            return remat.checkpoint(self.attn, self.fc(x).relu(), use_reentrant=False)
+
+    def grads(marked):
+        torch.manual_seed(0)
+        stage = Stage()
+        x = _x()
+        if marked:
+            context = remat.policy_context(remat.save_compute_intensive)
+            y = remat.checkpoint(stage, x, use_reentrant=False, context_fn=context)
+        else:
+            y = stage.attn(stage.fc(x).relu())
+        y.square().sum().backward()
+        return [p.grad for p in stage.parameters()] + [x.grad]
+
+    assert_bitwise_equal(grads(True), grads(False), "grad")
+
+
+def test_fuzz_case_8154_an_attention_region_inside_a_selective_region():
+    """The project's fuzzer, case 8154 (shrunk: an attention block's checkpoint inside a stage
+    checkpointed with ``save_compute_intensive``, two backwards, a user's saved-tensor hook):
+    the outer re-run took the attention's kept input projection for dead; its placeholder
+    reached ``nn.MultiheadAttention``, whose attention chose another kernel for a tensor on
+    another device, and the re-run was refused as running other operators than its forward."""
+    from tests import fuzz_models as fm
+
+    case = fm.make_case(8154)
+    case.plan = [m for m in case.plan if m["kind"] == "call"]
+    assert fm.run_case(case).verdict == "ok"

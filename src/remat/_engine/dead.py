@@ -66,6 +66,17 @@ _INTENSIVE: dict = {}  # id of an operator -> whether it is a matrix product, a 
 _graph_task = torch._C._current_graph_task_id
 _skipped = [0]
 
+#: NOTE [Saved inside a nested region]
+#: The flows of the selective forwards running now, innermost last. A region's pack hook
+#: tells each of them what it saves: a region inside a selective region saves through its
+#: own hooks, which the outer region's never see, yet the outer re-run runs the inner
+#: region's forward again, and an operator there whose output the inner region saves was
+#: taken for dead: skipped, its placeholder reached the attention the inner region called,
+#: whose choice of kernel reads its inputs' device, and the re-run ran other operators than
+#: its forward (refused, found by the project's fuzzer). What an inner region saves is live
+#: in every enclosing re-run.
+forwards: list = []
+
 
 def skipped_calls() -> int:
     """How many operator calls re-runs have skipped in this process (a counter for tests)."""

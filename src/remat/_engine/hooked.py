@@ -105,6 +105,7 @@ from torch.utils import _pytree as pytree
 
 from remat._engine import boundary as _boundary
 from remat._engine import collectives as _collectives
+from remat._engine import dead as _dead
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
 from remat._engine import state as _state
@@ -122,7 +123,7 @@ from remat._engine.rebuilt import (
     refuse_expired,
     unpacked_twice,
 )
-from remat._engine.selective import ReplayMode, SaveMode
+from remat._engine.selective import ReplayMode
 from remat._vocab.spec import RegionSpec
 
 _sequence_nr = torch.autograd._get_sequence_nr
@@ -172,8 +173,6 @@ class HookedFrame(RegionCore):
         self.counter: dict[int, int] = {}
         self.expired = False  # NOTE [Regions made inside a re-run]
         self.trace, self.recompute_trace = OpTrace() if spec.debug else None, None  # OpTrace | None
-        #: the policy's forward mode, told what is saved (NOTE [Dead operators in a selective re-run])
-        self.save_mode = contexts[0] if contexts is not None and type(contexts[0]) is SaveMode else None
         self.saver: torch.Tensor | None = None
         self.held: list | None = None  # NOTE [Inputs held directly]
         self.input_versions: list | None = None  # until close: NOTE [Regions that write their inputs]
@@ -305,8 +304,9 @@ class HookedFrame(RegionCore):
                 holder.argument, holder.argument_version = holder.probe, x._version
         if self.trace is not None:
             holder.saved_by = self.trace.last_op
-        if self.save_mode is not None and (flow := self.save_mode.store.flow) is not None:
-            flow.note_saved(x)  # NOTE [Dead operators in a selective re-run]
+        if _dead.forwards:  # NOTE [Saved inside a nested region]
+            for flow in _dead.forwards:
+                flow.note_saved(x)
         return holder
 
     def _next_operator(self, op: int) -> None:

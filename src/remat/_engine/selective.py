@@ -164,11 +164,18 @@ class SaveMode(TorchDispatchMode):
         self.depth = recompute_depth()
         self.store.finished = False
         # NOTE [Dead operators in a selective re-run]
-        self.store.flow = _dead.Flow() if _dead.worth_recording(self.policy) else None
+        self.store.flow = flow = _dead.Flow() if _dead.worth_recording(self.policy) else None
+        if flow is not None:
+            _dead.forwards.append(flow)  # NOTE [Saved inside a nested region]
         return super().__enter__()
 
     def __exit__(self, *exc_info):
         self.store.finished = True
+        flow = self.store.flow
+        if flow is not None and _dead.forwards and _dead.forwards[-1] is flow:
+            _dead.forwards.pop()
+        elif flow is not None and flow in _dead.forwards:
+            _dead.forwards.remove(flow)
         return super().__exit__(*exc_info)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -237,6 +244,7 @@ class ReplayMode(TorchDispatchMode):
         self.prune = False
         self.live: list[bool] | None = None  # per forward call, while the re-run follows it
         self.call = 0
+        self.handed_back: set[int] = set()  # the calls whose kept outputs this re-run hands back
         self.made = False  # a placeholder was handed out in this re-run
         self.reading = True  # the running call is live
 
@@ -246,9 +254,9 @@ class ReplayMode(TorchDispatchMode):
         self.call, self.made, self.live, self.reading = 0, False, None, True
         flow, store = self.store.flow, self.store
         if self.prune and flow is not None and flow.usable and store.finished:
-            handed_back = {c for c, (k, i) in flow.keys.items() if store.hands_back(k, i)}
-            self.live = flow.live(handed_back)
-            _dead.judge(self.policy, flow, self.live, handed_back)
+            self.handed_back = {c for c, (k, i) in flow.keys.items() if store.hands_back(k, i)}
+            self.live = flow.live(self.handed_back)
+            _dead.judge(self.policy, flow, self.live, self.handed_back)
         self.prune = False
         return super().__enter__()
 
@@ -297,13 +305,13 @@ class ReplayMode(TorchDispatchMode):
             self.live, self.reading = None, True  # the re-run diverged: run the rest
             return None
         self.reading = live[call]
-        if not flow.skips(call, live):
+        # a kept output is handed back, dead or not: it costs nothing, and a placeholder
+        # where the forward had a value can change what code above the dispatcher does
+        if not flow.skips(call, live) or call in self.handed_back:
             return None
         self.made = True
-        if _facts(self.policy, func)[1]:  # numbered as in forward; a kept output is let go
-            key = _counted(self.policy, func)
-            self.store.kept.get(key, {}).pop(self.calls[key], None)
-            self.calls[key] += 1
+        if _facts(self.policy, func)[1]:  # numbered as in forward
+            self.calls[_counted(self.policy, func)] += 1
         return flow.placeholder(call)
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
