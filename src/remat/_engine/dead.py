@@ -17,7 +17,9 @@ that runs whatever reads its outputs (not an ``aten`` operator, an in-place or `
 one, a random one, one that returns anything but tensors), and every call a live call
 reads that runs (a kept call handed back reads nothing). A dead call returns, instead of
 running, placeholders of its outputs' shapes, strides and dtypes on the ``meta`` device
-(views run as they are: they cost nothing). What autograd saves of a dead call's inputs
+(views run as they are: they cost nothing; a kept call is handed back, dead or not: a
+placeholder where the forward had a value can change what code above the dispatcher does,
+an attention choosing its kernel by its inputs' device). What autograd saves of a dead call's inputs
 (it saves them before the call runs) is still saved. This is early stop carried through
 the whole region: ``early_stop=False`` (or ``remat.set_checkpoint_early_stop(False)``)
 re-runs every operator.
