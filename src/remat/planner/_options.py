@@ -47,9 +47,7 @@ engine numbers them; ranked by roofline cost per byte of output
 cut at `OPS_SHARES` of their number and all of them, as torch's knapsack would keep
 the dearest per byte first. Each option is then measured like every other: one tracked run with every
 block that has it marked alike (bytes kept, peak) and its timed step (calibration); its
-forward time is that of the calls its re-run runs (`remat.planner._times.rerun_calls`: those
-backward reads or a running call reads, not kept; a call that only feeds kept ones is skipped,
-NOTE [Dead operators in a selective re-run] in ``remat/_engine/dead.py``).
+forward time is the block's less that of the calls kept (a re-run runs all the others).
 Each level also keeps the block's reductions with a small result (`REDUCTIONS`, such
 as an RMSNorm's mean, an eighth of its input or less) and one option keeps only those:
 next to no memory, and what depends on them (a norm's square, its reduction) is not rebuilt.

@@ -73,46 +73,19 @@ def block_times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple
         choice = Choice.parse(option)
         if choice.family != OPS:
             return sum(child_seconds(k, c) for c in choice.children)
-        # NOTE [Options per operator]: the re-run runs the calls backward needs that are not kept
+        # NOTE [Options per operator]: the re-run runs all but the kept calls
         block = traced.index[k]
         found = graph.nodes.get(block, {})
-        needed = {key for b, key in graph.needed if b == block}
-        running = rerun_calls(found, needed, set(choice.calls))
+        keys = [key for key in choice.calls if key in found]
+        kept = sum(found[key][0] for key in keys)
         total = totals.total.get(block, 0.0)
-        share = min(1.0, sum(found[key][0] for key in running) / total) if total else 1.0
-        return forward[k] * share + rerun * min(count[k], len(running)) + policy * count[k]
+        share = max(0.0, 1.0 - kept / total) if total else 1.0
+        return forward[k] * share + rerun * max(0.0, count[k] - len(keys)) + policy * count[k]
 
     child_s = [[inner_seconds(k, o) for o in runs.columns] for k in range(len(names))]
     selective = _selective_seconds(traced, forward, count, rerun, policy)
     forward = [f + rerun * n for f, n in zip(forward, count)]
     return _averaged(BlockTimes(forward, selective, child_s), groups, len(runs.columns))
-
-
-def rerun_calls(nodes: Mapping[str, list], needed: set[str], kept: set[str]) -> list[str]:
-    """The calls a re-run of a block runs under a per-call policy keeping ``kept``: those whose
-    output backward reads (``needed``) or a running call reads, but the kept ones, which are
-    handed back and read nothing (NOTE [Dead operators in a selective re-run] in
-    ``remat/_engine/dead.py``). ``nodes``: the block's calls in order, key -> ``[cost, bytes,
-    the keys it reads, keepable]`` (`remat.planner._ops.CutGraph`).
-
-    Examples:
-        >>> nodes = {"aten::mm#0": [8.0, 4, [], True], "aten::add#0": [1.0, 4, ["aten::mm#0"], True],
-        ...          "aten::mm#1": [8.0, 4, ["aten::add#0"], True]}
-        >>> rerun_calls(nodes, {"aten::add#0"}, set())  # mm#1's output: nothing reads it
-        ['aten::add#0', 'aten::mm#0']
-        >>> rerun_calls(nodes, {"aten::add#0"}, {"aten::add#0"})  # the sum kept: mm#0 is dead
-        []
-    """
-    live: set[str] = set()
-    runs = []
-    for key in reversed(list(nodes)):
-        if key not in live and key not in needed:
-            continue
-        live.add(key)
-        if key not in kept:
-            runs.append(key)
-            live.update(nodes[key][2])
-    return runs
 
 
 def _selective_seconds(traced: Trace, forward: list[float], count: list[float], rerun: float,
