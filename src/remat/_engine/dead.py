@@ -78,6 +78,14 @@ _skipped = [0]
 #: its forward (refused, found by the project's fuzzer). What an inner region saves is live
 #: in every enclosing re-run.
 forwards: list = []
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose reads the mode sees itself
+
+#: NOTE [Tensors whose reads the mode does not see]
+#: A tensor subclass (a DTensor, FSDP2's sharded parameters, a fake tensor) runs its own
+#: operators on the tensors it wraps, below the policy's mode, and hands them out (``to_local``,
+#: ``from_local``): what reads what there is not seen, and a call whose output only a
+#: subclass's operator read looked dead (a tensor-parallel block's re-run was refused). So a
+#: forward that passes a subclass to any operator records no flow: nothing is skipped in it.
 
 
 def skipped_calls() -> int:
@@ -217,6 +225,9 @@ class Flow:
         deps, grad = [], False
         for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, torch.Tensor):
+                if type(a) not in _PLAIN:  # NOTE [Tensors whose reads the mode does not see]
+                    self.usable = False
+                    return -1
                 c = producer.get(id(a))
                 if c is not None:
                     deps.append(c)
@@ -224,6 +235,9 @@ class Flow:
             elif type(a) is list or type(a) is tuple:
                 for t in a:
                     if isinstance(t, torch.Tensor):
+                        if type(t) not in _PLAIN:
+                            self.usable = False
+                            return -1
                         c = producer.get(id(t))
                         if c is not None:
                             deps.append(c)

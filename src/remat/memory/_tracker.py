@@ -560,8 +560,9 @@ def _storages(leaves: Iterable[Any], fake_ok: bool = True) -> Iterator[torch.Unt
             inner, _ = leaf.__tensor_flatten__()
             yield from _storages([getattr(leaf, name) for name in inner], fake_ok)
             continue
-        if not fake_ok and isinstance(leaf, torch._subclasses.fake_tensor.FakeTensor):
-            continue
+        if not fake_ok and isinstance(leaf, torch.Tensor) and (
+                isinstance(leaf, torch._subclasses.fake_tensor.FakeTensor) or leaf.is_meta):
+            continue  # a real run's meta tensors (a skipped call's placeholder) hold no memory
         if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
             try:
                 yield leaf.untyped_storage()
