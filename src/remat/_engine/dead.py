@@ -222,26 +222,12 @@ class Flow:
             if call is not None:
                 self.needed.add(call)
             return -1
-        deps, grad = [], False
-        for a in (*args, *kwargs.values()) if kwargs else args:
-            if isinstance(a, torch.Tensor):
-                if type(a) not in _PLAIN:  # NOTE [Tensors whose reads the mode does not see]
-                    self.usable = False
-                    return -1
-                c = producer.get(id(a))
-                if c is not None:
-                    deps.append(c)
-                grad = grad or a.requires_grad
-            elif type(a) is list or type(a) is tuple:
-                for t in a:
-                    if isinstance(t, torch.Tensor):
-                        if type(t) not in _PLAIN:
-                            self.usable = False
-                            return -1
-                        c = producer.get(id(t))
-                        if c is not None:
-                            deps.append(c)
-                        grad = grad or t.requires_grad
+        tensors = tensors_of(args, kwargs)
+        if any(type(t) not in _PLAIN for t in tensors):  # NOTE [Tensors whose reads the mode does not see]
+            self.usable = False
+            return -1
+        deps = [c for t in tensors if (c := producer.get(id(t))) is not None]
+        grad = any(t.requires_grad for t in tensors)
         self.deps.append(deps)
         self.funcs.append(func)
         self.differentiable = grad and torch.is_grad_enabled()
