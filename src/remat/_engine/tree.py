@@ -15,6 +15,21 @@ needs (the shallow copies, the versions) is taken at every call and held by its
 frame only, so a value the module let go of is freed as without remat. A tree's key
 is a serial number never reused, so the facts' keys (NOTE [Observed once, confirmed
 every call] in ``facts.py``) hold no object either.
+
+NOTE [Trees seen before]
+A tree can go back to a state it had: a planner or a user marks a block, unmarks it and
+marks it again with the same options (the mark is then the same objects: NOTE [A mark set
+again is the same mark] in ``marks.py``), or toggles a child's mark between two phases.
+A new serial would make every fact learned in that state unknown again, and the next call
+of every region in it would be watched: a planner timing its options in interleaved rounds
+timed that observation in every round, which the user's loop, whose marks stay, never pays
+(it predicted +31% for a plan that measured +27% in the loop). So a cache also keeps, for
+the last `_EARLIER` trees it replaced, the tuple `_identities` compares, mapped to their
+`_Known`: a tree walked anew whose tuple is one of them, every tensor of that `_Known` still
+alive, holds exactly the objects it held then, and gets that `_Known` and its serial back.
+This is the check `_Known.current` makes, over a longer time: a value that cannot be held
+by a weak reference (an int) compares by identity, as it does from one call to the next.
+The lookup costs a hash of the tuple, only when the tree was walked anew.
 """
 
 from __future__ import annotations
@@ -134,10 +149,11 @@ class _Cached:
     (NOTE [Snapshots reused while nothing changed]); a copy or a pickle of the module
     starts without it."""
 
-    __slots__ = ("facts", "tree")
+    __slots__ = ("earlier", "facts", "tree")
 
     def __init__(self) -> None:
         self.tree: _Known | None = None
+        self.earlier: dict[tuple, _Known] = {}  # NOTE [Trees seen before]
         self.facts: dict | None = None  # NOTE [Observed once, confirmed every call] (facts.py)
 
     def __deepcopy__(self, memo: dict) -> _Cached:
@@ -174,5 +190,25 @@ def _tree(root: torch.nn.Module) -> tuple[list, list, _Known]:
         modules.append(m)
         stack.extend(c for c in reversed(m.__dict__["_modules"].values()) if c is not None)
     dicts = _dicts(modules)
-    kept.tree = known = _Known(modules, dicts)
-    return modules, dicts, known
+    new = _Known(modules, dicts)
+    kept.tree = _seen_before(kept, new)
+    return modules, dicts, kept.tree
+
+
+_EARLIER = 8  # trees a cache remembers besides its current one (NOTE [Trees seen before])
+
+
+def _seen_before(kept: _Cached, new: _Known) -> _Known:
+    """The `_Known` of an earlier state ``new`` is the same as, or ``new``; the one replaced
+    is remembered (NOTE [Trees seen before])."""
+    earlier = kept.earlier
+    if kept.tree is not None:
+        old = kept.tree
+        earlier[(old.sizes, old.keys, old.hooks, old.ids)] = old
+        if len(earlier) > _EARLIER:
+            earlier.pop(next(iter(earlier)))
+    found = earlier.pop((new.sizes, new.keys, new.hooks, new.ids), None)
+    if found is not None and not any(map(operator.is_, map(_DEREF, found.refs), _NONE)) \
+            and not any(map(operator.is_, map(_DEREF, found.modules), _NONE)):
+        return found
+    return new

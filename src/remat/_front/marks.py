@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from remat._engine import region as _region
+from remat._engine import tree as _tree
 from remat._front import compile_check as _compile_check
 from remat._front.blocks import find_blocks
 from remat._vocab.errors import check_bool, check_keywords
@@ -37,6 +38,7 @@ MARK_KEYWORDS = (
 )
 
 _SPEC_ATTR = "_remat_spec"
+_LAST_ATTR = "_remat_last_mark"  # NOTE [A mark set again is the same mark]
 
 
 def mark_from_keywords(api: str, kwargs: dict, *, keep_outputs: bool) -> RegionSpec:
@@ -80,13 +82,44 @@ def set_mark(module: torch.nn.Module, spec: RegionSpec, *, api: str) -> None:
             f"which conflicts with {_show(spec)}; call remat.unmark(module) first"
         )
     if old is None:
+        spec, wrapper = _mark_again(module, spec)
         module.__dict__[_SPEC_ATTR] = spec
-        module.__dict__["forward"] = MarkedForward(module, module.__dict__.get("forward"))
+        module.__dict__["forward"] = wrapper
+
+
+_MARKS_KEPT = 8  # marks a module remembers (NOTE [A mark set again is the same mark])
+
+
+def _mark_again(module: torch.nn.Module, spec: RegionSpec) -> tuple[RegionSpec, MarkedForward]:
+    """``(spec, forward)`` to set: the ones set before with equal options and the same inner
+    forward, else new ones, remembered."""
+    inner = module.__dict__.get("forward")
+    kept = module.__dict__.get(_LAST_ATTR)
+    if type(kept) is not dict:
+        _tree.cached(module)  # its keys in one order, marked or not
+        kept = module.__dict__[_LAST_ATTR] = {}
+    found = kept.get(spec)
+    if found is not None and found[1].inner is inner:
+        return found
+    if len(kept) >= _MARKS_KEPT:
+        kept.pop(next(iter(kept)))
+    kept[spec] = (spec, MarkedForward(module, inner))
+    return kept[spec]
 
 
 def unmark_module(module: torch.nn.Module) -> bool:
-    """Remove the mark of ``module`` only (not of its children); return whether it had one."""
-    if module.__dict__.pop(_SPEC_ATTR, None) is None:
+    """Remove the mark of ``module`` only (not of its children); return whether it had one.
+
+    NOTE [A mark set again is the same mark]
+    A mark is remembered in the module's ``__dict__`` when it is set (the last
+    `_MARKS_KEPT`, by options, in one dictionary whose contents no tree compares): marked
+    again with equal options (a planner timing its options round after round, a switch turned off for
+    evaluation and on again), the module gets the same objects back, so its tree is the one
+    an earlier call saw and the facts learned then hold (NOTE [Trees seen before] in
+    ``tree.py``) instead of every region being watched once more.
+    """
+    spec = module.__dict__.pop(_SPEC_ATTR, None)
+    if spec is None:
         return False
     wrapper = module.__dict__.get("forward")
     if isinstance(wrapper, MarkedForward):
