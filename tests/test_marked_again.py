@@ -56,7 +56,7 @@ def test_a_block_marked_again_with_the_same_options_is_not_watched_again(monkeyp
     base = Block()
     marked = copy.deepcopy(base)
     entered = observed_calls(monkeypatch)
-    mark = lambda m: remat.recompute_module(m, **MODES[mode])  # noqa: E731
+    mark = lambda m: remat.recompute_module(m, **MODES[mode])
     got = _steps(marked, [mark, mark, None, mark, None, mark])
     assert entered == ["Block"]  # the first call only: every later state was seen before
     want = _steps(base, [None] * 6)
@@ -70,9 +70,9 @@ def test_marks_that_alternate_are_each_watched_once(monkeypatch, mode):
     base = Block()
     marked = copy.deepcopy(base)
     entered = observed_calls(monkeypatch)
-    block = lambda m: remat.recompute_module(m, **MODES[mode])  # noqa: E731
-    child = lambda m: remat.recompute_module(m.fc, **MODES[mode])  # noqa: E731
-    output = lambda m: remat.recompute_module(m, output_recompute=True)  # noqa: E731
+    block = lambda m: remat.recompute_module(m, **MODES[mode])
+    child = lambda m: remat.recompute_module(m.fc, **MODES[mode])
+    output = lambda m: remat.recompute_module(m, output_recompute=True)
     got = _steps(marked, [block, child, output] * 3)
     # each option's first call; in the second round the block once more under each of its
     # marks, whose trees changed after their first call: the child's mark gave the child
