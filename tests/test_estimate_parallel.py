@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import remat
-from remat.memory._tracker import local_nbytes
+from remat.memory._storages import local_nbytes
 from tests._harness import WORLD, MLPBlock, assert_every_rank_succeeded, spawn_two_ranks
 
 PG_TIMEOUT_S = 30

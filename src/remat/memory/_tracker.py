@@ -30,46 +30,8 @@ frees a unit's gathered parameters by resizing their storages, outside the
 dispatcher: while tracking, its ``alloc_storage``/``free_storage`` report
 each resize, so gathered parameters count while they exist.
 
-NOTE [Collective temporaries]
-Gloo (the CPU back end) allocates buffers inside its collective operators,
-below the dispatcher, so no mode sees them. The tracker applies a rule for
-each, checked against the CPU allocator's events (``tests/test_parallel.py``):
-
-======================================= =================== ===========================
-operator seen                            buffer              alive
-======================================= =================== ===========================
-``c10d._allgather_base_``                output's bytes      while the operator runs
-``c10d.allgather_into_tensor_           inputs x first      while the operator runs
-coalesced_``                             input's bytes
-``_c10d_functional.all_gather_into_     input's bytes       while the operator runs
-tensor``
-``_c10d_functional.all_gather_into_     output's bytes      while the operator runs
-tensor_out``
-``_c10d_functional.all_gather_into_     inputs x first      while the operator runs
-tensor_coalesced``                       input's bytes
-``c10d._reduce_scatter_base_``,          a clone of each     until the work is done
-``c10d.reduce_scatter_tensor_            input
-coalesced_``
-``_c10d_functional.reduce_scatter_      a clone of each     until ``wait_tensor`` on
-tensor`` (and ``_coalesced``)           input               every output
-======================================= =================== ===========================
-
-(Gloo's coalesced all-gather makes a flat tensor shaped like its list of output
-chunks, as many rows as inputs of the first input's size; its reduce-scatter
-clones every input and scatters from the clones when its work is waited.)
-
-A reduce-scatter's clone of its input is handed back to the dispatcher when
-its work is waited (its result is copied out): the tracker recognises it
-then, as the first unknown storage of that size, and counts it until it
-dies. The gloo worker thread also holds a copy of an all-gather's output
-while it runs the collective; that thread's allocations are not the step's
-and are not counted (nor by the allocator figure the tests compare with,
-which follows the step's thread). A fake process group (a fake run) hands no
-clone back: on fake tensors the reduce-scatter's buffer is released when the
-operator returns, which is when a real synchronous reduce-scatter (FSDP2's)
-releases it, as its call waits the work at once. The random-state snapshots a region keeps
-are made without an operator: the engine reports them
-(``remat._engine.state.note_allocation``) and they count while they live.
+Gloo's buffers inside collective operators: NOTE [Collective temporaries] in
+``_collective_buffers.py``; the storages of an operator's operands: ``_storages.py``.
 """
 
 from __future__ import annotations
@@ -81,13 +43,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
 from remat._engine.state import is_recomputing, listening_to_allocations
+from remat.memory._collective_buffers import (
+    _COLLECTIVE_NAMESPACES,
+    _temporary,
+    _Waits,
+    look_away_from_sharding_propagation,
+)
 from remat.memory._report import format_bytes
+from remat.memory._storages import (
+    _key,
+    _operands,
+    _storages,
+    _tensors_of,
+)
 
 OUTSIDE = "(outside modules)"
 PHASES = ("forward", "backward", "recompute")
@@ -458,139 +431,6 @@ class MemoryTracker(TorchDispatchMode):
             seen.add(id(node))
             self._node_module.setdefault(node._sequence_nr(), name)
             todo.extend(n for n, _ in node.next_functions)
-
-
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
-
-
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-@dataclass
-class _Waits:
-    """The buffers a functional reduce-scatter holds until each of its outputs is waited."""
-
-    records: list[_Record]
-    outputs: set[int]
-
-
-def _temporary(func: Any, args: tuple, kwargs: Any) -> tuple[list[int], str] | None:
-    """``(bytes of each buffer, lifetime)`` gloo allocates inside ``func`` (NOTE [Collective temporaries])."""
-    name = func._opname
-    first = args[0] if args else None
-    tensors = list(first) if isinstance(first, (list, tuple)) else [first]
-    if len(args) > 1 and func.namespace == "c10d" and isinstance(args[1], (list, tuple)):
-        tensors = list(args[1])  # (outputs, inputs, ...): look at the inputs
-    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-        return None
-    if tensors[0].device.type != "cpu" or is_traceable_wrapper_subclass(tensors[0]):
-        return None
-    if func.namespace == "c10d":
-        if name == "_allgather_base_":  # (output, input, group, ...)
-            return [_nbytes(args[0])], "operator"
-        if name == "allgather_into_tensor_coalesced_":  # (outputs, inputs, group, ...)
-            return [len(tensors) * _nbytes(tensors[0])], "operator"
-        if name == "_reduce_scatter_base_":  # (output, input, group, ...)
-            return [_nbytes(args[1])], "work"
-        if name == "reduce_scatter_tensor_coalesced_":  # (outputs, inputs, group, ...)
-            return [_nbytes(t) for t in tensors], "work"
-        return None
-    if name == "all_gather_into_tensor":  # (input, group_size, group_name)
-        return [_nbytes(first)], "operator"
-    if name == "all_gather_into_tensor_out":  # (input, group_size, group_name, *, out)
-        return [_nbytes((kwargs or {}).get("out"))], "operator"
-    if name == "all_gather_into_tensor_coalesced":  # (inputs, group_size, group_name)
-        return [len(tensors) * _nbytes(tensors[0])], "operator"
-    if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):  # (input(s), op, ...)
-        return [_nbytes(t) for t in tensors], "wait"
-    return None
-
-
-def look_away_from_sharding_propagation(count: Any) -> list[tuple[Any, str, Any]]:
-    """Make DTensor's sharding propagation call ``count(1)`` on entry and ``count(-1)`` on
-    exit, so a dispatch mode can tell its operators (fake tensors of global shape, made to
-    learn output shapes: neither this rank's memory nor its work) from the step's. Returns
-    the ``(owner, name, original)`` patches to restore; none when DTensor is not in use."""
-    import sys
-
-    module = sys.modules.get("torch.distributed.tensor._sharding_prop")
-    name = "_propagate_tensor_meta_non_cached"
-    original = getattr(getattr(module, "ShardingPropagator", None), name, None)
-    if original is None:
-        return []
-
-    def propagate(propagator: Any, *args: Any, **kwargs: Any) -> Any:
-        count(1)
-        try:
-            return original(propagator, *args, **kwargs)
-        finally:
-            count(-1)
-
-    setattr(module.ShardingPropagator, name, propagate)
-    return [(module.ShardingPropagator, name, original)]
-
-
-def _key(storage: torch.UntypedStorage) -> int:
-    return storage._cdata
-
-
-def _operands(*objs: Any) -> list:
-    """The leaves of an operator's arguments or results, as ``tree_leaves`` gives them (in order),
-    without its cost: ATen arguments nest only in tuples, lists and the keyword dict."""
-    leaves: list = []
-    todo = list(reversed(objs))
-    while todo:
-        obj = todo.pop()
-        if isinstance(obj, (tuple, list)):
-            todo.extend(reversed(obj))
-        elif isinstance(obj, dict):
-            todo.extend(reversed(list(obj.values())))
-        else:
-            leaves.append(obj)
-    return leaves
-
-
-_PLAIN = (torch.Tensor, FakeTensor)
-
-
-def _storages(leaves: Iterable[Any], fake_ok: bool = True) -> Iterator[torch.UntypedStorage]:
-    for leaf in leaves:
-        if type(leaf) not in _PLAIN and is_traceable_wrapper_subclass(leaf):  # a DTensor counts by its local shard
-            inner, _ = leaf.__tensor_flatten__()
-            yield from _storages([getattr(leaf, name) for name in inner], fake_ok)
-            continue
-        if not fake_ok and isinstance(leaf, torch.Tensor) and (
-                isinstance(leaf, torch._subclasses.fake_tensor.FakeTensor) or leaf.is_meta):
-            continue  # a real run's meta tensors (a skipped call's placeholder) hold no memory
-        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
-            try:
-                yield leaf.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # tensors without storage
-                continue
-
-
-def local_storages(leaves: Iterable[Any]) -> list[torch.UntypedStorage]:
-    """The storages of the tensors among ``leaves`` on this rank (a DTensor: its local shard's)."""
-    return list(_storages(leaves))
-
-
-def local_nbytes(t: torch.Tensor) -> int:
-    """Bytes of ``t`` on this rank: a DTensor counts by its local shard (NOTE [Memory per rank])."""
-    if is_traceable_wrapper_subclass(t):
-        inner, _ = t.__tensor_flatten__()
-        return sum(local_nbytes(getattr(t, name)) for name in inner)
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def _tensors_of(obj: Any) -> list[torch.Tensor]:
-    if obj is None:
-        return []
-    if isinstance(obj, torch.nn.Module):
-        return [*obj.parameters(), *obj.buffers(), *(p.grad for p in obj.parameters() if p.grad is not None)]
-    if isinstance(obj, torch.optim.Optimizer):
-        return [t for state in obj.state.values() for t in tree_leaves(state)]
-    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 def track(model: torch.nn.Module | None = None, *, baseline: Iterable[Any] = ()) -> MemoryTracker:

@@ -5,9 +5,10 @@ between packages, so that no module reaches into another package's private modul
 (``tests/test_layers.py`` fails on such an import).
 """
 
+from remat.memory._collective_buffers import look_away_from_sharding_propagation
 from remat.memory._compose import identical_container, signature, truncated
 from remat.memory._step import Step, StepFn
-from remat.memory._tracker import local_nbytes, local_storages, look_away_from_sharding_propagation
+from remat.memory._storages import local_nbytes, local_storages
 from remat.memory.estimate import _build_in as build_in
 from remat.memory.estimate import _fake_inputs as fake_inputs
 

@@ -23,7 +23,8 @@ from remat._front.marks import mark_of
 from remat._vocab.errors import check_bool
 from remat.memory._report import ModuleRow, ProfileReport, downsample
 from remat.memory._step import AtBackward, Step, default_loss
-from remat.memory._tracker import local_nbytes, local_storages, track
+from remat.memory._storages import local_nbytes, local_storages
+from remat.memory._tracker import track
 
 OptimizerLike = None | str | torch.optim.Optimizer | Callable[..., torch.optim.Optimizer]
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
