@@ -12,7 +12,8 @@ needs them; False keeps them gathered until the unit's backward.
 
 So a mark that *passes* the option sets ``reshard_after_forward`` of every
 FSDP unit at or under the marked module, the first time the module runs
-forward after being marked. A mark that does not pass it leaves FSDP2's own
+forward under that mark (a mark set again with the same options is the same mark:
+NOTE [A mark set again is the same mark] in ``_front/marks.py``). A mark that does not pass it leaves FSDP2's own
 choice alone: FSDP2 already reshards every unit but the root after forward,
 which is what sharding is for (MindSpore's False would hold every gathered
 parameter of every recomputed cell from forward to backward, the full model
@@ -41,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,16 +53,19 @@ from remat._engine.state import is_recomputing
 from remat._front.marks import add_run_context
 from remat._vocab.spec import RegionSpec
 
-_APPLIED = "_remat_fsdp_applied"
+#: module -> the mark whose setting was applied to its units; kept outside the module's
+#: ``__dict__``, whose keys and identities a region's tree compares (NOTE [Snapshots reused
+#: while nothing changed] in ``_engine/tree.py``): a key set by the first call changed the tree
+_APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HOOKED = "_remat_fsdp_output_pass"
 
 
 def apply_to_units(module: torch.nn.Module, spec: RegionSpec) -> None:
     """Set ``reshard_after_forward`` of the FSDP2 units under ``module`` from its mark, once."""
     value = spec.parallel_optimizer_comm_recompute
-    if (value is None and not spec.output_recompute) or module.__dict__.get(_APPLIED) is spec:
+    if (value is None and not spec.output_recompute) or _APPLIED.get(module) is spec:
         return
-    module.__dict__[_APPLIED] = spec
+    _APPLIED[module] = spec
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is None:  # nothing was sharded in this process
         return
