@@ -1113,6 +1113,19 @@ def _add_pre_hook(module: nn.Module) -> None:
     module.register_forward_pre_hook(_halve_input)
 
 
+def _marked_again(module: nn.Module) -> None:
+    """Every mark in ``module``'s tree taken off and set again with the same options (a switch
+    turned off for evaluation and on again): the same marks (NOTE [A mark set again is the
+    same mark]), whose regions may run on the facts learned in the first step."""
+    from remat._front.marks import set_mark, unmark_module
+
+    for m in module.modules():
+        spec = remat.mark_of(m)
+        if spec is not None:
+            unmark_module(m)
+            set_mark(m, spec, api="fuzz")
+
+
 #: kind -> (which modules it can change, how): applied between the first step and the second
 CHANGES: dict[str, tuple[Callable[[nn.Module], bool], Callable[[nn.Module], None]]] = {
     "forward_hook": (_leaf, _add_forward_hook),
@@ -1122,6 +1135,7 @@ CHANGES: dict[str, tuple[Callable[[nn.Module], bool], Callable[[nn.Module], None
     "new_buffer": (_leaf, lambda m: m.register_buffer("_fuzz_extra", torch.ones(1))),
     "new_attribute": (_leaf, lambda m: setattr(m, "fuzz_note", 1.5)),
     "toggle_frozen": (_has_parameters, _toggle_frozen),
+    "marked_again": (lambda m: next(m.children(), None) is not None, _marked_again),
 }
 
 
