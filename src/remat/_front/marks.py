@@ -92,7 +92,18 @@ _MARKS_KEPT = 8  # marks a module remembers (NOTE [A mark set again is the same 
 
 def _mark_again(module: torch.nn.Module, spec: RegionSpec) -> tuple[RegionSpec, MarkedForward]:
     """``(spec, forward)`` to set: the ones set before with equal options and the same inner
-    forward, else new ones, remembered."""
+    forward, else new ones, remembered.
+
+    NOTE [A mark set again is the same mark]
+    A mark is remembered in the module's ``__dict__`` when it is set (the last
+    `_MARKS_KEPT`, by options, in one dictionary whose contents no tree compares): marked
+    again with equal options (a planner timing its options round after round, a switch
+    turned off for evaluation and on again), the module gets the same objects back, so its
+    tree is the one an earlier call saw and the facts learned then hold (NOTE [Trees seen
+    before] in ``tree.py``) instead of every region being watched once more. The dictionary
+    is made with the module's snapshot cache, before either key of the mark, so the module's
+    keys keep one order, marked or not.
+    """
     inner = module.__dict__.get("forward")
     kept = module.__dict__.get(_LAST_ATTR)
     if type(kept) is not dict:
@@ -108,16 +119,8 @@ def _mark_again(module: torch.nn.Module, spec: RegionSpec) -> tuple[RegionSpec, 
 
 
 def unmark_module(module: torch.nn.Module) -> bool:
-    """Remove the mark of ``module`` only (not of its children); return whether it had one.
-
-    NOTE [A mark set again is the same mark]
-    A mark is remembered in the module's ``__dict__`` when it is set (the last
-    `_MARKS_KEPT`, by options, in one dictionary whose contents no tree compares): marked
-    again with equal options (a planner timing its options round after round, a switch turned off for
-    evaluation and on again), the module gets the same objects back, so its tree is the one
-    an earlier call saw and the facts learned then hold (NOTE [Trees seen before] in
-    ``tree.py``) instead of every region being watched once more.
-    """
+    """Remove the mark of ``module`` only (not of its children); return whether it had one
+    (NOTE [A mark set again is the same mark]: `_mark_again`)."""
     spec = module.__dict__.pop(_SPEC_ATTR, None)
     if spec is None:
         return False

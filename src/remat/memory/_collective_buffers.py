@@ -37,9 +37,7 @@ and are not counted (nor by the allocator figure the tests compare with,
 which follows the step's thread). A fake process group (a fake run) hands no
 clone back: on fake tensors the reduce-scatter's buffer is released when the
 operator returns, which is when a real synchronous reduce-scatter (FSDP2's)
-releases it, as its call waits the work at once. The random-state snapshots a region keeps
-are made without an operator: the engine reports them
-(``remat._engine.state.note_allocation``) and they count while they live.
+releases it, as its call waits the work at once.
 """
 
 from __future__ import annotations

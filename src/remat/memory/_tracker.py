@@ -32,6 +32,8 @@ each resize, so gathered parameters count while they exist.
 
 Gloo's buffers inside collective operators: NOTE [Collective temporaries] in
 ``_collective_buffers.py``; the storages of an operator's operands: ``_storages.py``.
+The random-state snapshots a region keeps are made without an operator: the engine
+reports them (``remat._engine.state.note_allocation``) and they count while they live.
 """
 
 from __future__ import annotations
