@@ -133,7 +133,7 @@ def test_the_planners_rounds_watch_each_option_in_the_first_round_only(monkeypat
     x = torch.randint(0, 16, (2, 8))
     names = [name for name, _ in model.blocks.named_children()]
     uniform = {"keep": {}, "recompute": dict.fromkeys(names, "recompute"),
-               "output": dict.fromkeys(names, "output")}
+               "output": dict.fromkeys(names, "output"), "children:gelu": dict.fromkeys(names, "children:gelu")}
     entered = observed_calls(monkeypatch)
     counts = []
     for rounds in (2, 6):
@@ -142,6 +142,8 @@ def test_the_planners_rounds_watch_each_option_in_the_first_round_only(monkeypat
         interleaved_steps(copied, Step(inputs=(x,)), dict(copied.blocks.named_children()), uniform,
                           rounds=rounds)
         counts.append(len(entered))
-    # the first round watches each option's blocks, once (before: every block in every round,
-    # and the FSDP adapter's note set by an output mark's first call changed the block's tree)
-    assert counts == [2 * 2, 2 * 2]
+    # the first round watches each option's regions, once: two options of two blocks, one of
+    # two children (before: every region in every round; then, the FSDP adapter's note set
+    # by an output mark's first call, and a child's first mark, changed the blocks' trees
+    # after their first call, so the first timed round watched them again)
+    assert counts == [3 * 2, 3 * 2]

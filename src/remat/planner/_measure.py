@@ -138,13 +138,19 @@ def interleaved_steps(model: torch.nn.Module, step: Step, blocks: Mapping[str, t
     ``"optimizer"`` the seconds of the optimizer's step, timed after the unmarked one.
 
     Each round steps every option once, in a rotating order, so a busy spell of the machine
-    slows them alike. An option's figure is the unmarked step's median times the median over
+    slows them alike. Every option's marks are set and taken off once before the first round:
+    a module's first mark adds its remembered marks to it (NOTE [A mark set again is the same
+    mark]), which changed the tree of a block whose option had already run in the warm-up
+    round, so its first timed round was watched again (NOTE [Trees seen before]). An option's figure is the unmarked step's median times the median over
     rounds of its ratio to the unmarked step of the same round: the statistic a user's loop
     shows (a typical step, not the luckiest), with the machine's slow spells divided out."""
     opt = make_optimizer(optimizer, model, API)
     if opt is not None:
         prime_optimizer(opt)
     order = list(uniform)
+    for option in order:  # every mark set once first: the warm-up round sees the trees the rest do
+        for m in mark_choices(blocks, uniform[option]):
+            unmark_module(m)
     times: dict[str, list[float]] = {option: [] for option in order}
     optimizer_s: list[float] = []
     for r in range(rounds + 1):
