@@ -13,8 +13,8 @@ needs them; False keeps them gathered until the unit's backward.
 So a mark that *passes* the option sets ``reshard_after_forward`` of every
 FSDP unit at or under the marked module, the first time the module runs
 forward under that mark (a mark set again with the same options is the same mark:
-NOTE [A mark set again is the same mark] in ``_front/marks.py``). A mark that does not pass it leaves FSDP2's own
-choice alone: FSDP2 already reshards every unit but the root after forward,
+NOTE [A mark set again is the same mark] in ``_front/marks.py``). A mark that does
+not pass it leaves FSDP2's own choice alone: FSDP2 already reshards every unit but the root after forward,
 which is what sharding is for (MindSpore's False would hold every gathered
 parameter of every recomputed cell from forward to backward, the full model
 on every rank); remat does not override a decision the user made when

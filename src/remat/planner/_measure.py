@@ -141,9 +141,10 @@ def interleaved_steps(model: torch.nn.Module, step: Step, blocks: Mapping[str, t
     slows them alike. Every option's marks are set and taken off once before the first round:
     a module's first mark adds its remembered marks to it (NOTE [A mark set again is the same
     mark]), which changed the tree of a block whose option had already run in the warm-up
-    round, so its first timed round was watched again (NOTE [Trees seen before]). An option's figure is the unmarked step's median times the median over
-    rounds of its ratio to the unmarked step of the same round: the statistic a user's loop
-    shows (a typical step, not the luckiest), with the machine's slow spells divided out."""
+    round, so its first timed round was watched again (NOTE [Trees seen before]). An
+    option's figure is the unmarked step's median times the median over rounds of its ratio
+    to the unmarked step of the same round: the statistic a user's loop shows (a typical
+    step, not the luckiest), with the machine's slow spells divided out."""
     opt = make_optimizer(optimizer, model, API)
     if opt is not None:
         prime_optimizer(opt)
