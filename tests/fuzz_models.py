@@ -940,6 +940,9 @@ class Case:
     outer_hooks: bool = False
     #: every policy of the case's marks is one of `CUT_POLICIES` (drawn last)
     cut: str | None = None
+    #: a parameter frozen or unfrozen between the first step's forward and its backward, its
+    #: flag put back after it (NOTE [Parameters frozen before backward]; drawn after `cut`)
+    freeze_before_backward: str | None = None
 
     @property
     def reentrant(self) -> bool:
@@ -953,7 +956,8 @@ class Case:
                   f"compiled={self.compiled}" + (f" change={self.change}" if self.change else "")
                   + (f" edit={self.edit_before_backward}" if self.edit_before_backward else "")
                   + (" outer_hooks" if self.outer_hooks else "")
-                  + (f" cut={self.cut}" if self.cut else ""))]
+                  + (f" cut={self.cut}" if self.cut else "")
+                  + (f" freeze={self.freeze_before_backward}" if self.freeze_before_backward else ""))]
         for i, stage in enumerate(self.desc["stages"]):
             for j, b in enumerate(stage):
                 lines.append(f"  stages.{i}.blocks.{j}: {b['kind']} {b['p']} wire={b['wire']}")
@@ -1064,6 +1068,10 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
             m = mark.get("mark", mark)
             if m["kind"] in ("cell", "module", "blocks", "name") and not m["opts"].get("use_reentrant"):
                 m["opts"]["policy"] = case.cut
+    if not compiled and r.random() < 0.1:  # drawn after it: the cases before keep theirs
+        params = sorted(n for n, _ in build(desc).named_parameters())
+        if params:
+            case.freeze_before_backward = r.choice(params)
     return case
 
 
@@ -1347,11 +1355,19 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
                 with torch.no_grad():
                     side.model.get_parameter(case.edit_before_backward).mul_(0.5)
                 side.edited = True
-            if loss.requires_grad:
-                loss.backward(retain_graph=retain)
-                if retain:
-                    found += [(n + " (first backward)", g) for n, g in side.grads()]
-                    loss.backward()
+            frozen = (side.model.get_parameter(case.freeze_before_backward)
+                      if case.freeze_before_backward and phase == 1 else None)
+            if frozen is not None:  # NOTE [Parameters frozen before backward]
+                frozen.requires_grad_(not frozen.requires_grad)
+            try:
+                if loss.requires_grad:
+                    loss.backward(retain_graph=retain)
+                    if retain:
+                        found += [(n + " (first backward)", g) for n, g in side.grads()]
+                        loss.backward()
+            finally:
+                if frozen is not None:
+                    frozen.requires_grad_(not frozen.requires_grad)
             return found + side.grads() + side.hooks()
         return step
 

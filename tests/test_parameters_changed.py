@@ -113,6 +113,30 @@ def test_parameters_changed_after_backward_train_as_unmarked(front, mode):
     assert_bitwise_equal(train(_model()), train(_marked(front, mode)))
 
 
+@pytest.mark.parametrize(("front", "mode"), FRONTS)
+@pytest.mark.parametrize("frozen_in_forward", [False, True], ids=["frozen-after", "unfrozen-after"])
+def test_parameter_frozen_or_unfrozen_before_backward_trains_as_unmarked(front, mode, frozen_in_forward):
+    """NOTE [Parameters frozen before backward]: a parameter's ``requires_grad`` flipped
+    between the forward and the backward (a discriminator frozen right after its forward).
+    Unmarked, the graph the forward built decides, and ``AccumulateGrad`` drops the gradient of
+    a parameter frozen since; before, the re-run read the new flag: refused as a re-run that
+    differs (saved-tensor hooks) or torch's raw error (reentrant). Now bitwise as unmarked:
+    every gradient, ``None`` where unmarked has none."""
+    def grads(model: nn.Module) -> list:
+        x = torch.randn(3, 6, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        weight = _edit(model)
+        weight.requires_grad_(not frozen_in_forward)
+        loss = model(x).sum()
+        weight.requires_grad_(frozen_in_forward)
+        loss.backward()
+        assert weight.requires_grad is frozen_in_forward  # the caller's flag, after the re-run
+        return [p.grad for p in model.parameters()] + [x.grad]
+
+    base = grads(_model())
+    assert base[2] is None  # frozen in the forward or since: unmarked, no gradient either way
+    assert_bitwise_equal(base, grads(_marked(front, mode)))
+
+
 def test_a_wrapper_that_refills_parameters_turns_the_comparison_off(monkeypatch):
     """While an adapter says a wrapper refills parameters in place (FSDP2 gathers into the
     same parameters for backward: a version that moves with the same values), versions are

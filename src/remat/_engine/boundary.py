@@ -57,6 +57,19 @@ So when the forward returns, the versions of the region's parameters are kept (o
 with a ``RecomputeError`` before it runs. While an adapter says a wrapper refills
 parameters in place (`add_refill_check`: FSDP2 gathers into the same parameters for
 backward, a write that is not the user's), versions are not compared, as before.
+
+NOTE [Parameters frozen before backward]
+A parameter frozen or unfrozen between a region's forward and its backward (a GAN's
+discriminator frozen right after its forward, a layer unfrozen mid-step) leaves the forward's
+graph as it was: unmarked, the gradient is computed along it and ``AccumulateGrad`` drops
+it when the parameter no longer requires grad (and a parameter unfrozen after the forward
+has no edge in that graph at all). A re-run that read the new flag built another graph:
+autograd saved other tensors (refused as a re-run that differs, where torch's checkpoint
+refuses too), and the reentrant implementation differentiated a parameter that no longer
+requires grad (torch's own error). So `settle` keeps each parameter's ``requires_grad``, a
+re-run sets the forward's flags on the leaves whose flag moved and puts the caller's back
+when it ends (`_Restored`), and the reentrant backward differentiates only what requires
+grad now (``reentrant_backward._grad``): the gradients are the unmarked model's.
 """
 
 from __future__ import annotations
@@ -157,6 +170,7 @@ def _registry_name(module: torch.nn.Module, registry: dict) -> str:
 
 _ABSENT = object()
 _VERSION = operator.attrgetter("_version")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 #: adapters' checks that a wrapper refills parameters in place (NOTE [Parameters changed
 #: before backward]); each returns True while it does
@@ -201,7 +215,7 @@ class ModuleState:
     """
 
     __slots__ = ("_entries", "copies", "foreign", "forward_params", "keys", "made", "name", "overwritten",
-                 "param_versions", "root", "seen", "sources", "tree", "versioned")
+                 "param_flags", "param_versions", "root", "seen", "sources", "tree", "versioned")
 
     def __init__(self, name: str, roots: list[torch.nn.Module]) -> None:
         self.name, self.root = name, roots[0] if roots else None
@@ -216,6 +230,7 @@ class ModuleState:
         self.copies: list[dict] = []  # and their copies, in the same order
         self.forward_params: list | None = None  # the parameters when the forward returned
         self.param_versions: list = []  # and their versions (NOTE [Parameters changed before backward])
+        self.param_flags: list = []  # and whether each required grad (NOTE [Parameters frozen before backward])
         self.foreign: list = []  # NOTE [Tensors read from outside the module]
         for root in roots:
             self.add(root)
@@ -342,6 +357,7 @@ class ModuleState:
             self.overwritten = [t for _, t in self._changed() if id(t) not in replayed]
             self._refresh()
         self.forward_params = self.parameters()
+        self.param_flags = list(map(_REQUIRES_GRAD, self.forward_params))  # NOTE [Parameters frozen before backward]
         if not _refilling():  # NOTE [Parameters changed before backward]
             self.param_versions = list(map(_VERSION, self.forward_params))
             if outside:
@@ -413,10 +429,10 @@ class _Restored:
     """`ModuleState.restored`: a class, not a generator (every re-run enters one); where
     nothing was rebound and nothing overwritten, it checks and puts back nothing more."""
 
-    __slots__ = ("kept", "orders", "state", "undo")
+    __slots__ = ("flipped", "kept", "orders", "state", "undo")
 
     def __init__(self, state: ModuleState) -> None:
-        self.state, self.undo, self.kept, self.orders = state, [], [], []
+        self.state, self.undo, self.kept, self.orders, self.flipped = state, [], [], [], []
 
     def __enter__(self) -> None:
         state = self.state
@@ -433,9 +449,17 @@ class _Restored:
         if state.overwritten:
             with engine_copies():
                 self.kept = [(t, t.detach().clone()) for t in state.overwritten if t.untyped_storage().nbytes()]
+        flags = state.param_flags  # NOTE [Parameters frozen before backward]
+        if flags and list(map(_REQUIRES_GRAD, state.forward_params)) != flags:  # in C
+            self.flipped = [p for p, flag in zip(state.forward_params, flags, strict=True)
+                            if p.requires_grad != flag and p.is_leaf]
+            for p in self.flipped:
+                p.requires_grad_(not p.requires_grad)
 
     def __exit__(self, *exc_info: object) -> None:
         state, undo = self.state, self.undo
+        for p in self.flipped:  # as the caller left them
+            p.requires_grad_(not p.requires_grad)
         for entry in () if not undo and state.unchanged() else state.entries:  # what the re-run rebound itself
             for where, key, _ in entry.rebound():
                 if not any(w is where and k == key for w, k, _ in undo):

@@ -34,6 +34,7 @@ from remat._engine.observe import (
 
 _GRAD_FN = operator.attrgetter("grad_fn")
 _BACKWARD_HOOKS = operator.attrgetter("_backward_hooks")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class Boundary(torch.autograd.Function):
@@ -133,6 +134,8 @@ def _lean_now(frame: Any) -> bool:
         return False
     if any(map(_GRAD_FN, frame.params)) or any(map(_BACKWARD_HOOKS, frame.params)):  # in C
         return False
+    if not all(map(_REQUIRES_GRAD, frame.params)):  # NOTE [Parameters frozen before backward]
+        return False
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
@@ -229,8 +232,7 @@ def _differentiate_once(frame: Any, tensors: tuple, grads: tuple, accumulate: bo
                     stack.enter_context(_hooks_off(hooked))
                 everything = wrt + outside
                 found = (_accumulated(outs, everything, out_grads, create_graph) if accumulate else
-                         list(torch.autograd.grad(outs, everything, out_grads, allow_unused=True,
-                                                  create_graph=create_graph)))
+                         _grad(outs, everything, out_grads, create_graph))
         finally:
             stop[0] = False
         if frame.watched:
@@ -248,6 +250,21 @@ def _differentiate_once(frame: Any, tensors: tuple, grads: tuple, accumulate: bo
     input_grads = [None if w is None else found.pop() for w in wrts]
     extra = _per_use.per_input(frame, input_grads, sent)
     return (None, None, *input_grads, *reversed(found), *bases, *extra)
+
+
+def _grad(outs: list, wrt: list, out_grads: list, create_graph: bool) -> list:
+    """``torch.autograd.grad`` of ``outs`` by ``wrt``; a leaf frozen since the forward is
+    differentiated as the forward's graph would be (NOTE [Parameters frozen before backward] in
+    ``boundary.py``): its gradient goes on through the Function to its hooks, and its
+    ``AccumulateGrad`` drops it, as without the mark."""
+    frozen = [t for t in wrt if not t.requires_grad and t.is_leaf]
+    for t in frozen:
+        t.requires_grad_(True)
+    try:
+        return list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True, create_graph=create_graph))
+    finally:
+        for t in frozen:
+            t.requires_grad_(False)
 
 
 def _refuse_unforeseen(frame: Any, unread: list, grads: list) -> None:
