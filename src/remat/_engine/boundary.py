@@ -54,7 +54,10 @@ read. Unmarked, autograd refuses the backward of an operator that saved it ("mod
 by an inplace operation"); a re-run would read the new value and train silently wrong.
 So when the forward returns, the versions of the region's parameters are kept (one list,
 `ModuleState.settle`), and a re-run whose parameter's version moved since is refused
-with a ``RecomputeError`` before it runs. While an adapter says a wrapper refills
+with a ``RecomputeError`` before it runs. A re-run's own writes (the forward's, replayed:
+NOTE [Observed writes]; an embedding's ``max_norm`` renormalizes its weight in forward)
+move the versions too, so they are read again when a re-run ends: ``output_recompute``'s
+output pass is followed by another re-run of the same region. While an adapter says a wrapper refills
 parameters in place (`add_refill_check`: FSDP2 gathers into the same parameters for
 backward, a write that is not the user's), versions are not compared, as before.
 
@@ -473,3 +476,7 @@ class _Restored:
                 for t, value in self.kept:
                     t.data.copy_(value)  # no version bump, as replayed state (NOTE [Observed writes])
         state._refresh()
+        if state.param_versions:  # the re-run's own replayed writes moved them: the forward's values
+            now = list(map(_VERSION, state.forward_params))
+            if now != state.param_versions:
+                state.param_versions = now
