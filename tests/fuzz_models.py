@@ -417,6 +417,22 @@ class Stateful(Block):
         return self.out(h)
 
 
+class ParamWrite(Block):
+    """A forward that writes its own parameter through a detached alias, as an embedding's
+    ``max_norm`` renormalizes its weight (NOTE [Observed writes]): written once per forward,
+    never again by a re-run, in every mode."""
+
+    kind = "param_write"
+
+    def __init__(self, p: dict) -> None:
+        super().__init__()
+        self.fc, self.scale = nn.Linear(D, D), p["scale"]
+
+    def forward(self, x):
+        self.fc.weight.detach().mul_(self.scale)
+        return torch.tanh(self.fc(x))
+
+
 class SideLoss(Block):
     """A loss that leaves the block by a side channel: an attribute, or a child's forward hook
     (a router's load-balancing loss); the stage adds it to the output (issue 25)."""
@@ -554,6 +570,7 @@ BLOCKS: dict[str, BlockKind] = {
     "inner_grad": BlockKind(InnerGrad, 0.3),
     "moe": BlockKind(Moe, 0.4),
     "lora": BlockKind(Lora, 0.4),
+    "param_write": BlockKind(ParamWrite, 0.3, lambda r: {"scale": r.choice((0.999, 1.001))}),
 }
 if _has_transformers():
     BLOCKS["hf_layer"] = BlockKind(HFLayer, 0.4, lambda r: {"cache": r.random() < 0.5})

@@ -54,10 +54,8 @@ read. Unmarked, autograd refuses the backward of an operator that saved it ("mod
 by an inplace operation"); a re-run would read the new value and train silently wrong.
 So when the forward returns, the versions of the region's parameters are kept (one list,
 `ModuleState.settle`), and a re-run whose parameter's version moved since is refused
-with a ``RecomputeError`` before it runs. A re-run's own writes (the forward's, replayed:
-NOTE [Observed writes]; an embedding's ``max_norm`` renormalizes its weight in forward)
-move the versions too, so they are read again when a re-run ends: ``output_recompute``'s
-output pass is followed by another re-run of the same region. While an adapter says a wrapper refills
+with a ``RecomputeError`` before it runs; a version moved by re-runs alone is not a change
+(NOTE [Versions a re-run moved] in ``replayed.py``). While an adapter says a wrapper refills
 parameters in place (`add_refill_check`: FSDP2 gathers into the same parameters for
 backward, a write that is not the user's), versions are not compared, as before.
 
@@ -87,6 +85,7 @@ from typing import Any
 
 import torch
 
+from remat._engine import replayed as _replayed
 from remat._engine.errors import RecomputeError
 from remat._engine.observe import engine_copies
 from remat._engine.tree import _DEREF, _STRIDE, _dicts, _Known, _tree  # noqa: F401 (tests patch them here)
@@ -383,7 +382,7 @@ class ModuleState:
         """Refuse a re-run whose module tensors changed in place since the forward read them."""
         if self.param_versions and list(map(_VERSION, self.forward_params)) != self.param_versions:  # in C
             for param, version in zip(self.forward_params, self.param_versions):
-                if param._version != version:
+                if param._version != version and not _replayed.reached(param, version):  # NOTE [Versions a re-run moved]
                     self._refuse_changed_parameter(param, version)
         for ref, shape, version in self.foreign:
             if (t := ref()) is not None and t._version != version:
@@ -432,10 +431,11 @@ class _Restored:
     """`ModuleState.restored`: a class, not a generator (every re-run enters one); where
     nothing was rebound and nothing overwritten, it checks and puts back nothing more."""
 
-    __slots__ = ("flipped", "kept", "orders", "state", "undo")
+    __slots__ = ("flipped", "kept", "orders", "state", "undo", "versions")
 
     def __init__(self, state: ModuleState) -> None:
         self.state, self.undo, self.kept, self.orders, self.flipped = state, [], [], [], []
+        self.versions = list(map(_VERSION, state.forward_params)) if state.param_versions else None
 
     def __enter__(self) -> None:
         state = self.state
@@ -476,7 +476,7 @@ class _Restored:
                 for t, value in self.kept:
                     t.data.copy_(value)  # no version bump, as replayed state (NOTE [Observed writes])
         state._refresh()
-        if state.param_versions:  # the re-run's own replayed writes moved them: the forward's values
+        if self.versions is not None:  # NOTE [Versions a re-run moved] (replayed.py)
             now = list(map(_VERSION, state.forward_params))
-            if now != state.param_versions:
-                state.param_versions = now
+            if now != self.versions:
+                _replayed.note(state.forward_params, self.versions, now)
