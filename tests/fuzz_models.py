@@ -427,10 +427,18 @@ class ParamWrite(Block):
     def __init__(self, p: dict) -> None:
         super().__init__()
         self.fc, self.scale = nn.Linear(D, D), p["scale"]
+        self.writes = 0  # forwards outside recomputation: a judged error comes after them
 
     def forward(self, x):
         self.fc.weight.detach().mul_(self.scale)
+        if not remat.is_recomputing():
+            self.writes += 1
         return torch.tanh(self.fc(x))
+
+
+def _own_writes(model: nn.Module) -> dict[str, tuple[ParamWrite, int]]:
+    """The `ParamWrite` blocks and their writes so far (what a step's own forward changes)."""
+    return {n: (m, m.writes) for n, m in model.named_modules() if isinstance(m, ParamWrite)}
 
 
 class SideLoss(Block):
@@ -1542,6 +1550,7 @@ def _run_case(case: Case) -> Result:
                    for _, t in expected):  # diverged (a NaN is never equal to itself)
                 return Result(case.seed, "invalid", f"{phase}: the unmarked model's results are not finite")
             snap = _snapshot(marked)
+            writes = _own_writes(marked.model)
             failure = None
             try:
                 got = step(marked)
@@ -1550,6 +1559,11 @@ def _run_case(case: Case) -> Result:
             if failure is not None and phase == "step 1" and getattr(marked, "edited", False):  # its own change
                 names = [n for n, _ in marked.state()]
                 snap[names.index("param " + case.edit_before_backward)].mul_(0.5)
+            if failure is not None:  # what the forwards wrote themselves, as unmarked
+                names = [n for n, _ in marked.state()]
+                for name, (block, before) in writes.items():
+                    for _ in range(block.writes - before):
+                        snap[names.index(f"param {name}.fc.weight")].mul_(block.scale)
             if failure is not None:  # judged once the error (and the frames it holds) is gone
                 where, name, first = failure
                 if where is None:
