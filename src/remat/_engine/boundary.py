@@ -378,9 +378,12 @@ class ModuleState:
         return [(entry.module, name, t) for entry in self.versioned for name, t, version in entry.versions
                 if t._version != version]
 
-    def check_versions(self, replayed: list) -> None:
-        """Refuse a re-run whose module tensors changed in place since the forward read them."""
-        if self.param_versions and list(map(_VERSION, self.forward_params)) != self.param_versions:  # in C
+    def check_versions(self, replayed: list) -> list | None:
+        """Refuse a re-run whose module tensors changed in place since the forward read them;
+        return the parameters' versions now (None: not compared)."""
+        if not self.param_versions:
+            now = None
+        elif (now := list(map(_VERSION, self.forward_params))) != self.param_versions:  # in C
             for param, version in zip(self.forward_params, self.param_versions):
                 if param._version != version and not _replayed.reached(param, version):  # NOTE [Versions a re-run moved]
                     self._refuse_changed_parameter(param, version)
@@ -395,7 +398,7 @@ class ModuleState:
                     f"place, or pass it to the region as an argument"
                 )
         if not self.versioned:
-            return
+            return now
         restored = {id(t) for t, _ in replayed} | {id(t) for t in self.overwritten}
         for entry in self.versioned:
             for name, t, version in entry.versions:
@@ -408,6 +411,7 @@ class ModuleState:
                         f"gradients would be wrong; change it out of place (rebind the attribute: "
                         f"the re-run reads the tensor the forward read), or after backward"
                     )
+        return now
 
     def _refuse_changed_parameter(self, param: torch.Tensor, version: int) -> None:
         name = next((f"{type(e.module).__name__}.{k}" for e in self.entries
@@ -423,8 +427,7 @@ class ModuleState:
 
     def restored(self, replayed: list) -> _Restored:
         """Run a re-run against the attributes the forward found; put back what is there now."""
-        self.check_versions(replayed)
-        return _Restored(self)
+        return _Restored(self, self.check_versions(replayed))
 
 
 class _Restored:
@@ -433,9 +436,9 @@ class _Restored:
 
     __slots__ = ("flipped", "kept", "orders", "state", "undo", "versions")
 
-    def __init__(self, state: ModuleState) -> None:
+    def __init__(self, state: ModuleState, versions: list | None) -> None:
         self.state, self.undo, self.kept, self.orders, self.flipped = state, [], [], [], []
-        self.versions = list(map(_VERSION, state.forward_params)) if state.param_versions else None
+        self.versions = versions  # the parameters' when the re-run begins (NOTE [Versions a re-run moved])
 
     def __enter__(self) -> None:
         state = self.state
