@@ -431,7 +431,7 @@ class ParamWrite(Block):
 
     def forward(self, x):
         self.fc.weight.detach().mul_(self.scale)
-        if not remat.is_recomputing():
+        if not remat.is_recomputing() and isinstance(self.fc.weight, nn.Parameter):  # not a fast weight
             self.writes += 1
         return torch.tanh(self.fc(x))
 
@@ -968,6 +968,9 @@ class Case:
     #: a parameter frozen or unfrozen between the first step's forward and its backward, its
     #: flag put back after it (NOTE [Parameters frozen before backward]; drawn after `cut`)
     freeze_before_backward: str | None = None
+    #: a step on weights computed from the parameters, through ``torch.func.functional_call``
+    #: (meta-learning's fast weights: every weight a region reads has a history; drawn last)
+    fast_weights: bool = False
 
     @property
     def reentrant(self) -> bool:
@@ -982,7 +985,8 @@ class Case:
                   + (f" edit={self.edit_before_backward}" if self.edit_before_backward else "")
                   + (" outer_hooks" if self.outer_hooks else "")
                   + (f" cut={self.cut}" if self.cut else "")
-                  + (f" freeze={self.freeze_before_backward}" if self.freeze_before_backward else ""))]
+                  + (f" freeze={self.freeze_before_backward}" if self.freeze_before_backward else "")
+                  + (" fast_weights" if self.fast_weights else ""))]
         for i, stage in enumerate(self.desc["stages"]):
             for j, b in enumerate(stage):
                 lines.append(f"  stages.{i}.blocks.{j}: {b['kind']} {b['p']} wire={b['wire']}")
@@ -1097,6 +1101,9 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
         params = sorted(n for n, _ in build(desc).named_parameters())
         if params:
             case.freeze_before_backward = r.choice(params)
+    # drawn after it: the cases before keep theirs; not with a module registered under two
+    # names, which torch's functional_call leaves holding the fast weights (torch 2.13)
+    case.fast_weights = r.random() < 0.1 and not compiled and not desc["tie"]
     return case
 
 
@@ -1435,6 +1442,18 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
         found = torch.func.grad(loss_of)(params)
         return [("torch.func.grad " + n, g) for n, g in found.items()]
 
+    def fast_weights(side: _Side):
+        """A step on weights one function away from the parameters (fast weights)."""
+        side.model.zero_grad(set_to_none=True)
+        side.x.grad = None
+        fast = {n: p * 1.5 + 0.01 if p.requires_grad else p for n, p in side.model.named_parameters()}
+        torch.manual_seed(side.case.seed * 7 + 6)
+        out, first = torch.func.functional_call(side.model, fast, (side.x,))
+        loss = out.square().mean() + 0.1 * first.mean()
+        if loss.requires_grad:
+            loss.backward()
+        return [("fast-weights loss", loss)] + side.grads() + side.hooks()
+
     def change(side: _Side):
         """The model changed alike on both sides between two steps (`CHANGES`)."""
         CHANGES[case.change["kind"]][1](side.model.get_submodule(case.change["path"]))
@@ -1450,6 +1469,8 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
         phases.append(("gradient penalty", penalty))
     if case.func_check and not case.compiled:
         phases.append(("torch.func.grad", func_grad))
+    if case.fast_weights:
+        phases.append(("fast weights", fast_weights))
     return phases
 
 

@@ -241,11 +241,15 @@ def _differentiate_once(frame: Any, tensors: tuple, grads: tuple, accumulate: bo
             _refuse_unforeseen(frame, outside, found[len(wrt):])
         found = found[:len(wrt)]
     _wait_issued(replay)
-    for p in reversed(nonleaf):  # the alias's gradient goes to the tensor it stands for
-        g = found.pop()
-        k = len(found) - len(frame.params) + next(j for j, q in enumerate(frame.params) if q is p)
-        if g is not None:
-            found[k] = g if found[k] is None else found[k] + g
+    if nonleaf:  # each alias's gradient goes to the tensor it stands for
+        alias_grads = found[len(found) - len(nonleaf):]
+        del found[len(found) - len(nonleaf):]
+        first = len(found) - len(frame.params)  # where the parameters' gradients begin
+        at = {id(q): j for j, q in enumerate(frame.params)}
+        for p, g in zip(nonleaf, alias_grads, strict=True):
+            if g is not None:
+                k = first + at[id(p)]
+                found[k] = g if found[k] is None else found[k] + g
     found.reverse()
     input_grads = [None if w is None else found.pop() for w in wrts]
     extra = _per_use.per_input(frame, input_grads, sent)
