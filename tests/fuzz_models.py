@@ -257,6 +257,8 @@ class TupleOut(Block):
         self.pack = p.get("pack", "tuple")
 
     def forward(self, x):
+        if self.p_pass == "view":  # a view of the input: NOTE [Views of an argument changed after the region]
+            return PACKS[self.pack][0](self.fc(x), x.view_as(x))
         return PACKS[self.pack][0](self.fc(x), (x if self.p_pass else torch.sin(x)))
 
 
@@ -562,7 +564,7 @@ BLOCKS: dict[str, BlockKind] = {
     "grad_hook": BlockKind(GradHook, 0.3, lambda r: {"retain": r.random() < 0.3}),
     "concat": BlockKind(Concat, 0.7),
     "tuple_out": BlockKind(TupleOut, 0.8, lambda r: {"combine": r.choice(("add", "mul", "first", "relu_second")),
-                                                     "pass": r.random() < 0.4,
+                                                     "pass": r.choice((False, False, False, True, "view")),
                                                      "pack": r.choice(("tuple", "tuple", "dataclass", "dict"))}),
     "keywords": BlockKind(Keywords, 0.8, lambda r: {
         "scale": r.choice((0.5, 2.0)), "mode": r.choice(("plain", "tanh")), "gate": r.random() < 0.5}),

@@ -264,13 +264,14 @@ class Reentrant(torch.autograd.Function):
         out, frame.pending = frame.pending, None
         if frame.lean:  # NOTE [Lean reentrant calls] (lean.py): one plain tensor, nothing written
             ctx.save_for_backward(*tensors[:n_inputs])
-            ctx.views = ()
+            ctx.views = ctx.argument_views = ()
             return out
         outs = (out if isinstance(out, tuple) else (out,))
         ctx.save_for_backward(*_without_history(frame, _returned_copied(frame, tensors[:n_inputs])))
         views = [(i, o.stride()) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o._is_view()]
         outs = tuple(_not_a_view(o) for o in outs)
         ctx.views = [(i, stride, outs[i].detach(), outs[i]._version) for i, stride in views]
+        ctx.argument_views = _argument_views(frame, ctx.views, tensors[:n_inputs])
         if frame.targets:
             ctx.mark_dirty(*frame.targets)
             return (*outs, *frame.targets)
@@ -286,6 +287,16 @@ class Reentrant(torch.autograd.Function):
                 f"region let go of its module after its first backward (NOTE [Tensors that escape a "
                 f"reentrant region]); use use_reentrant=False for a second backward"
             )
+        for i, alias, version in ctx.argument_views:  # NOTE [Views of an argument changed after the region]
+            if alias._version != version:
+                raise RecomputeError(
+                    f"remat: region '{frame.name}' (use_reentrant=True) returned a view of its "
+                    f"argument as output {i}, and that memory was changed in place after the region "
+                    f"(through the output, the argument or another view of it); the reentrant "
+                    f"implementation hands the view out as an output of its own Function, so the "
+                    f"change is missing from the argument's history and the gradients would be "
+                    f"wrong; clone that output before changing it, or use use_reentrant=False"
+                )
         try:
             tensors = ctx.saved_tensors
         except RuntimeError as err:
@@ -314,6 +325,27 @@ class Reentrant(torch.autograd.Function):
             else:
                 frame.finish()
         return found
+
+
+def _argument_views(frame: ReentrantFrame, views: list, inputs: tuple) -> list:
+    """``(output index, alias, version)`` of the outputs that are views of an argument.
+
+    NOTE [Views of an argument changed after the region]
+    A region may return a view of its argument (a block that transposes its input and passes
+    it through beside its result). Unmarked, that output is a view of the argument: a change
+    in place through it, or through the argument, rewrites the argument's history, and every
+    later reader of the argument back-propagates through the change. A reentrant region hands
+    it out as an output of its Function, a detached alias of the same memory: the change
+    reaches the argument's values but not its history, and the argument's later readers sent
+    gradients that missed it (a shared-fuzzer case: a convolution's weight gradient off by
+    181%, silently). Such an output's version is kept, and a backward that finds it moved is
+    refused with a ``RecomputeError`` before the region is re-run. An output that is the
+    argument itself is handed out as the argument (NOTE [Arguments returned as outputs]).
+    """
+    if not views:
+        return []
+    kept = {storage_of(x) for j, x in enumerate(inputs) if j not in frame.written} - {None}
+    return [(i, alias, version) for i, _, alias, version in views if storage_of(alias) in kept]
 
 
 def _returned_copied(frame: ReentrantFrame, inputs: tuple) -> tuple:
