@@ -360,7 +360,9 @@ def _returned_copied(frame: ReentrantFrame, inputs: tuple) -> tuple:
     the caller as the argument, outside the Function: its gradient goes straight to
     the argument and a change in place rewrites the argument's history, as without
     the mark (returned from the Function it would be a view autograd forbids changing
-    in place, or an alias whose change the argument's other readers never see).
+    in place, or an alias whose change the argument's other readers never see). A view
+    of the argument is such an alias: changed after a reentrant region, it is refused
+    (NOTE [Views of an argument changed after the region]).
     """
     frame.copied = {}
     keys = frame.returned
