@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import remat
+from tests._harness import assert_bitwise_equal
 
 
 class Counter(nn.Module):
@@ -94,6 +95,25 @@ _WRITE_MODES = {"plain": {}, "reentrant": {"use_reentrant": True}, "output": {"o
                 "policy": {"policy": remat.save_compute_intensive}}
 
 
+def _train_renormed(model: nn.Module, steps: int) -> list:
+    """``steps`` SGD steps on token ids: every gradient, then the parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    found = []
+    for step in range(steps):
+        ids = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(step))
+        model(ids).square().mean().backward()
+        found += [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return found + [p.detach().clone() for p in model.parameters()]
+
+
+def _renormed_pair() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    plain = nn.Sequential(_Renormed(), nn.Linear(6, 2))
+    return plain, copy.deepcopy(plain)
+
+
 @pytest.mark.parametrize("mode", sorted(_WRITE_MODES))
 def test_parameters_written_through_detached_aliases_are_written_once(mode):
     """NOTE [Observed writes]: the write is replayed, never run twice, and a re-run's own
@@ -101,25 +121,9 @@ def test_parameters_written_through_detached_aliases_are_written_once(mode):
     before backward]): before, ``output_recompute``'s output pass moved the parameters'
     versions and the next re-run was refused. Three steps bitwise equal to unmarked:
     gradients and parameters."""
-    def train(model: nn.Module) -> list:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        found = []
-        for step in range(3):
-            ids = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(step))
-            model(ids).square().mean().backward()
-            found += [p.grad.clone() for p in model.parameters()]
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return found + [p.detach().clone() for p in model.parameters()]
-
-    torch.manual_seed(0)
-    plain = nn.Sequential(_Renormed(), nn.Linear(6, 2))
-    marked = copy.deepcopy(plain)
+    plain, marked = _renormed_pair()
     remat.recompute_module(marked[0], **_WRITE_MODES[mode])
-    expected, got = train(plain), train(marked)
-    assert len(expected) == len(got)
-    for a, b in zip(expected, got, strict=True):
-        assert torch.equal(a, b)
+    assert_bitwise_equal(_train_renormed(plain, 3), _train_renormed(marked, 3))
 
 
 @pytest.mark.parametrize("inner", sorted(_WRITE_MODES))
@@ -128,22 +132,7 @@ def test_a_parameter_written_in_forward_inside_nested_regions_is_not_refused(out
     """NOTE [Versions a re-run moved]: the outer region's re-run replays the write of the
     parameter the inner region reads; the inner region's re-run took the moved version for
     the user's change and was refused in every pair of modes. Now bitwise as unmarked."""
-
-    def train(model: nn.Module) -> list:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        found = []
-        for step in range(2):
-            ids = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(step))
-            model(ids).square().mean().backward()
-            found += [p.grad.clone() for p in model.parameters()]
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return found + [p.detach().clone() for p in model.parameters()]
-
-    torch.manual_seed(0)
-    plain = nn.Sequential(_Renormed(), nn.Linear(6, 2))
-    marked = copy.deepcopy(plain)
+    plain, marked = _renormed_pair()
     remat.recompute_module(marked[0].fc, **_WRITE_MODES[inner])
     remat.recompute_module(marked[0], **_WRITE_MODES[outer])
-    for a, b in zip(train(plain), train(marked), strict=True):
-        assert torch.equal(a, b)
+    assert_bitwise_equal(_train_renormed(plain, 2), _train_renormed(marked, 2))
