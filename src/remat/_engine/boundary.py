@@ -69,8 +69,9 @@ autograd saved other tensors (refused as a re-run that differs, where torch's ch
 refuses too), and the reentrant implementation differentiated a parameter that no longer
 requires grad (torch's own error). So `settle` keeps each parameter's ``requires_grad``, a
 re-run sets the forward's flags on the leaves whose flag moved and puts the caller's back
-when it ends (`_Restored`), and the reentrant backward differentiates only what requires
-grad now (``reentrant_backward._grad``): the gradients are the unmarked model's.
+when it ends (`_Restored`), and the reentrant backward differentiates a leaf frozen since as
+the forward's graph would (``reentrant_backward._grad``), so its hooks see the gradient and its
+``AccumulateGrad`` drops it: gradients and hook calls are the unmarked model's.
 """
 
 from __future__ import annotations
