@@ -432,14 +432,15 @@ class ParamWrite(Block):
         self.writes = 0  # forwards outside recomputation: a judged error comes after them
 
     def forward(self, x):
-        self.fc.weight.detach().mul_(self.scale)
-        if not remat.is_recomputing() and isinstance(self.fc.weight, nn.Parameter):  # not a fast weight
-            self.writes += 1
+        if isinstance(self.fc.weight, nn.Parameter):  # not under functional_call or torch.func
+            self.fc.weight.detach().mul_(self.scale)
+            if not remat.is_recomputing():
+                self.writes += 1
         return torch.tanh(self.fc(x))
 
 
 def _own_writes(model: nn.Module) -> dict[str, tuple[ParamWrite, int]]:
-    """The `ParamWrite` blocks and their writes so far (what a step's own forward changes)."""
+    """The `ParamWrite` blocks and their writes so far (what a step's own forwards change)."""
     return {n: (m, m.writes) for n, m in model.named_modules() if isinstance(m, ParamWrite)}
 
 
