@@ -712,7 +712,29 @@ def build(desc: dict) -> FuzzNet:
         model.get_submodule(path).register_forward_pre_hook(_halve_input)
     for path in desc.get("forward_hooks", []):  # rewrites the block's output
         model.get_submodule(path).register_forward_hook(_scale_output)
+    if desc.get("outside"):  # drawn last (`make_case`): its parameter comes after the others
+        model.outside_weight = nn.Parameter(torch.randn(D))
+        model.outside_box = _OutsideBox(model.outside_weight)
+        reader = model.get_submodule(desc["outside"])
+        reader.__class__, reader.box = _OutsideLinear, model.outside_box
     return model
+
+
+class _OutsideBox:
+    """A tensor reached through a plain object, not a module's state, read (`_OutsideLinear`)
+    only once ``on`` (a Python flag no module holds) is switched on between the steps: no
+    module, argument or hook that remat compares changes (NOTE [Reads that vary])."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.on = tensor, False
+
+
+class _OutsideLinear(nn.Linear):
+    """A linear layer whose forward reads its box's tensor while the box is on."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out * self.box.tensor if self.box.on else out
 
 
 def _halve_input(module: nn.Module, args: tuple) -> tuple:
@@ -993,7 +1015,8 @@ class Case:
         for i, stage in enumerate(self.desc["stages"]):
             for j, b in enumerate(stage):
                 lines.append(f"  stages.{i}.blocks.{j}: {b['kind']} {b['p']} wire={b['wire']}")
-        lines.append(f"  tie={self.desc['tie']} frozen={self.desc['frozen']}")
+        lines.append(f"  tie={self.desc['tie']} frozen={self.desc['frozen']}"
+                     + (f" outside={self.desc['outside']}" if self.desc.get("outside") else ""))
         lines += [f"  mark {m}" for m in self.plan]
         return "\n".join(lines)
 
@@ -1107,6 +1130,12 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
     # drawn after it: the cases before keep theirs; not with a module registered under two
     # names, which torch's functional_call leaves holding the fast weights (torch 2.13)
     case.fast_weights = r.random() < 0.1 and not compiled and not desc["tie"]
+    # drawn after it: the cases before keep theirs
+    if not compiled and r.random() < 0.15:
+        readers = sorted(n for n, m in modules.items()
+                         if type(m) is nn.Linear and m.out_features == D and n.startswith("stages."))
+        if readers:
+            desc["outside"] = r.choice(readers)
     return case
 
 
@@ -1219,6 +1248,10 @@ DOCUMENTED_ERRORS: list[tuple[type, str, str]] = [
      "Limits of use_reentrant=True: a hook on a tensor the forward computes"),
     (remat.RecomputeError, r"runs under a torch.func transform",
      "torch.func transforms over a marked model: a RecomputeError before the region runs"),
+    (remat.RecomputeError, (r"\(use_reentrant=True\) read a tensor that requires grad .* that an "
+                            r"earlier call with the same inputs and modules did not read"),
+     ("Reads that vary: a reentrant call reading a tensor its observed call did not is refused in "
+      "backward, then watched")),
 ]
 
 #: A case may use this much more memory than when it started (bytes); past it, allocation
@@ -1462,7 +1495,14 @@ def _phases(case: Case) -> list[tuple[str, Callable]]:
         CHANGES[case.change["kind"]][1](side.model.get_submodule(case.change["path"]))
         return [(n, p) for n, p in side.model.named_parameters()]
 
+    def outside_on(side: _Side):
+        """The tensor held outside the modules is read from now on (`_OutsideBox`)."""
+        side.model.outside_box.on = True
+        return []
+
     phases = [("step 1", train(1, case.retain_twice)), ("step 1 update", update)]
+    if case.desc.get("outside"):
+        phases.append(("a tensor outside the modules read from now on", outside_on))
     if case.change:
         phases.append((f"changed between steps: {case.change['kind']}", change))
     phases += [("step 2", train(2, False)), ("step 2 update", update)]

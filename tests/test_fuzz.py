@@ -194,7 +194,9 @@ def test_harness_reports_a_gradient_wrong_in_the_last_bit(monkeypatch):
 def test_harness_reports_facts_trusted_after_the_model_changed(monkeypatch, kind):
     """The door of a model changed between steps: an engine that trusted what it learned of a
     region's modules in the first step (its tree never walked again) trains the second step
-    wrong, and the harness says so; the engine as it is re-observes and matches."""
+    wrong, and the harness says so; the engine as it is re-observes and matches. New
+    parameters read unseen are then caught by the re-run's graph walk (NOTE [Reads that
+    vary]): a typed refusal in backward, never a silent wrong gradient."""
     from remat._engine import boundary
 
     case = _plain_case()
@@ -208,7 +210,10 @@ def test_harness_reports_facts_trusted_after_the_model_changed(monkeypatch, kind
 
     monkeypatch.setattr(boundary._Known, "current", stale)
     result = fm.run_case(case)
-    assert result.verdict in ("mismatch", "crash"), result.detail
+    if kind == "new_parameters":
+        assert result.verdict == "documented" and "Reads that vary" in result.detail, result.detail
+    else:
+        assert result.verdict in ("mismatch", "crash"), result.detail
 
 
 def test_harness_reports_a_leaked_hook(monkeypatch):

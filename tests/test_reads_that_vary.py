@@ -212,3 +212,161 @@ def test_parameters_frozen_or_unfrozen_between_steps(unfreeze):
     grads, calls = _train(marked, steps=4, between=between(marked))
     assert_bitwise_equal(expected, grads, "gradient")
     assert calls == expected_calls
+
+
+# Tensors held outside the region's modules (NOTE [Reads that vary]): a global parameter
+# read behind a Python flag, and a list attribute whose item is replaced in place (the
+# module tree holds the same list: nothing remat compares changed). The observed call did
+# not read the new tensor, so it is not an input of the Function: its gradient would be
+# lost, silently, where torch's reentrant checkpoint accumulates it.
+
+OUTSIDE = {"read": False}
+_SHARED = [torch.zeros(6)]  # the global tensor, made requiring grad by each test
+
+
+class GlobalTensorBranch(nn.Module):
+    """Reads a tensor held in a global, on calls where a global flag says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if OUTSIDE["read"]:
+            y = y * _SHARED[0]
+        return torch.tanh(y)
+
+
+class ListHeld(nn.Module):
+    """Reads the tensor its list attribute holds; the test replaces the list's item."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.held = [_SHARED[0]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) * self.held[0])
+
+
+class _Closure(nn.Module):
+    """A function region: a closure over the block, not the block itself."""
+
+    def __init__(self, inner: nn.Module, **options) -> None:
+        super().__init__()
+        self.inner, self.options = inner, options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        options = dict(self.options)
+        if "policy" in options:
+            context = remat.policy_context(options.pop("policy"))
+            return remat.checkpoint(lambda t: self.inner(t), x, context_fn=context, **options)
+        if options.get("output_recompute"):
+            return remat.recompute(lambda t: self.inner(t), x, **options)
+        return remat.checkpoint(lambda t: self.inner(t), x, **options)
+
+
+class _Checkpointed(nn.Module):
+    """``remat.checkpoint`` over the block itself, with a policy's context or none."""
+
+    def __init__(self, inner: nn.Module, **options) -> None:
+        super().__init__()
+        self.inner, self.options = inner, options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        options = dict(self.options)
+        if "policy" in options:
+            options["context_fn"] = remat.policy_context(options.pop("policy"))
+        if options.pop("output_recompute", False):
+            return remat.recompute(self.inner, x, output_recompute=True, **options)
+        return remat.checkpoint(self.inner, x, **options)
+
+
+def _outside_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(6, generator=g).requires_grad_(), torch.randn(6, generator=g).requires_grad_())
+
+
+def _mark_outside(model: nn.Sequential, how: str, **options) -> nn.Module:
+    options = {"use_reentrant": True, **options}
+    if how == "closure":
+        model[1] = _Closure(model[1], **options)
+    elif how == "checkpoint":
+        model[1] = _Call(model[1]) if options == {"use_reentrant": True} else _Checkpointed(model[1], **options)
+    elif how == "cell":
+        remat.recompute_module(model[1], **options)
+    else:
+        remat.apply(model, where=type(model[1]), **options)
+    return model
+
+
+def _switch(block: type, tensors: tuple) -> callable:
+    """What changes between steps: the flag (step 1 on), or the list's item (step 1 on)."""
+    def between(model: nn.Module, step: int) -> None:
+        if block is GlobalTensorBranch:
+            OUTSIDE["read"] = step >= 1
+            _SHARED[0] = tensors[0]
+        else:
+            inner = model[1] if isinstance(model[1], ListHeld) else model[1].inner
+            inner.held[0] = tensors[min(step, 1)]
+    return between
+
+
+def _train_outside(model: nn.Module, block: type, steps: int, tensors: tuple, refused: set) -> list:
+    """Each step's gradients, the outside tensors' included; a step that raises
+    RecomputeError is noted in ``refused`` and run again (its gradients zeroed)."""
+    x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(1))
+    between = _switch(block, tensors)
+    grads = []
+    for step in range(steps):
+        between(model, step)
+        for attempt in range(2):
+            model.zero_grad(set_to_none=True)
+            for t in tensors:
+                t.grad = None
+            try:
+                model(x).sum().backward()
+                break
+            except remat.RecomputeError as err:
+                assert attempt == 0 and "did not read" in str(err), err
+                refused.add(step)
+        grads += [None if p.grad is None else p.grad.clone() for p in (*model.parameters(), *tensors)]
+    OUTSIDE["read"] = False
+    return grads
+
+
+def _outside_model(block: type, tensors: tuple) -> nn.Sequential:
+    _SHARED[0] = tensors[0]
+    return _model(block)
+
+
+@pytest.mark.parametrize("how", ["cell", "apply", "checkpoint", "closure"])
+@pytest.mark.parametrize("block", [GlobalTensorBranch, ListHeld])
+def test_a_tensor_outside_the_modules_read_unseen_is_refused_then_watched(block, how):
+    """Reentrant: the step that first reads the new tensor is refused in backward (typed),
+    and every step, that one run again included, trains bitwise as unmarked."""
+    tensors = _outside_pair()
+    expected = _train_outside(_outside_model(block, tensors), block, 4, tensors, set())
+    refused: set = set()
+    grads = _train_outside(_mark_outside(_outside_model(block, tensors), how), block, 4, tensors, refused)
+    assert_bitwise_equal(expected, grads, "gradient")
+    assert refused <= {1}  # refused at most where the new tensor is first read, then watched
+    assert any(g is not None for g in expected[-2:])  # the outside tensors get gradients
+
+
+@pytest.mark.parametrize("how", ["cell", "apply", "checkpoint", "closure"])
+@pytest.mark.parametrize("options", [{"use_reentrant": False}, {"use_reentrant": False, "output_recompute": True},
+                                     {"use_reentrant": False, "policy": "save_compute_intensive"}])
+@pytest.mark.parametrize("block", [GlobalTensorBranch, ListHeld])
+def test_a_tensor_outside_the_modules_read_unseen_saved_tensor_modes(block, options, how):
+    """The saved-tensor implementations see the read in autograd's own graph: bitwise,
+    nothing refused."""
+    if "policy" in options:
+        options = {**options, "policy": remat.save_compute_intensive}
+    tensors = _outside_pair()
+    expected = _train_outside(_outside_model(block, tensors), block, 4, tensors, set())
+    refused: set = set()
+    grads = _train_outside(_mark_outside(_outside_model(block, tensors), how, **options), block, 4, tensors, refused)
+    assert_bitwise_equal(expected, grads, "gradient")
+    assert not refused

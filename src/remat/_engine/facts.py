@@ -55,11 +55,15 @@ would get a hook call with None on every step), and:
   the parameters that call read;
 - where the reads still vary unseen (a branch on a Python value held outside the
   region's modules, or on values read by ``.tolist()`` or ``.numpy()``, which no
-  operator runs), the re-run's backward also differentiates the modules' other
-  parameters (`outside_reads`; free where none is reached): one that gets a gradient
-  was read without being an input, and a ``RecomputeError`` says so, and the region is
-  watched on every call from then on (`watch_always`); a parameter the call did not
-  read gets its hooks called with None, as an input without a gradient.
+  operator runs; an item of a list attribute replaced), the re-run's graph is walked
+  before its backward (``observe.reached_outside``, a few microseconds per block): any
+  leaf it reaches that is not an input (one of the modules' other parameters, or a
+  tensor held outside them: a global, a closure's) is differentiated too; one that gets
+  a gradient was read without being an input, and a ``RecomputeError`` says so, and the
+  region is watched on every call from then on (`watch_always`); a parameter the call
+  did not read gets its hooks called with None, as an input without a gradient. Only a
+  watched re-run tells the region's own leaves (T5's position bias) from the others, so
+  a region whose observed re-run reached one of its own is watched on every call.
 """
 
 from __future__ import annotations
@@ -191,16 +195,6 @@ def watch_always(frame: Any, key: tuple | None) -> None:
     """Watch the region's calls with ``key`` from now on (NOTE [Reads that vary])."""
     if key is not None:
         _table(frame)[key] = None
-
-
-def outside_reads(frame: Any) -> list[torch.Tensor]:
-    """The parameters of an unwatched reentrant region's modules that require grad and are
-    not inputs of its Function: its re-run must reach none of them (NOTE [Reads that vary])."""
-    own = frame.module_state.forward_parameters()
-    if len(own) == len(frame.params):  # the usual case: it read them all
-        return []
-    inputs = set(map(id, frame.params))
-    return [p for p in own if p.requires_grad and id(p) not in inputs]
 
 
 def forget(frame: Any, key: tuple | None) -> None:

@@ -78,6 +78,7 @@ in forward changes the module's key, so such a region is watched on every call.
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -424,35 +425,58 @@ class CheckReads(_Watch):
         return out
 
 
-def reached_outside(outs: list, wrt: list, made: set = frozenset()) -> list[torch.Tensor]:
+def reached_outside(outs: list, wrt: list, made: set = frozenset(), made_reached: list | None = None
+                    ) -> list[torch.Tensor]:
     """The leaves a re-run's graph reaches that are not inputs of the Function.
 
     NOTE [Observed reads]: a gradient for one of them would be lost. Walks the re-run's
     autograd graph from ``outs``; stops at ``wrt`` (their ``grad_fn``, or their gradient
     accumulator for leaves). A leaf the re-run made itself (``made``: ids of what its
     operators returned; T5 makes its position bias a leaf that requires grad) is the
-    region's own temporary, as in its forward: its gradient leaves the region nowhere.
+    region's own temporary, as in its forward: its gradient leaves the region nowhere
+    (each one reached is appended to ``made_reached``).
     The caller differentiates them too and refuses only one that gets a gradient
     (`refuse_lost`): an edge that carries none (a parameter of an inner region's
     module that its forward did not use) loses nothing.
+
+    Every unwatched re-run walks too (NOTE [Reads that vary] in ``facts.py``), so the walk
+    does the least per node: a gradient accumulator is told by its type, not by an
+    attribute lookup that fails on every other node.
     """
-    leaf_ids = {id(t) for t in wrt if t.grad_fn is None} | made
-    stops = {t.grad_fn for t in wrt if t.grad_fn is not None}
-    seen: set = set()
+    leaf_ids = {id(t) for t in wrt if t.grad_fn is None}
+    seen = {t.grad_fn for t in wrt if t.grad_fn is not None}
+    seen.add(None)
     found: dict[int, torch.Tensor] = {}
-    todo = [o.grad_fn for o in outs if o.grad_fn is not None]
+    todo = [o.grad_fn for o in outs]
+    pop, add, extend, accumulator = todo.pop, seen.add, todo.extend, _accumulator_type()
     while todo:
-        node = todo.pop()
-        if node is None or node in seen or node in stops:
+        node = pop()
+        if node in seen:
             continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            if id(variable) not in leaf_ids:
+        add(node)
+        if type(node) is accumulator:
+            variable = node.variable
+            if id(variable) in made:
+                if made_reached is not None:
+                    made_reached.append(variable)
+            elif id(variable) not in leaf_ids:
                 found.setdefault(id(variable), variable)
             continue
-        todo.extend(next_node for next_node, _ in node.next_functions)
+        extend(map(_NODE, node.next_functions))
     return list(found.values())
+
+
+_NODE = operator.itemgetter(0)
+_ACCUMULATOR: list = []
+
+
+def _accumulator_type() -> type:
+    """The type of a leaf's gradient accumulator (the node ``variable`` belongs to)."""
+    if not _ACCUMULATOR:
+        leaf = torch.zeros((), requires_grad=True)
+        with torch.enable_grad():  # the walk runs inside a backward, where grad is off
+            _ACCUMULATOR.append(type(leaf.view_as(leaf).grad_fn.next_functions[0][0]))
+    return _ACCUMULATOR[0]
 
 
 def refuse_lost(name: str, outside: list, grads: list) -> None:

@@ -159,7 +159,7 @@ def _lean(frame: Any, tensors: tuple, grads: tuple) -> tuple:
     wrt = [w for w in wrts if w is not None] + frame.params
     found: list = [None] * len(wrt)
     if out.requires_grad and wrt:
-        outside = _facts.outside_reads(frame)  # NOTE [Reads that vary]
+        outside = reached_outside([out], wrt)  # NOTE [Reads that vary]
         if outside:
             found = list(torch.autograd.grad((out,), wrt + outside, grads[:1], allow_unused=True))
             _refuse_unforeseen(frame, outside, found[len(wrt):])
@@ -218,9 +218,13 @@ def _differentiate_once(frame: Any, tensors: tuple, grads: tuple, accumulate: bo
     found: list = [None] * len(wrt)
     sent = None
     if outs and wrt:
-        # unwatched: the parameters the observed call read are in wrt, its modules' others
-        # are differentiated too, to refuse one this call read (NOTE [Reads that vary])
-        outside = reached_outside(outs, wrt, made) if frame.watched else _facts.outside_reads(frame)
+        # unwatched: the tensors the observed call read are in wrt; any other leaf the
+        # re-run reaches is differentiated too, to refuse one this call read (NOTE [Reads
+        # that vary])
+        made_reached: list = []
+        outside = reached_outside(outs, wrt, made, made_reached)
+        if made_reached and frame.watched:  # its own leaves, which only a watched re-run tells apart
+            _facts.watch_always(frame, frame.facts_key)
         hooked = [p for p in frame.params if p._backward_hooks]
         if frame.shared and not accumulate:
             sent = _per_use.hook_edges(frame, outs, wrts)
@@ -272,19 +276,22 @@ def _grad(outs: list, wrt: list, out_grads: list, create_graph: bool) -> list:
 
 
 def _refuse_unforeseen(frame: Any, unread: list, grads: list) -> None:
-    """An unwatched call read a parameter the observed call did not: watch the region on
+    """An unwatched call read a tensor the observed call did not: watch the region on
     every call from now on, and refuse this backward (NOTE [Reads that vary])."""
-    read = [p for p, g in zip(unread, grads, strict=True) if g is not None]
+    read = [t for t, g in zip(unread, grads, strict=True) if g is not None]
     if not read:
         return
     _facts.watch_always(frame, frame.facts_key)
     raise RecomputeError(
-        f"remat: region '{frame.name}' (use_reentrant=True) read a parameter (shape "
-        f"{list(read[0].shape)}) that an earlier call with the same inputs and modules did not "
-        f"read, so remat did not watch this call and did not make that parameter an input of "
-        f"the region: its gradient would be lost. The region branches on something remat cannot "
-        f"see (a Python value held outside its modules, or values read with .tolist() or "
-        f".numpy()); it is watched on every call from the next one on: run this step again"
+        f"remat: region '{frame.name}' (use_reentrant=True) read a tensor that requires grad "
+        f"(shape {list(read[0].shape)}: a parameter, or a tensor held outside its modules: a "
+        f"global, a closure's, an item of a list attribute) that an earlier call with the same "
+        f"inputs and modules did not read, so remat did not watch this call and did not make "
+        f"that tensor an input of the region: its gradient would be lost. The region branches "
+        f"on something remat cannot see (a Python value held outside its modules, or values "
+        f"read with .tolist() or .numpy()); it is watched on every call from the next one on: "
+        f"run this step again (torch's reentrant checkpoint accumulates that gradient into "
+        f"the tensor's .grad itself, which torch.autograd.grad cannot get)"
     )
 
 
