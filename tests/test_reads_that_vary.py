@@ -326,7 +326,9 @@ def _train_outside(model: nn.Module, block: type, steps: int, tensors: tuple, re
             for t in tensors:
                 t.grad = None
             try:
-                model(x).sum().backward()
+                loss = model(x).sum()
+                if loss.requires_grad:  # a frozen model reading nothing that requires grad
+                    loss.backward()
                 break
             except remat.RecomputeError as err:
                 assert attempt == 0 and "did not read" in str(err), err
@@ -368,5 +370,57 @@ def test_a_tensor_outside_the_modules_read_unseen_saved_tensor_modes(block, opti
     expected = _train_outside(_outside_model(block, tensors), block, 4, tensors, set())
     refused: set = set()
     grads = _train_outside(_mark_outside(_outside_model(block, tensors), how, **options), block, 4, tensors, refused)
+    assert_bitwise_equal(expected, grads, "gradient")
+    assert not refused
+
+
+def _frozen(model: nn.Module) -> nn.Module:
+    """Every parameter frozen: the region's Function has no input that requires grad."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("how", ["cell", "apply", "checkpoint", "closure"])
+@pytest.mark.parametrize("options", [{"use_reentrant": True}, {"use_reentrant": False},
+                                     {"use_reentrant": False, "output_recompute": True}])
+@pytest.mark.parametrize("block", [GlobalTensorBranch, ListHeld])
+def test_a_tensor_read_unseen_by_a_region_with_nothing_to_differentiate(block, options, how):
+    """NOTE [Forwards with nothing to differentiate]: a frozen block on data (no argument and
+    no parameter requires grad) reads a tensor that does only from step 1 on. Its backward
+    never runs, so nothing could be refused there: the forward runs with grad and hands its
+    output back with the graph it made, bitwise as unmarked, nothing refused (torch's
+    reentrant checkpoint drops that gradient)."""
+    tensors = _outside_pair()
+    expected = _train_outside(_frozen(_outside_model(block, tensors)), block, 4, tensors, set())
+    refused: set = set()
+    marked = _mark_outside(_frozen(_outside_model(block, tensors)), how, **options)
+    grads = _train_outside(marked, block, 4, tensors, refused)
+    assert_bitwise_equal(expected, grads, "gradient")
+    assert not refused
+    assert expected[-2] is not None or expected[-1] is not None  # an outside tensor trains
+
+
+class _Outer(nn.Module):
+    """A saved-tensor region around a block marked reentrant: the inner region runs in the
+    outer one's forward and again in its re-run, and must take the same path both times."""
+
+    def __init__(self, inner: nn.Module, **options) -> None:
+        super().__init__()
+        self.inner, self.options = remat.recompute_module(inner, use_reentrant=True), options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return remat.recompute(self.inner, x, **self.options)
+
+
+@pytest.mark.parametrize("options", [{"use_reentrant": False}, {"use_reentrant": False, "output_recompute": True}])
+def test_a_frozen_reentrant_region_inside_another_reads_unseen_alike_in_forward_and_rerun(options):
+    tensors = _outside_pair()
+    expected = _train_outside(_frozen(_outside_model(GlobalTensorBranch, tensors)), GlobalTensorBranch, 4,
+                              tensors, set())
+    model = _frozen(_outside_model(GlobalTensorBranch, tensors))
+    model[1] = _Outer(model[1], **options)
+    refused: set = set()
+    grads = _train_outside(model, GlobalTensorBranch, 4, tensors, refused)
     assert_bitwise_equal(expected, grads, "gradient")
     assert not refused

@@ -23,7 +23,9 @@ not under ``torch.func`` or a re-run's substitution) and whose facts are known
   there, and its backward (``reentrant_backward._lean``) checks again what could have
   changed since (a later region that took the same argument, a parameter that is no
   longer a leaf or gained a hook, a process group, ``create_graph``) before it skips the
-  generic one's contexts.
+  generic one's contexts; it still walks its re-run's graph, as every unwatched re-run
+  does, for a tensor the observed call did not read (NOTE [Reads that vary] in
+  ``facts.py``): what a Python branch outside the modules reads, no fact can foresee.
 
 Nothing is decided from a name or a guess: a call the facts do not cover, or that does
 anything unusual, takes the generic path, which is exact in every case.
