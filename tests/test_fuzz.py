@@ -6,7 +6,7 @@ copy, and runs both in lockstep: two optimizer steps (SGD or AdamW), sometimes
 (``create_graph=True``). Loss, outputs, every gradient, parameter and buffer must be
 equal (``torch.equal``). A case may instead end in a typed error the README documents
 (``fuzz_models.DOCUMENTED_ERRORS``), with the parameters untouched and no engine state
-left behind. ``fuzz_models.KNOWN_BROKEN`` (empty) would excuse named classes of failure
+left behind. ``fuzz_models.KNOWN_BROKEN`` excuses named classes of failure
 while their fix is pending; every other failure fails the test.
 
 ``REMAT_FUZZ_CASES=5000`` runs more eager cases (default 1200), ``REMAT_FUZZ_COMPILED=20``

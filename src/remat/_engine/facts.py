@@ -197,6 +197,25 @@ def watch_always(frame: Any, key: tuple | None) -> None:
         _table(frame)[key] = None
 
 
+def differentiates(frame: Any, facts: Facts) -> bool:
+    """NOTE [Forwards with nothing to differentiate]
+    A reentrant call whose Function would have no input that requires grad (its arguments
+    do not, nor do the tensors its observed call read: a frozen block on data) has no
+    backward: autograd never calls its Function's, so no re-run's graph is walked (NOTE
+    [Reads that vary]) and a tensor that requires grad read unseen (a branch on a Python
+    value outside its modules reads a global, another module's parameter) would lose its
+    gradient, silently. Such a call is watched: what it reads that requires grad becomes an
+    input of its Function, whose output then requires grad, as without the mark. Only those
+    calls pay the watching (a frozen block marked on data, where recompute saves nothing); a
+    call inside an outer region's re-run is watched alike, so the outer one finds the same
+    Function in its forward and in its re-run. torch's reentrant checkpoint drops that
+    gradient (its output does not require grad; it warns that no input does).
+    """
+    if any(x.requires_grad for x in frame.arguments):
+        return True
+    return any(t.requires_grad for t in facts.read())
+
+
 def forget(frame: Any, key: tuple | None) -> None:
     _table(frame).pop(key, None)
 

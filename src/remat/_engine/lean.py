@@ -66,8 +66,8 @@ def open_frame(fn: Any, args: tuple, kwargs: dict, spec: RegionSpec, name: str) 
     if frame.module_state.root is None or frame.same_as or not frame.arguments:
         return frame, False
     facts = _facts.known(frame, frame.facts_key)
-    if facts is None:
-        return frame, False
+    if facts is None or not _facts.differentiates(frame, facts):  # NOTE [Forwards with nothing
+        return frame, False  # to differentiate] (facts.py): watched, on the generic path
     frame.uses, frame.known, frame.watched = facts.uses, facts, False
     return frame, True
 

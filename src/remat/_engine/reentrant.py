@@ -57,7 +57,6 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from remat._engine import boundary as _boundary
 from remat._engine import per_use as _per_use
@@ -100,7 +99,6 @@ class ReentrantFrame(RegionCore):
     released = False  # let go of its module after its first backward
     extra: Any = ()  # NOTE [Per-use gradients]: (argument, more inputs)
     lean = False  # NOTE [Lean reentrant calls] (lean.py)
-    grad_forward = False  # NOTE [Forwards with nothing to differentiate]
 
     def __init__(self, fn: Any, args: tuple, kwargs: dict, spec: Any, name: str,
                  contexts: tuple | None) -> None:
@@ -138,42 +136,6 @@ class ReentrantFrame(RegionCore):
         boundary])."""
         self.fn, self.escaped, self.picks, self.params, self.state = None, (), None, [], ()
         self.module_state = _FINISHED  # nothing re-runs it: an empty state, shared
-
-
-def forward_with_grad(frame: ReentrantFrame) -> bool:
-    """NOTE [Forwards with nothing to differentiate]
-    An unwatched reentrant call whose Function would have no input that requires grad (its
-    arguments do not, nor do the tensors its observed call read: a frozen block on data)
-    differentiates nothing through its Function. Its forward then runs with grad as the
-    caller left it, not under ``no_grad``: what it was seen reading builds no graph (none of
-    it requires grad), but a tensor that requires grad read unseen (a branch on a Python
-    value outside its modules reads a global, another module's parameter) does. An output
-    that then requires grad is handed back as it is (`unseen`), with that graph, as without
-    the mark: the gradient its Function could not carry, and whose backward would never run
-    to walk its re-run (NOTE [Reads that vary] in ``facts.py``), arrives as unmarked. Such
-    a call keeps what the unmarked forward keeps; the region is not watched for it, so the
-    same call inside an outer region's forward and inside its re-run takes the same path
-    (an outer region compares what the two save). torch's reentrant checkpoint drops that
-    gradient (its output does not require grad; it warns that no input does).
-    """
-    if frame.known is None or any(x.requires_grad for x in frame.arguments):
-        return False
-    return not any(t.requires_grad for t in frame.known.read())
-
-
-def carries_grad(output: Any) -> bool:
-    """Whether a tensor of ``output`` (a tensor, or a structure of them) requires grad."""
-    if isinstance(output, torch.Tensor):
-        return output.requires_grad
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(output))
-
-
-def unseen(frame: ReentrantFrame, output: Any) -> Any:
-    """A forward with nothing to differentiate made a graph: return its output as it is
-    (NOTE [Forwards with nothing to differentiate])."""
-    frame.abandon()
-    frame.finish()
-    return output
 
 
 def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list = (),
@@ -356,7 +318,11 @@ class Reentrant(torch.autograd.Function):
                             if i in frame.views or i in frame.copied else x
                             for i, x in enumerate(tensors))
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
-        found = differentiate(frame, tensors, _as_written_views(ctx, grads))
+        try:
+            found = differentiate(frame, tensors, _as_written_views(ctx, grads))
+        except RecomputeError:  # refused: nothing re-runs it again; what it holds (the
+            frame.finish()  # module state, an output's registration) goes with the error
+            raise
         if not keep:  # a graph not kept cannot run the region again: break the cycles
             if frame.escaped or frame.picks:  # NOTE [Tensors that escape a reentrant region]
                 frame.release()

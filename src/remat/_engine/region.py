@@ -22,7 +22,6 @@ either.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from collections.abc import Callable
@@ -108,10 +107,7 @@ def open_region(fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, *, na
         if frame.module_state.root is None:  # NOTE [Module state at the boundary]
             stack.enter_context(frame.module_state.calls_watched())
         if spec.use_reentrant:
-            if observe is None and _reentrant.forward_with_grad(frame):  # NOTE [Forwards
-                frame.grad_forward = True  # with nothing to differentiate] (reentrant.py)
-            else:
-                stack.enter_context(torch.no_grad())
+            stack.enter_context(torch.no_grad())
             if observe is not None:
                 stack.enter_context(observe)
         else:
@@ -210,8 +206,6 @@ def _close_reentrant(frame: Any, observe: Observe | None, output: Any) -> Any:
 
     An output that cannot be flattened is refused before anything else, with the state
     the forward wrote put back."""
-    if frame.grad_forward and _reentrant.carries_grad(output):
-        return _reentrant.unseen(frame, output)
     structure = None
     if not isinstance(output, torch.Tensor):  # the common case pays one check
         try:
@@ -242,8 +236,8 @@ def _observer(frame: RegionCore, arguments: list, reads: bool, flowing: list | N
               ) -> Observe | None:
     """The mode that watches the forward; None when earlier calls showed it needs no watching."""
     facts = _facts.known(frame, frame.facts_key)  # NOTE [Observed once, confirmed every call]
-    if facts is not None:
-        frame.uses, frame.known = facts.uses, facts
+    if facts is not None and (not reads or _facts.differentiates(frame, facts)):  # NOTE [Forwards
+        frame.uses, frame.known = facts.uses, facts  # with nothing to differentiate] (facts.py)
         return None
     return Observe(frame.name, arguments, reads=reads, flowing=flowing)
 
@@ -295,16 +289,13 @@ def _keywords_as_arguments(fn: Callable, kwargs: dict) -> tuple[Callable, dict]:
 def _run_lean(frame: Any) -> Any:
     """NOTE [Lean reentrant calls]: the forward on the arguments' aliases, without grad."""
     args, kwargs = frame.call_with(frame.aliases)  # NOTE [Observed reads]
-    grad = _reentrant.forward_with_grad(frame)  # NOTE [Forwards with nothing to differentiate]
     try:
-        with contextlib.nullcontext() if grad else torch.no_grad():
+        with torch.no_grad():
             output = frame.fn(*args, **kwargs)
     except BaseException as err:
         frame.abandon()
         _explain_reentrant_error(_Handle(frame, Contexts(), (), {}), err)
         raise
-    if grad and _reentrant.carries_grad(output):
-        return _reentrant.unseen(frame, output)
     result = _lean.close(frame, output)
     return _close_reentrant(frame, None, output) if result is None else result
 
