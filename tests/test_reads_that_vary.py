@@ -250,37 +250,23 @@ class ListHeld(nn.Module):
         return torch.tanh(self.lin(x) * self.held[0])
 
 
-class _Closure(nn.Module):
-    """A function region: a closure over the block, not the block itself."""
+class _Functional(nn.Module):
+    """The block through ``remat.checkpoint`` (with a policy's context or none) or
+    ``remat.recompute`` (``output_recompute``): called on the block itself, or, with
+    ``closure``, on a function region that closes over it."""
 
-    def __init__(self, inner: nn.Module, **options) -> None:
+    def __init__(self, inner: nn.Module, closure: bool, **options) -> None:
         super().__init__()
-        self.inner, self.options = inner, options
+        self.inner, self.closure, self.options = inner, closure, options
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        options = dict(self.options)
-        if "policy" in options:
-            context = remat.policy_context(options.pop("policy"))
-            return remat.checkpoint(lambda t: self.inner(t), x, context_fn=context, **options)
-        if options.get("output_recompute"):
-            return remat.recompute(lambda t: self.inner(t), x, **options)
-        return remat.checkpoint(lambda t: self.inner(t), x, **options)
-
-
-class _Checkpointed(nn.Module):
-    """``remat.checkpoint`` over the block itself, with a policy's context or none."""
-
-    def __init__(self, inner: nn.Module, **options) -> None:
-        super().__init__()
-        self.inner, self.options = inner, options
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fn = (lambda t: self.inner(t)) if self.closure else self.inner
         options = dict(self.options)
         if "policy" in options:
             options["context_fn"] = remat.policy_context(options.pop("policy"))
-        if options.pop("output_recompute", False):
-            return remat.recompute(self.inner, x, output_recompute=True, **options)
-        return remat.checkpoint(self.inner, x, **options)
+        if options.get("output_recompute"):
+            return remat.recompute(fn, x, **options)
+        return remat.checkpoint(fn, x, **options)
 
 
 def _outside_pair() -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,9 +277,9 @@ def _outside_pair() -> tuple[torch.Tensor, torch.Tensor]:
 def _mark_outside(model: nn.Sequential, how: str, **options) -> nn.Module:
     options = {"use_reentrant": True, **options}
     if how == "closure":
-        model[1] = _Closure(model[1], **options)
+        model[1] = _Functional(model[1], True, **options)
     elif how == "checkpoint":
-        model[1] = _Call(model[1]) if options == {"use_reentrant": True} else _Checkpointed(model[1], **options)
+        model[1] = _Functional(model[1], False, **options)
     elif how == "cell":
         remat.recompute_module(model[1], **options)
     else:

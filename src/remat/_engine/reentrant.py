@@ -318,11 +318,7 @@ class Reentrant(torch.autograd.Function):
                             if i in frame.views or i in frame.copied else x
                             for i, x in enumerate(tensors))
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
-        try:
-            found = differentiate(frame, tensors, _as_written_views(ctx, grads))
-        except RecomputeError:  # refused: nothing re-runs it again; what it holds (the
-            frame.finish()  # module state, an output's registration) goes with the error
-            raise
+        found = differentiate(frame, tensors, _as_written_views(ctx, grads))
         if not keep:  # a graph not kept cannot run the region again: break the cycles
             if frame.escaped or frame.picks:  # NOTE [Tensors that escape a reentrant region]
                 frame.release()
