@@ -1728,13 +1728,6 @@ def regions(case: Case, model: nn.Module) -> list[Region]:
 #: class and every class this fuzzer found is fixed (or refused with a documented error). Add
 #: an entry only with an open issue, and delete it when the fix lands.
 KNOWN_BROKEN: list[tuple[str, tuple[str, ...], Callable]] = [
-    # issue 25 ("no registry outlives its step"): a reentrant region refused in backward (NOTE
-    # [Reads that vary]) aborts the backward; the regions whose backward never ran keep their
-    # copies of their modules' attributes, and with them a hook's capture list holding an
-    # output_recompute region's output, alive through autograd (a cycle the collector cannot
-    # see) until the model lets go (case 6219 of a 10,000-case run, session 24)
-    ("25-refused-backward-keeps-captures", ("crash",),
-     lambda case, regs, result: "Reads that vary" in result.detail and "still registered" in result.detail),
 ]
 
 

@@ -296,3 +296,67 @@ def test_a_gradient_penalty_through_regions_made_inside_a_re_run(inner, outer):
 
     for got, want in zip(penalty_grads(True), penalty_grads(False), strict=True):
         torch.testing.assert_close(got, want, rtol=REENTRANT_RTOL, atol=REENTRANT_ATOL)
+
+
+@pytest.mark.parametrize("options", [{}, {"output_recompute": True},
+                                     {"policy": remat.save_calls("aten::addmm#0")}],
+                         ids=["non-reentrant", "output_recompute", "policy"])
+@pytest.mark.parametrize("refusing", [{}, {"use_reentrant": True}], ids=["refused", "refused_reentrant"])
+def test_a_refused_backward_lets_go_of_the_regions_it_never_reached(options, refusing):
+    """NOTE [Backward refused]: a backward remat refuses (here: the last block's weight changed
+    in place after its forward) stops before the first block's backward runs. That block's copy
+    of its modules' attributes held the list its linear's hook appends to, and the list's tensor
+    led back to the region through autograd: once the model rebinds the list, a cycle Python's
+    collector cannot free kept the step's tensors (and an output_recompute output registered)
+    while the model lived (own fuzz case 6219). The refusal now lets go of every region whose
+    backward it will never reach; a later backward through them is refused, not re-run."""
+    from remat._engine import outputs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_SideLossBlock(), torch.nn.Linear(8, 8))
+    remat.recompute_module(model[0], **options)
+    remat.recompute_module(model[1], **refusing)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    model(x).sum().backward()  # the list exists from the second forward on
+    model[0].fc.captured = []
+    h = model[0](x)
+    out = model[1](h)
+    held = [weakref.ref(t) for t in model[0].fc.captured]
+    with torch.no_grad():
+        model[1].weight.add_(1.0)
+    with pytest.raises(remat.RecomputeError, match="changed in place after the region's forward"):
+        out.sum().backward()
+    with pytest.raises(remat.RecomputeError, match="whose backward remat refused"):
+        h.sum().backward()
+    model[0].fc.captured = []  # rebound, not emptied
+    del h, out
+    gc.collect()
+    assert held and [r for r in held if r() is not None] == []
+    assert not outputs._registry and not outputs.hook_active()
+
+
+@pytest.mark.parametrize("options", [{}, {"output_recompute": True}], ids=["non-reentrant", "output_recompute"])
+@pytest.mark.parametrize("workaround", ["no_grad", "cleared"])
+def test_a_forward_never_differentiated_frees_its_captures_the_documented_ways(options, workaround):
+    """The docs' limit (NOTE [Backward refused]): a forward no backward differentiates keeps a
+    rebound capture list alive through its region's copies; under ``torch.no_grad()``, or with
+    the list emptied in place, every captured tensor is freed."""
+    from remat._engine import outputs
+
+    model = torch.nn.Sequential(_SideLossBlock(), torch.nn.Linear(8, 8))
+    remat.recompute_module(model[0], **options)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    model(x).sum().backward()
+    model[0].fc.captured = []
+    held = []
+    for _ in range(3):  # validation forwards, never differentiated
+        if workaround == "no_grad":
+            with torch.no_grad():
+                model(x)
+        else:
+            model(x)
+        held.extend(weakref.ref(t) for t in model[0].fc.captured)
+        model[0].fc.captured.clear()
+    gc.collect()
+    assert len(held) == 3 and [r for r in held if r() is not None] == []
+    assert not outputs._registry

@@ -79,6 +79,21 @@ kept (an in-place operator on a kept output), a region that can re-run
 rebuilds it instead, as if it had not been kept; one that cannot raises
 autograd's own error.
 
+NOTE [Backward refused]
+A ``RecomputeError`` raised in backward (a parameter changed in place before it, a re-run
+that read another tensor) aborts that backward: the regions it had not reached yet never
+run theirs, so they keep their saved arguments and their copies of their modules'
+attributes (NOTE [Module state at the boundary]). A copy may hold a list a hook appends the
+region's tensors to, and those lead back to the region through autograd: once the model
+rebinds the list, a cycle Python's collector cannot free kept the step's tensors (and an
+``output_recompute`` output registered, with remat's hook pushed) while the process lived.
+So every closed region that may still be re-run is noted (`_pending`, weakly), and a
+``RecomputeError`` leaving a backward (`HookedFrame.unpack`, `rebuild_output`, the reentrant
+Function's backward) lets all of them go (`refused`): the message says to run the step again,
+and a later backward that reaches one of them is refused, not re-run. A forward that no
+backward ever differentiates keeps that cycle too: run it under ``torch.no_grad()``, or empty
+such a list in place instead of rebinding it (the docs' limits say so).
+
 NOTE [Rebuilt tensors keep their version]
 A tensor a re-run saves is handed to backward as the re-run's own tensor, so
 a later operator of the same re-run that changes it in place (the forward did
@@ -126,6 +141,9 @@ from remat._engine.rebuilt import (
 from remat._engine.selective import ReplayMode
 from remat._vocab.spec import RegionSpec
 
+#: closed regions that may still be re-run (NOTE [Backward refused])
+_pending: weakref.WeakSet = weakref.WeakSet()
+
 _sequence_nr = torch.autograd._get_sequence_nr
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # as outputs.py reads the stack
 
@@ -171,7 +189,7 @@ class HookedFrame(RegionCore):
         self.cached_inputs: dict[int, tuple] = {}
         self.stored: set[int] = set()
         self.counter: dict[int, int] = {}
-        self.expired = False  # NOTE [Regions made inside a re-run]
+        self.expired: str | None = None  # why it let go: NOTE [Regions made inside a re-run]
         self.trace, self.recompute_trace = OpTrace() if spec.debug else None, None  # OpTrace | None
         self.saver: torch.Tensor | None = None
         self.held: list | None = None  # NOTE [Inputs held directly]
@@ -202,6 +220,7 @@ class HookedFrame(RegionCore):
         if self.keep_all:
             self.finish_keeping()
             return output
+        _pending.add(self)  # NOTE [Backward refused]
         flat = _leaves(output)
         out_keys = list(map(storage_of, flat))  # each storage read once for the three uses below
         in_list = list(map(storage_of, inputs))
@@ -403,7 +422,11 @@ class HookedFrame(RegionCore):
         if gid not in holder.rebuilt:
             if gid in self.stored:
                 raise RecomputeError(unpacked_twice(self.name, holder, gid is _flags.current_group()))
-            self.recompute(gid)
+            try:
+                self.recompute(gid)
+            except RecomputeError:
+                refused()
+                raise
         x, version = holder.rebuilt.pop(gid)
         if version is not None and x._version != version:
             raise RecomputeError(changed_after_rebuilt(self.name, holder, x, version))
@@ -414,7 +437,11 @@ class HookedFrame(RegionCore):
         gid = _graph_task()
         ref.done.add(gid)
         if gid not in self.rebuilt_outputs:
-            self.recompute(gid, store=False)
+            try:
+                self.recompute(gid, store=False)
+            except RecomputeError:
+                refused()
+                raise
         outputs = self.rebuilt_outputs[gid]
         if not self._refs_pending(gid):
             del self.rebuilt_outputs[gid]
@@ -441,8 +468,8 @@ class HookedFrame(RegionCore):
         rebuilt all at once: backward holds one region's tensors at a time and
         the chain's boundary outputs, as a chain of plain regions would.
         """
-        if self.expired:  # NOTE [Regions made inside a re-run] in region.py
-            refuse_expired(self.name)
+        if self.expired:  # NOTE [Regions made inside a re-run] in region.py, [Backward refused]
+            refuse_expired(self.name, self.expired == "refused")
         self._drop_stale_kept()
         if self.spec.output_recompute:
             _outputs.pop_after_backward()
@@ -485,10 +512,14 @@ class HookedFrame(RegionCore):
             self.rebuilt_outputs[gid] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
             self._fill_from_outputs(gid)
 
-    def expire(self) -> None:
-        """NOTE [Regions made inside a re-run] (``region.py``): let go of what a re-run needs."""
-        self.expired, self.module_state = True, _boundary.ModuleState(self.name, [])
+    def expire(self, why: str = "re-run") -> None:
+        """NOTE [Regions made inside a re-run] (``region.py``), NOTE [Backward refused]: let go
+        of what a re-run needs."""
+        self.expired, self.module_state = why, _boundary.ModuleState(self.name, [])
         self.state, self.cached_inputs, self.rebuilt_outputs = [], {}, {}
+        self.saver = self.held = None
+        _pending.discard(self)
+
 
     def _drop_stale_kept(self) -> None:
         """Kept tensors changed in place since are rebuilt (NOTE [Regions that write their inputs])."""
@@ -508,6 +539,15 @@ class HookedFrame(RegionCore):
                 j, (size, stride, offset) = holder.out_of
                 holder.rebuilt[gid] = (outputs[j].as_strided(size, stride, offset), None)
 
+
 class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, frame: HookedFrame) -> None:
         super().__init__(frame.pack, frame.unpack)
+
+
+def refused() -> None:
+    """NOTE [Backward refused]: a RecomputeError is leaving a backward; every closed region
+    that could still be re-run lets go of what its re-run needs."""
+    for frame in list(_pending):
+        if frame.closed:
+            frame.expire("refused")

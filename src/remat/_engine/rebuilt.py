@@ -114,9 +114,16 @@ class RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, lambda x: x)
 
 
-def refuse_expired(name: str) -> None:
-    """A backward reached a region made for another backward's re-run only (NOTE [Regions
-    made inside a re-run] in ``region.py``)."""
+def refuse_expired(name: str, refused: bool = False) -> None:
+    """A backward reached a region that let go of what its re-run needs: one made for another
+    backward's re-run only (NOTE [Regions made inside a re-run] in ``region.py``), or one a
+    refused backward never reached (``refused``, NOTE [Backward refused] in ``hooked.py``)."""
+    if refused:
+        raise RecomputeError(
+            f"remat: region '{name}' belongs to a step whose backward remat refused (see the "
+            f"first RecomputeError), and let go of what its re-run needs then; run the step "
+            f"again, forward and backward"
+        )
     raise RecomputeError(
         f"remat: region '{name}' was made inside another region's re-run, for that backward "
         f"only, and a later backward reached it (through a tensor a hook kept from the "

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from remat._engine import boundary as _boundary
+from remat._engine import hooked as _hooked
 from remat._engine import per_use as _per_use
 from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
@@ -279,52 +280,66 @@ class Reentrant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        frame: ReentrantFrame = ctx.frame
-        if frame.released:
-            raise RecomputeError(
-                f"remat: backward ran a second time through reentrant region '{frame.name}', whose "
-                f"forward bound a tensor that carries a gradient to an attribute of its module; the "
-                f"region let go of its module after its first backward (NOTE [Tensors that escape a "
-                f"reentrant region]); use use_reentrant=False for a second backward"
-            )
-        for i, alias, version in ctx.argument_views:  # NOTE [Views of an argument changed after the region]
-            if alias._version != version:
-                raise RecomputeError(
-                    f"remat: region '{frame.name}' (use_reentrant=True) returned a view of its "
-                    f"argument as output {i}, and that memory was changed in place after the region "
-                    f"(through the output, the argument or another view of it); the reentrant "
-                    f"implementation hands the view out as an output of its own Function, so the "
-                    f"change is missing from the argument's history and the gradients would be "
-                    f"wrong; clone that output before changing it, or use use_reentrant=False"
-                )
         try:
-            tensors = ctx.saved_tensors
-        except RuntimeError as err:
-            if "inplace" in str(err):
-                raise RecomputeError(
-                    f"remat: region '{frame.name}' (use_reentrant=True) cannot be re-run: one of "
-                    f"its inputs was changed in place after the region ran ({err}). A region is "
-                    f"rebuilt from its inputs in backward; change the input out of place, or "
-                    f"clone it first"
-                ) from err
+            return _backward(ctx, grads)
+        except RecomputeError:
+            _hooked.refused()  # NOTE [Backward refused] in hooked.py
+            raise
+
+
+def _backward(ctx: Any, grads: tuple) -> Any:
+    """`Reentrant.backward`: re-run the region and differentiate it."""
+    frame: ReentrantFrame = ctx.frame
+    if frame.released:
+        raise RecomputeError(
+            f"remat: backward ran a second time through reentrant region '{frame.name}', whose "
+            f"forward bound a tensor that carries a gradient to an attribute of its module; the "
+            f"region let go of its module after its first backward (NOTE [Tensors that escape a "
+            f"reentrant region]); use use_reentrant=False for a second backward"
+        )
+    for i, alias, version in ctx.argument_views:  # NOTE [Views of an argument changed after the region]
+        if alias._version != version:
             raise RecomputeError(
-                f"remat: backward ran a second time through reentrant region '{frame.name}' after "
-                f"its saved inputs were freed; pass retain_graph=True to the first backward, or "
-                f"use use_reentrant=False (torch: Trying to backward through the graph a second "
-                f"time, or directly access saved tensors after they have already been freed)"
+                f"remat: region '{frame.name}' (use_reentrant=True) returned a view of its "
+                f"argument as output {i}, and that memory was changed in place after the region "
+                f"(through the output, the argument or another view of it); the reentrant "
+                f"implementation hands the view out as an output of its own Function, so the "
+                f"change is missing from the argument's history and the gradients would be "
+                f"wrong; clone that output before changing it, or use use_reentrant=False"
+            )
+    tensors = _saved_inputs(ctx, frame)
+    if frame.views or frame.copied:  # saved detached: they require grad as they did
+        tensors = tuple(x.detach().requires_grad_(frame.copied.get(i, True))
+                        if i in frame.views or i in frame.copied else x
+                        for i, x in enumerate(tensors))
+    keep = torch._C._autograd._get_current_graph_task_keep_graph()
+    found = differentiate(frame, tensors, _as_written_views(ctx, grads))
+    if not keep:  # a graph not kept cannot run the region again: break the cycles
+        if frame.escaped or frame.picks:  # NOTE [Tensors that escape a reentrant region]
+            frame.release()
+        else:
+            frame.finish()
+    return found
+
+
+def _saved_inputs(ctx: Any, frame: ReentrantFrame) -> tuple:
+    """The inputs the forward saved; refused when changed in place since, or freed."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as err:
+        if "inplace" in str(err):
+            raise RecomputeError(
+                f"remat: region '{frame.name}' (use_reentrant=True) cannot be re-run: one of "
+                f"its inputs was changed in place after the region ran ({err}). A region is "
+                f"rebuilt from its inputs in backward; change the input out of place, or "
+                f"clone it first"
             ) from err
-        if frame.views or frame.copied:  # saved detached: they require grad as they did
-            tensors = tuple(x.detach().requires_grad_(frame.copied.get(i, True))
-                            if i in frame.views or i in frame.copied else x
-                            for i, x in enumerate(tensors))
-        keep = torch._C._autograd._get_current_graph_task_keep_graph()
-        found = differentiate(frame, tensors, _as_written_views(ctx, grads))
-        if not keep:  # a graph not kept cannot run the region again: break the cycles
-            if frame.escaped or frame.picks:  # NOTE [Tensors that escape a reentrant region]
-                frame.release()
-            else:
-                frame.finish()
-        return found
+        raise RecomputeError(
+            f"remat: backward ran a second time through reentrant region '{frame.name}' after "
+            f"its saved inputs were freed; pass retain_graph=True to the first backward, or "
+            f"use use_reentrant=False (torch: Trying to backward through the graph a second "
+            f"time, or directly access saved tensors after they have already been freed)"
+        ) from err
 
 
 def _argument_views(frame: ReentrantFrame, views: list, inputs: tuple) -> list:
