@@ -107,9 +107,34 @@ class MLP(Block):
         self.fc1, self.act, self.fc2 = nn.Linear(D, 2 * D), _act(p["act"]), nn.Linear(2 * D, D)
         if p["act"] == "relu_inplace":
             self.inplace_after = ("fc1",)
+        self.compiled = False  # the door of a torch.compile'd function inside (desc["compiled"])
 
     def forward(self, x):
+        if self.compiled:
+            return _compiled_mlp()(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
         return self.fc2(self.act(self.fc1(x)))
+
+
+def _mlp_core(x, w1, b1, w2, b2):
+    h = nn.functional.linear(x, w1, b1)
+    return nn.functional.linear(nn.functional.gelu(h) * torch.sigmoid(h), w2, b2)
+
+
+_COMPILED: list = []
+
+
+def _compiled_mlp() -> Callable:
+    """The MLP's computation compiled by ``torch.compile`` (``aot_eager``): code the user
+    compiled, inside a region (NOTE [Compiled code inside a region] in ``observe.py``); one
+    function for every case, so each guard set compiles once per process."""
+    if not _COMPILED:
+        import torch._dynamo
+        import torch._functorch.config
+
+        torch._dynamo.config.recompile_limit = 64  # shapes, grad modes, frozen weights
+        torch._functorch.config.donated_buffer = False  # cases backward twice, or with create_graph
+        _COMPILED.append(torch.compile(_mlp_core, backend="aot_eager"))
+    return _COMPILED[0]
 
 
 class Conv(Block):
@@ -717,6 +742,8 @@ def build(desc: dict) -> FuzzNet:
         model.outside_box = _OutsideBox(model.outside_weight)
         reader = model.get_submodule(desc["outside"])
         reader.__class__, reader.box = _OutsideLinear, model.outside_box
+    if desc.get("compiled"):  # drawn after it (`make_case`)
+        model.get_submodule(desc["compiled"]).compiled = True
     return model
 
 
@@ -1016,7 +1043,8 @@ class Case:
             for j, b in enumerate(stage):
                 lines.append(f"  stages.{i}.blocks.{j}: {b['kind']} {b['p']} wire={b['wire']}")
         lines.append(f"  tie={self.desc['tie']} frozen={self.desc['frozen']}"
-                     + (f" outside={self.desc['outside']}" if self.desc.get("outside") else ""))
+                     + (f" outside={self.desc['outside']}" if self.desc.get("outside") else "")
+                     + (f" compiled_mlp={self.desc['compiled']}" if self.desc.get("compiled") else ""))
         lines += [f"  mark {m}" for m in self.plan]
         return "\n".join(lines)
 
@@ -1136,6 +1164,15 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
                          if type(m) is nn.Linear and m.out_features == D and n.startswith("stages."))
         if readers:
             desc["outside"] = r.choice(readers)
+    # drawn after it: the cases before keep theirs; a compiled function inside an MLP block
+    # (not under remat.compile, which compiles the whole model; not with a gradient penalty,
+    # which aot_autograd refuses; not with the torch.func phase: torch.func over the compiled
+    # function left torch.compile's caches so that a later case's region saw a saved weight's
+    # version move inside its own re-run, refused with a RecomputeError, session 25)
+    if not compiled and r.random() < 0.15 and not case.penalty and not case.func_check:
+        mlps = sorted(n for n, m in modules.items() if type(m) is MLP)
+        if mlps:
+            desc["compiled"] = r.choice(mlps)
     return case
 
 

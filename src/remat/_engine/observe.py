@@ -46,6 +46,26 @@ that writes nothing pays nothing; one that writes batch-norm statistics pays a
 copy of a few numbers per channel. A written tensor that requires grad (its
 history would change) is refused.
 
+NOTE [Compiled code inside a region]
+A region may call code the user compiled (``torch.compile`` of a submodule, FlexAttention).
+``torch.compile`` runs compiled code only while no dispatch mode that wants to see every
+operator is active: under one it falls back to eager. So a watched forward, a selective
+forward and its re-run ran the region's compiled parts eagerly while the unwatched calls,
+the re-runs and the unmarked model ran them compiled: other kernels, other rounding (the
+gradients differed from the unmarked model's in the last bits, silently), a re-run that
+saved other tensors than its forward (refused), and a compiled submodule recompiled on
+every region call until torch gave up compiling it. torch's checkpoint has no mode
+around its re-run, and its selective modes declare ``ignore_compile_internals``, so
+compiled code runs compiled: bitwise as unmarked. remat's modes (`Observe`, the selective
+`SaveMode` and `ReplayMode`) declare it too: compiled code runs compiled everywhere, and
+they see the operators it dispatches (every one under ``aot_eager``; under Inductor, the
+calls it leaves to ATen, such as matrix products, and the input writes it applies). What a
+compiled kernel reads inside itself they do not see: a reentrant region, which must know
+every tensor it reads that requires grad, finds such a parameter only in its re-run's
+graph (`reached_outside`) and is refused with a ``RecomputeError`` (use
+``use_reentrant=False``); a selective policy keeps and skips only calls it sees, in the
+forward and the re-run alike, and none that runs without grad inside compiled code.
+
 NOTE [Tensors that escape a reentrant region]
 A ``use_reentrant=True`` region runs forward without grad. A tensor it makes that
 leaves it other than through its outputs (an auxiliary loss stored on the module,
@@ -123,6 +143,11 @@ def _storage(t: torch.Tensor) -> int | None:
 
 class _Watch(TorchDispatchMode):
     """A dispatch mode that looks past the local operators of tensor subclasses."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Compiled code runs compiled under it (NOTE [Compiled code inside a region])."""
+        return True
 
     depth = 0
 
@@ -488,6 +513,7 @@ def refuse_lost(name: str, outside: list, grads: list) -> None:
                 f"tensor that requires grad (shape {list(variable.shape)}) which its forward "
                 f"did not read, so that tensor's gradient would be lost (a custom "
                 f"autograd.Function that returns a gradient for an input its forward never "
-                f"reads, or state that changed between forward and backward); use "
+                f"reads, a torch.compile'd function that reads it inside a compiled kernel, "
+                f"or state that changed between forward and backward); use "
                 f"use_reentrant=False, or make the forward read it"
             )

@@ -154,6 +154,11 @@ class SaveMode(TorchDispatchMode):
     it never made a sign of a region that is not deterministic.
     """
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """NOTE [Compiled code inside a region] in ``observe.py``."""
+        return True
+
     def __init__(self, policy: Policy | CallPolicy, store: _Store) -> None:
         super().__init__()
         self.policy, self.store = policy, store
@@ -233,6 +238,11 @@ def _facts(policy: Policy | CallPolicy, func: Any) -> tuple:
 
 class ReplayMode(TorchDispatchMode):
     """Recompute half: return kept outputs, skip dead calls, run every other operator."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """NOTE [Compiled code inside a region] in ``observe.py``."""
+        return True
 
     def __init__(self, policy: Policy | CallPolicy, store: _Store) -> None:
         super().__init__()
