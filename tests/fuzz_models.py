@@ -282,6 +282,8 @@ class TupleOut(Block):
         self.pack = p.get("pack", "tuple")
 
     def forward(self, x):
+        if "leaf" in self._parameters:  # the door desc["leaf_out"]: NOTE [Tensors returned as they were]
+            return PACKS[self.pack][0](self.fc(x), self.leaf)
         if self.p_pass == "view":  # a view of the input: NOTE [Views of an argument changed after the region]
             return PACKS[self.pack][0](self.fc(x), x.view_as(x))
         return PACKS[self.pack][0](self.fc(x), (x if self.p_pass else torch.sin(x)))
@@ -744,6 +746,8 @@ def build(desc: dict) -> FuzzNet:
         reader.__class__, reader.box = _OutsideLinear, model.outside_box
     if desc.get("compiled"):  # drawn after it (`make_case`)
         model.get_submodule(desc["compiled"]).compiled = True
+    if desc.get("leaf_out"):  # drawn after it: a parameter the block returns, unread
+        model.get_submodule(desc["leaf_out"]).leaf = nn.Parameter(torch.full((D,), 0.5))
     return model
 
 
@@ -1044,7 +1048,8 @@ class Case:
                 lines.append(f"  stages.{i}.blocks.{j}: {b['kind']} {b['p']} wire={b['wire']}")
         lines.append(f"  tie={self.desc['tie']} frozen={self.desc['frozen']}"
                      + (f" outside={self.desc['outside']}" if self.desc.get("outside") else "")
-                     + (f" compiled_mlp={self.desc['compiled']}" if self.desc.get("compiled") else ""))
+                     + (f" compiled_mlp={self.desc['compiled']}" if self.desc.get("compiled") else "")
+                     + (f" leaf_out={self.desc['leaf_out']}" if self.desc.get("leaf_out") else ""))
         lines += [f"  mark {m}" for m in self.plan]
         return "\n".join(lines)
 
@@ -1173,7 +1178,20 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
         mlps = sorted(n for n, m in modules.items() if type(m) is MLP)
         if mlps:
             desc["compiled"] = r.choice(mlps)
+    # drawn after it: a tuple_out block that returns a parameter it does not read (NOTE
+    # [Tensors returned as they were]; not with relu_second, which writes it in place)
+    if r.random() < 0.15:
+        leafy = sorted(n for n, m in modules.items() if type(m) is TupleOut and not m.p_pass
+                       and _combine_of(desc, n) != "relu_second")
+        if leafy:
+            desc["leaf_out"] = r.choice(leafy)
     return case
+
+
+def _combine_of(desc: dict, path: str) -> str | None:
+    """The ``combine`` parameter of the block at ``path`` (``stages.i.blocks.j``)."""
+    _, i, _, j = path.split(".")
+    return desc["stages"][int(i)][int(j)]["p"].get("combine")
 
 
 # --- the model changed between steps ---------------------------------------------------

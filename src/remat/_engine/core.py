@@ -79,6 +79,7 @@ class RegionCore:
             self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
             self.arguments = [leaves[i] for i in self.tensor_slots]
         self.replay = _rng.capture(self.arguments, spec.preserve_rng_state)
+        self.first_node = torch.autograd._get_sequence_nr()  # NOTE [Tensors returned as they were]
         self.kept_collectives: list | None = None  # NOTE [Kept collectives]
         self.runs = 0
         roots = _boundary.modules_of(fn)  # NOTE [Module state at the boundary]
@@ -87,6 +88,12 @@ class RegionCore:
         self.watched = True  # its forward ran under Observe
         self.uses: tuple = ()  # per tensor argument, the operators that took it (reentrant)
         self.known: Any = None  # unwatched: the facts it runs on (`facts.Facts`)
+
+    def computed(self, t: torch.Tensor) -> bool:
+        """Whether ``t``, which requires grad, has a history the region's forward made (NOTE
+        [Tensors returned as they were] in ``reentrant.py``): autograd numbers its nodes as it
+        makes them, so a node older than the frame is not the region's."""
+        return t.grad_fn is not None and t.grad_fn._sequence_nr() >= self.first_node
 
     def module_state_restored(self, replayed: list) -> contextlib.AbstractContextManager:
         """The re-run's view of its modules: as the forward found them (``boundary.py``)."""

@@ -230,8 +230,11 @@ class HookedFrame(RegionCore):
             self._copy_returned_inputs(inputs, [k is not None and k in returned for k in in_list])
         if spec.output_recompute or spec.keep_outputs:
             self.settle_outputs(flat, out_keys)
-        if spec.output_recompute:  # an input passed through is not this region's to rebuild
-            _outputs.register(self, [None if k in in_keys else t for t, k in zip(flat, out_keys)])
+        if spec.output_recompute:  # an input passed through is not this region's to rebuild, nor
+            # a tensor it returns as it was (a parameter: NOTE [Tensors returned as they were])
+            _outputs.register(self, [None if k in in_keys or (isinstance(t, torch.Tensor) and t.requires_grad
+                                                              and not self.computed(t))
+                                     else t for t, k in zip(flat, out_keys)])
         return output
 
     def _copy_returned_inputs(self, inputs: list, shared: list[bool]) -> None:

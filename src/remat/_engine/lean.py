@@ -82,8 +82,8 @@ def close(frame: Any, output: Any) -> Any:
         except Exception:
             frame.abandon()
             raise
-    if type(output) is not torch.Tensor or output._is_view():
-        return None
+    if type(output) is not torch.Tensor or output._is_view() or output.requires_grad:
+        return None  # NOTE [Tensors returned as they were] (reentrant.py)
     tensors = frame.arguments
     if any(x._version != v for x, v in zip(tensors, frame.versions)):
         return None  # NOTE [Written arguments]

@@ -149,6 +149,21 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped:
     key, tensor)`` for each attribute the forward bound to a tensor that would carry a
     gradient (NOTE [Tensors that escape a reentrant region] in ``observe.py``); ``picks``:
     where the other escaped tensors were made (NOTE [Escapes handed back by position]).
+
+    NOTE [Tensors returned as they were]
+    A region may return a tensor that requires grad and that its operators did not compute:
+    one of its parameters (a block that hands its position embedding to the next one), a
+    fast weight computed before the region (MAML), a tensor read from outside, or a leaf
+    it makes itself (T5 marks its position bias as requiring grad). A reentrant forward
+    runs without grad, so such a tensor has no history or a history older than the region
+    (its node's sequence number is below the frame's first: autograd numbers nodes as it
+    makes them). Returned from the Function, autograd gave that very tensor the Function's
+    node as its history: a parameter stopped being a leaf, and the first backward
+    re-entered the Function from inside its own re-run, forever (torch's reentrant
+    checkpoint hangs the same way). Unmarked, the caller gets the tensor itself and its
+    gradient flows into its own history; so here it is handed out as itself, outside the
+    Function, like an argument returned as itself, and the re-run's own value of it is not
+    differentiated.
     """
     if escaped or picks is not None:
         return _with_escaped(frame, reads, state, output, escaped, picks)
@@ -162,13 +177,20 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped:
     frame.passthrough = {  # NOTE [Arguments returned as outputs]
         j: i for j, o in enumerate(outs) for i, (x, a) in enumerate(zip(tensors, aliases))
         if isinstance(o, torch.Tensor) and (o is x or o is a) and i not in frame.written}
-    if not frame.passthrough:
+    leaves = {j: o for j, o in enumerate(outs)  # NOTE [Tensors returned as they were]
+              if j not in frame.passthrough and type(o) in _PLAIN and o.requires_grad
+              and not frame.computed(o)}
+    if not frame.passthrough and not leaves:
         return apply(frame, output, tensors)
+    frame.passthrough.update(dict.fromkeys(leaves, -1))
     kept = tuple(o for j, o in enumerate(outs) if j not in frame.passthrough)
     result = iter(apply(frame, kept, tensors) if kept or frame.written else ())
-    whole = tuple(tensors[frame.passthrough[j]] if j in frame.passthrough else next(result)
-                  for j in range(len(outs)))
+    whole = tuple(leaves[j] if j in leaves else tensors[frame.passthrough[j]] if j in frame.passthrough
+                  else next(result) for j in range(len(outs)))
     return _like(output, whole) if isinstance(output, tuple) else whole[0]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass's leaves are its own business
 
 
 def _with_escaped(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list,

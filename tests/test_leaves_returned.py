@@ -1,0 +1,129 @@
+"""A region that returns a tensor that requires grad and that its operators did not compute: its
+parameter, a leaf read from outside, a fast weight computed before it, or a leaf it makes (NOTE
+[Tensors returned as they were] in reentrant.py).
+
+Under ``use_reentrant=True`` the Function returned such a leaf as one of its outputs: autograd
+gave the parameter the Function's node as its history, so it stopped being a leaf, and the
+first backward re-entered the Function from inside its own re-run without end (torch's
+reentrant checkpoint hangs the same way). Every case trains two steps and compares every
+gradient, the leaves' included, bitwise with the unmarked model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+
+D = 8
+OUTSIDE = nn.Parameter(torch.randn(D, generator=torch.Generator().manual_seed(7)))
+
+
+class _Returns(nn.Module):
+    """``(x + tanh(fc(x)), leaf)``: the leaf is the block's parameter, a parameter no module
+    holds, or a leaf the forward makes (T5's position bias)."""
+
+    def __init__(self, which: str) -> None:
+        super().__init__()
+        self.fc, self.pos, self.which = nn.Linear(D, D), nn.Parameter(torch.randn(D)), which
+
+    def forward(self, x):
+        h = x + torch.tanh(self.fc(x))  # the leaf is not read: it is no input of the Function
+        if self.which == "parameter":
+            return h, self.pos
+        if self.which == "outside":
+            return h, OUTSIDE
+        if self.which == "fast":  # computed from the parameter before the region (MAML's)
+            return h, self.fast
+        self.made = torch.full((D,), 0.5, requires_grad=True)
+        return h, self.made
+
+
+class _Net(nn.Module):
+    def __init__(self, which: str, call) -> None:
+        super().__init__()
+        self.first, self.a, self.b, self.head = nn.Linear(D, D), _Returns(which), _Returns(which), nn.Linear(D, D)
+        self.call = call
+
+    def forward(self, x):
+        for block in (self.a, self.b):
+            block.fast = block.pos * 1.5  # used by which="fast" only
+        h, p = self.call(self.a, self.first(x))
+        h, q = self.call(self.b, h * p)
+        return self.head(h + q)
+
+
+def _plain(block, x):
+    return block(x)
+
+
+def _train(which: str, front: str | None, options: dict) -> list:
+    torch.manual_seed(0)
+    call = _plain
+    if front == "checkpoint":
+        call = lambda block, x: remat.checkpoint(block, x, **options)
+    net = _Net(which, call)
+    if front == "module":
+        for block in (net.a, net.b):
+            remat.recompute_module(block, **options)
+    elif front == "apply":
+        remat.apply(net, where=_Returns, **options)
+    grads = []
+    for step in range(2):
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        net.zero_grad(set_to_none=True)
+        OUTSIDE.grad = None
+        net(x).pow(2).mean().backward()
+        leaves = [net.a.made, net.b.made] if which == "made" else [OUTSIDE]
+        grads = [p.grad for p in net.parameters()] + [t.grad for t in leaves] + [x.grad]
+        assert all(p.is_leaf for p in (*net.parameters(), OUTSIDE))
+        with torch.no_grad():
+            for p in net.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+    return grads
+
+
+def _options(mode: str, front: str) -> dict:
+    if mode == "reentrant":
+        return {"use_reentrant": True}
+    if mode == "non-reentrant":
+        return {"use_reentrant": False}
+    if front == "checkpoint":
+        return {"use_reentrant": False, "context_fn": remat.policy_context(remat.save_compute_intensive)}
+    return {"policy": remat.save_compute_intensive}
+
+
+@pytest.mark.parametrize("which", ["parameter", "outside", "fast", "made"])
+@pytest.mark.parametrize("front", ["module", "apply", "checkpoint"])
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant", "policy"])
+def test_a_leaf_returned_by_a_region_trains_as_unmarked(which, front, mode):
+    expected = _train(which, None, {})
+    got = _train(which, front, _options(mode, front))
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("which", ["parameter", "made"])
+def test_a_leaf_returned_under_output_recompute_trains_as_unmarked(which):
+    expected = _train(which, None, {})
+    for a, b in zip(_train(which, "apply", {"output_recompute": True}), expected, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_an_output_recompute_region_does_not_register_a_parameter_it_returns():
+    """An ``output_recompute`` region registered every output as its own to rebuild, the
+    parameter it returns too: the entry lived as long as the model, with remat's saved-tensor
+    hook pushed (``torch.func`` refused every later call; own fuzz case 570)."""
+    from remat._engine import outputs
+
+    block = _Returns("parameter")
+    remat.recompute_module(block, output_recompute=True)
+    h, p = block(torch.randn(4, D, requires_grad=True))
+    assert p is block.pos
+    h.sum().backward()
+    del h
+    assert not outputs._registry and not outputs.hook_active()
