@@ -79,21 +79,6 @@ kept (an in-place operator on a kept output), a region that can re-run
 rebuilds it instead, as if it had not been kept; one that cannot raises
 autograd's own error.
 
-NOTE [Backward refused]
-A ``RecomputeError`` raised in backward (a parameter changed in place before it, a re-run
-that read another tensor) aborts that backward: the regions it had not reached yet never
-run theirs, so they keep their saved arguments and their copies of their modules'
-attributes (NOTE [Module state at the boundary]). A copy may hold a list a hook appends the
-region's tensors to, and those lead back to the region through autograd: once the model
-rebinds the list, a cycle Python's collector cannot free kept the step's tensors (and an
-``output_recompute`` output registered, with remat's hook pushed) while the process lived.
-So every closed region that may still be re-run is noted (`_pending`, weakly), and a
-``RecomputeError`` leaving a backward (`HookedFrame.unpack`, `rebuild_output`, the reentrant
-Function's backward) lets all of them go (`refused`): the message says to run the step again,
-and a later backward that reaches one of them is refused, not re-run. A forward that no
-backward ever differentiates keeps that cycle too: run it under ``torch.no_grad()``, or empty
-such a list in place instead of rebinding it (the docs' limits say so).
-
 NOTE [Rebuilt tensors keep their version]
 A tensor a re-run saves is handed to backward as the re-run's own tensor, so
 a later operator of the same re-run that changes it in place (the forward did
@@ -123,6 +108,7 @@ from remat._engine import collectives as _collectives
 from remat._engine import dead as _dead
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
+from remat._engine import refusal as _refusal
 from remat._engine import state as _state
 from remat._engine.core import Contexts, RegionCore
 from remat._engine.errors import RecomputeError
@@ -140,9 +126,6 @@ from remat._engine.rebuilt import (
 )
 from remat._engine.selective import ReplayMode
 from remat._vocab.spec import RegionSpec
-
-#: closed regions that may still be re-run (NOTE [Backward refused])
-_pending: weakref.WeakSet = weakref.WeakSet()
 
 _sequence_nr = torch.autograd._get_sequence_nr
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # as outputs.py reads the stack
@@ -220,7 +203,7 @@ class HookedFrame(RegionCore):
         if self.keep_all:
             self.finish_keeping()
             return output
-        _pending.add(self)  # NOTE [Backward refused]
+        _refusal.pending.add(self)  # NOTE [Backward refused] (refusal.py)
         flat = _leaves(output)
         out_keys = list(map(storage_of, flat))  # each storage read once for the three uses below
         in_list = list(map(storage_of, inputs))
@@ -428,7 +411,7 @@ class HookedFrame(RegionCore):
             try:
                 self.recompute(gid)
             except RecomputeError:
-                refused()
+                _refusal.refused()
                 raise
         x, version = holder.rebuilt.pop(gid)
         if version is not None and x._version != version:
@@ -443,7 +426,7 @@ class HookedFrame(RegionCore):
             try:
                 self.recompute(gid, store=False)
             except RecomputeError:
-                refused()
+                _refusal.refused()
                 raise
         outputs = self.rebuilt_outputs[gid]
         if not self._refs_pending(gid):
@@ -471,7 +454,7 @@ class HookedFrame(RegionCore):
         rebuilt all at once: backward holds one region's tensors at a time and
         the chain's boundary outputs, as a chain of plain regions would.
         """
-        if self.expired:  # NOTE [Regions made inside a re-run] in region.py, [Backward refused]
+        if self.expired:  # NOTE [Regions made inside a re-run] in region.py, [Backward refused] in refusal.py
             refuse_expired(self.name, self.expired == "refused")
         self._drop_stale_kept()
         if self.spec.output_recompute:
@@ -516,12 +499,12 @@ class HookedFrame(RegionCore):
             self._fill_from_outputs(gid)
 
     def expire(self, why: str = "re-run") -> None:
-        """NOTE [Regions made inside a re-run] (``region.py``), NOTE [Backward refused]: let go
-        of what a re-run needs."""
+        """NOTE [Regions made inside a re-run] (``region.py``), NOTE [Backward refused]
+        (``refusal.py``): let go of what a re-run needs."""
         self.expired, self.module_state = why, _boundary.ModuleState(self.name, [])
         self.state, self.cached_inputs, self.rebuilt_outputs = [], {}, {}
         self.saver = self.held = None
-        _pending.discard(self)
+        _refusal.pending.discard(self)
 
 
     def _drop_stale_kept(self) -> None:
@@ -547,10 +530,3 @@ class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, frame: HookedFrame) -> None:
         super().__init__(frame.pack, frame.unpack)
 
-
-def refused() -> None:
-    """NOTE [Backward refused]: a RecomputeError is leaving a backward; every closed region
-    that could still be re-run lets go of what its re-run needs."""
-    for frame in list(_pending):
-        if frame.closed:
-            frame.expire("refused")

@@ -117,7 +117,7 @@ class RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
 def refuse_expired(name: str, refused: bool = False) -> None:
     """A backward reached a region that let go of what its re-run needs: one made for another
     backward's re-run only (NOTE [Regions made inside a re-run] in ``region.py``), or one a
-    refused backward never reached (``refused``, NOTE [Backward refused] in ``hooked.py``)."""
+    refused backward never reached (``refused``, NOTE [Backward refused] in ``refusal.py``)."""
     if refused:
         raise RecomputeError(
             f"remat: region '{name}' belongs to a step whose backward remat refused (see the "

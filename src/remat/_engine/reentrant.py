@@ -59,8 +59,8 @@ from typing import Any
 import torch
 
 from remat._engine import boundary as _boundary
-from remat._engine import hooked as _hooked
 from remat._engine import per_use as _per_use
+from remat._engine import refusal as _refusal
 from remat._engine.core import RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import storage_of
@@ -305,7 +305,7 @@ class Reentrant(torch.autograd.Function):
         try:
             return _backward(ctx, grads)
         except RecomputeError:
-            _hooked.refused()  # NOTE [Backward refused] in hooked.py
+            _refusal.refused()  # NOTE [Backward refused] in refusal.py
             raise
 
 
