@@ -23,6 +23,8 @@ from remat._engine import flat as _flat
 from remat._engine import rng as _rng
 from remat._vocab.spec import RegionSpec
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass's tensors are its own business
+
 
 class Contexts:
     """The contexts a region's forward or re-run runs in, left in reverse order (a lean
@@ -89,11 +91,13 @@ class RegionCore:
         self.uses: tuple = ()  # per tensor argument, the operators that took it (reentrant)
         self.known: Any = None  # unwatched: the facts it runs on (`facts.Facts`)
 
-    def computed(self, t: torch.Tensor) -> bool:
-        """Whether ``t``, which requires grad, has a history the region's forward made (NOTE
-        [Tensors returned as they were] in ``reentrant.py``): autograd numbers its nodes as it
-        makes them, so a node older than the frame is not the region's."""
-        return t.grad_fn is not None and t.grad_fn._sequence_nr() >= self.first_node
+    def returned_as_it_was(self, t: Any) -> bool:
+        """Whether output ``t`` is a tensor that requires grad and whose history (none, or one
+        older than the frame: autograd numbers its nodes as it makes them) the region's forward
+        did not make (NOTE [Tensors returned as they were] in ``reentrant.py``)."""
+        if type(t) not in _PLAIN or not t.requires_grad:
+            return False
+        return t.grad_fn is None or t.grad_fn._sequence_nr() < self.first_node
 
     def module_state_restored(self, replayed: list) -> contextlib.AbstractContextManager:
         """The re-run's view of its modules: as the forward found them (``boundary.py``)."""

@@ -215,9 +215,8 @@ class HookedFrame(RegionCore):
             self.settle_outputs(flat, out_keys)
         if spec.output_recompute:  # an input passed through is not this region's to rebuild, nor
             # a tensor it returns as it was (a parameter: NOTE [Tensors returned as they were])
-            _outputs.register(self, [None if k in in_keys or (isinstance(t, torch.Tensor) and t.requires_grad
-                                                              and not self.computed(t))
-                                     else t for t, k in zip(flat, out_keys)])
+            _outputs.register(self, [None if k in in_keys or self.returned_as_it_was(t) else t
+                                     for t, k in zip(flat, out_keys)])
         return output
 
     def _copy_returned_inputs(self, inputs: list, shared: list[bool]) -> None:
@@ -408,11 +407,7 @@ class HookedFrame(RegionCore):
         if gid not in holder.rebuilt:
             if gid in self.stored:
                 raise RecomputeError(unpacked_twice(self.name, holder, gid is _flags.current_group()))
-            try:
-                self.recompute(gid)
-            except RecomputeError:
-                _refusal.refused()
-                raise
+            self.recompute(gid)
         x, version = holder.rebuilt.pop(gid)
         if version is not None and x._version != version:
             raise RecomputeError(changed_after_rebuilt(self.name, holder, x, version))
@@ -423,11 +418,7 @@ class HookedFrame(RegionCore):
         gid = _graph_task()
         ref.done.add(gid)
         if gid not in self.rebuilt_outputs:
-            try:
-                self.recompute(gid, store=False)
-            except RecomputeError:
-                _refusal.refused()
-                raise
+            self.recompute(gid, store=False)
         outputs = self.rebuilt_outputs[gid]
         if not self._refs_pending(gid):
             del self.rebuilt_outputs[gid]
@@ -444,6 +435,15 @@ class HookedFrame(RegionCore):
         return max(alive) if alive else -1
 
     def recompute(self, gid: int, store: bool = True) -> None:
+        """`_recompute`; a refusal lets go of the regions the backward will not reach (NOTE
+        [Backward refused] in ``refusal.py``)."""
+        try:
+            self._recompute(gid, store)
+        except RecomputeError:
+            _refusal.refused()
+            raise
+
+    def _recompute(self, gid: int, store: bool) -> None:
         """Re-run the region for graph task ``gid``.
 
         NOTE [Output pass]: a consumer that needs an output of an
@@ -506,7 +506,6 @@ class HookedFrame(RegionCore):
         self.saver = self.held = None
         _refusal.pending.discard(self)
 
-
     def _drop_stale_kept(self) -> None:
         """Kept tensors changed in place since are rebuilt (NOTE [Regions that write their inputs])."""
         if not self.spec.keep_outputs or self.spec.output_recompute:
@@ -529,4 +528,3 @@ class HookedFrame(RegionCore):
 class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, frame: HookedFrame) -> None:
         super().__init__(frame.pack, frame.unpack)
-

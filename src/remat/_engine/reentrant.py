@@ -177,20 +177,16 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped:
     frame.passthrough = {  # NOTE [Arguments returned as outputs]
         j: i for j, o in enumerate(outs) for i, (x, a) in enumerate(zip(tensors, aliases))
         if isinstance(o, torch.Tensor) and (o is x or o is a) and i not in frame.written}
-    leaves = {j: o for j, o in enumerate(outs)  # NOTE [Tensors returned as they were]
-              if j not in frame.passthrough and type(o) in _PLAIN and o.requires_grad
-              and not frame.computed(o)}
-    if not frame.passthrough and not leaves:
+    as_they_were = {j: o for j, o in enumerate(outs)  # NOTE [Tensors returned as they were]
+                    if j not in frame.passthrough and frame.returned_as_it_was(o)}
+    if not frame.passthrough and not as_they_were:
         return apply(frame, output, tensors)
-    frame.passthrough.update(dict.fromkeys(leaves, -1))
-    kept = tuple(o for j, o in enumerate(outs) if j not in frame.passthrough)
+    handed = {j: tensors[i] for j, i in frame.passthrough.items()} | as_they_were
+    frame.passthrough.update(dict.fromkeys(as_they_were, -1))  # backward reads the positions only
+    kept = tuple(o for j, o in enumerate(outs) if j not in handed)
     result = iter(apply(frame, kept, tensors) if kept or frame.written else ())
-    whole = tuple(leaves[j] if j in leaves else tensors[frame.passthrough[j]] if j in frame.passthrough
-                  else next(result) for j in range(len(outs)))
+    whole = tuple(handed[j] if j in handed else next(result) for j in range(len(outs)))
     return _like(output, whole) if isinstance(output, tuple) else whole[0]
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass's leaves are its own business
 
 
 def _with_escaped(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list,
