@@ -20,6 +20,8 @@ is the machine's noise), as microseconds over torch's reentrant checkpoint:
 - ``+ settle``: plus the parameters' versions kept (NOTE [Parameters changed before backward]);
 - ``+ re-run contexts``: plus the re-run's module state restored and checked, and the
   recomputation flag;
+- ``+ graph walk``: plus the walk of the re-run's autograd graph for a leaf that is not an
+  input of the Function (NOTE [Reads that vary] in ``remat/_engine/facts.py``);
 - ``remat``: a block marked by ``remat.apply(..., use_reentrant=True)``.
 
 What ``remat`` takes beyond the last line is the engine's own code around those parts (the
@@ -56,9 +58,10 @@ import engine_overhead as eo
 
 import remat
 from remat._engine import boundary, facts, per_use, rng, state
+from remat._engine.observe import reached_outside
 from remat._front.marks import mark_of
 
-PARTS = ("minimal", "+ module state", "+ facts", "+ per-use", "+ settle", "+ re-run contexts")
+PARTS = ("minimal", "+ module state", "+ facts", "+ per-use", "+ settle", "+ re-run contexts", "+ graph walk")
 
 
 class _Frame:
@@ -83,6 +86,8 @@ class _Minimal(torch.autograd.Function):
         else:
             with frame.replay.context(), torch.enable_grad():
                 out = ctx.fn(*wrt)
+        if frame.level >= 6 and reached_outside([out], wrt + frame.params):
+            raise RuntimeError("a leaf outside the Function's inputs")
         found = torch.autograd.grad((out,), wrt + frame.params, (grad,), allow_unused=True)
         return (None, None, None, None, *found, *[None] * len(frame.extra))
 

@@ -98,7 +98,6 @@ in forward changes the module's key, so such a region is watched on every call.
 from __future__ import annotations
 
 import contextlib
-import operator
 import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -465,33 +464,34 @@ def reached_outside(outs: list, wrt: list, made: set = frozenset(), made_reached
     module that its forward did not use) loses nothing.
 
     Every unwatched re-run walks too (NOTE [Reads that vary] in ``facts.py``), so the walk
-    does the least per node: a gradient accumulator is told by its type, not by an
-    attribute lookup that fails on every other node.
+    does the least per node: each node's edges are read once, a node is marked seen as it is
+    first reached (never pushed twice), and a gradient accumulator is told by its type, not
+    by an attribute lookup that fails on every other node, and is never pushed.
     """
     leaf_ids = {id(t) for t in wrt if t.grad_fn is None}
     seen = {t.grad_fn for t in wrt if t.grad_fn is not None}
     seen.add(None)
     found: dict[int, torch.Tensor] = {}
-    todo = [o.grad_fn for o in outs]
-    pop, add, extend, accumulator = todo.pop, seen.add, todo.extend, _accumulator_type()
+    todo = [node for node in dict.fromkeys(o.grad_fn for o in outs) if node not in seen]
+    seen.update(todo)
+    pop, push, add, accumulator = todo.pop, todo.append, seen.add, _accumulator_type()
     while todo:
-        node = pop()
-        if node in seen:
-            continue
-        add(node)
-        if type(node) is accumulator:
+        for node, _ in pop().next_functions:
+            if node in seen:
+                continue
+            add(node)
+            if type(node) is not accumulator:
+                push(node)
+                continue
             variable = node.variable
             if id(variable) in made:
                 if made_reached is not None:
                     made_reached.append(variable)
             elif id(variable) not in leaf_ids:
                 found.setdefault(id(variable), variable)
-            continue
-        extend(map(_NODE, node.next_functions))
     return list(found.values())
 
 
-_NODE = operator.itemgetter(0)
 _ACCUMULATOR: list = []
 
 
