@@ -281,9 +281,11 @@ class TupleOut(Block):
         self.p_pass = p.get("pass", False)
         self.pack = p.get("pack", "tuple")
 
+    leaf_view = False  # desc["leaf_view"]: the block returns a view of its parameter instead
+
     def forward(self, x):
         if "leaf" in self._parameters:  # the door desc["leaf_out"]: NOTE [Tensors returned as they were]
-            return PACKS[self.pack][0](self.fc(x), self.leaf)
+            return PACKS[self.pack][0](self.fc(x), self.leaf[:] if self.leaf_view else self.leaf)
         if self.p_pass == "view":  # a view of the input: NOTE [Views of an argument changed after the region]
             return PACKS[self.pack][0](self.fc(x), x.view_as(x))
         return PACKS[self.pack][0](self.fc(x), (x if self.p_pass else torch.sin(x)))
@@ -748,6 +750,7 @@ def build(desc: dict) -> FuzzNet:
         model.get_submodule(desc["compiled"]).compiled = True
     if desc.get("leaf_out"):  # drawn after it: a parameter the block returns, unread
         model.get_submodule(desc["leaf_out"]).leaf = nn.Parameter(torch.full((D,), 0.5))
+        model.get_submodule(desc["leaf_out"]).leaf_view = desc.get("leaf_view", False)
     return model
 
 
@@ -1049,7 +1052,8 @@ class Case:
         lines.append(f"  tie={self.desc['tie']} frozen={self.desc['frozen']}"
                      + (f" outside={self.desc['outside']}" if self.desc.get("outside") else "")
                      + (f" compiled_mlp={self.desc['compiled']}" if self.desc.get("compiled") else "")
-                     + (f" leaf_out={self.desc['leaf_out']}" if self.desc.get("leaf_out") else ""))
+                     + (f" leaf_out={self.desc['leaf_out']}" if self.desc.get("leaf_out") else "")
+                     + (" leaf_view" if self.desc.get("leaf_view") else ""))
         lines += [f"  mark {m}" for m in self.plan]
         return "\n".join(lines)
 
@@ -1185,6 +1189,13 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
                        and _combine_of(desc, n) != "relu_second")
         if leafy:
             desc["leaf_out"] = r.choice(leafy)
+            # a view of it the block makes (``pos[:n]``): made without grad in a reentrant
+            # forward, it has no history, and handed out as itself it lost the gradient. Not
+            # where the caller drops that output ("first"): a parameter a reentrant region reads
+            # whose gradient reaches no loss gets its hooks called with None (documented limit,
+            # tests/test_leaves_returned.py)
+            view = r.random() < 0.5
+            desc["leaf_view"] = view and _combine_of(desc, desc["leaf_out"]) != "first"
     return case
 
 

@@ -143,6 +143,7 @@ def test_generator_covers_every_block_wire_and_mark_kind():
     assert {fm.make_case(seed).change["kind"] for seed in range(600) if fm.make_case(seed).change} == set(fm.CHANGES)
     assert sum(fm.make_case(seed).freeze_before_backward is not None for seed in range(600)) >= 20
     assert sum(fm.make_case(seed).fast_weights for seed in range(600)) >= 20
+    assert any(fm.make_case(seed).desc.get("leaf_view") for seed in range(600))  # a view of a parameter returned
     assert seen_wires == set(fm.WIRES)
     assert seen_marks == set(fm.MARKS)
     assert seen_policies >= set(fm.POLICIES) | set(fm.CONTEXTS)

@@ -338,6 +338,11 @@ class ModuleState:
         """
         return tuple(self.keys)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is one of the modules' buffers or tensor attributes as the forward
+        found them."""
+        return any(t is held for entry in self.versioned for _, held, _ in entry.versions)
+
     def outside(self, read: list, state: list) -> list[torch.Tensor]:
         """The tensors of ``read`` that are not its modules' parameters, buffers or tensor
         attributes, nor state the forward wrote (NOTE [Tensors read from outside the module])."""

@@ -163,7 +163,16 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped:
     checkpoint hangs the same way). Unmarked, the caller gets the tensor itself and its
     gradient flows into its own history; so here it is handed out as itself, outside the
     Function, like an argument returned as itself, and the re-run's own value of it is not
-    differentiated.
+    differentiated. A view the forward made of a tensor that requires grad (``self.e[1]``,
+    a position table's slice, a parameter's transpose) has no history either, made without
+    grad, yet reports ``requires_grad`` as its base does: handed out as itself, the gradient
+    sent to it reached no one, the parameter's was lost, silently (torch's reentrant
+    checkpoint trains it). Such a view is the region's own output: it goes through the
+    Function, whose re-run makes it again with its history. One its modules held when the
+    forward began (an attribute set without grad before the call) is handed out as itself,
+    as unmarked; one held elsewhere (a global, a closure's) comes back from the re-run
+    without history, its gradient lost, so that backward is refused
+    (`reentrant_backward._pairs`).
     """
     if escaped or picks is not None:
         return _with_escaped(frame, reads, state, output, escaped, picks)
@@ -178,7 +187,8 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped:
         j: i for j, o in enumerate(outs) for i, (x, a) in enumerate(zip(tensors, aliases))
         if isinstance(o, torch.Tensor) and (o is x or o is a) and i not in frame.written}
     as_they_were = {j: o for j, o in enumerate(outs)  # NOTE [Tensors returned as they were]
-                    if j not in frame.passthrough and frame.returned_as_it_was(o)}
+                    if j not in frame.passthrough and frame.returned_as_it_was(o)
+                    and not _view_made_here(frame, o)}
     if not frame.passthrough and not as_they_were:
         return apply(frame, output, tensors)
     handed = {j: tensors[i] for j, i in frame.passthrough.items()} | as_they_were
@@ -187,6 +197,12 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped:
     result = iter(apply(frame, kept, tensors) if kept or frame.written else ())
     whole = tuple(handed[j] if j in handed else next(result) for j in range(len(outs)))
     return _like(output, whole) if isinstance(output, tuple) else whole[0]
+
+
+def _view_made_here(frame: ReentrantFrame, o: torch.Tensor) -> bool:
+    """Whether output ``o`` is a view without history that the forward made (NOTE [Tensors
+    returned as they were]): not one its modules held when it began."""
+    return o._is_view() and o.grad_fn is None and not frame.module_state.holds(o)
 
 
 def _with_escaped(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped: list,
@@ -280,6 +296,7 @@ class Reentrant(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, frame: ReentrantFrame, n_inputs: int, *tensors: torch.Tensor) -> Any:
         ctx.frame, ctx.n_inputs = frame, n_inputs
+        ctx.set_materialize_grads(False)  # NOTE [Outputs without a gradient]
         out, frame.pending = frame.pending, None
         if frame.lean:  # NOTE [Lean reentrant calls] (lean.py): one plain tensor, nothing written
             ctx.save_for_backward(*tensors[:n_inputs])
@@ -306,8 +323,24 @@ class Reentrant(torch.autograd.Function):
 
 
 def _backward(ctx: Any, grads: tuple) -> Any:
-    """`Reentrant.backward`: re-run the region and differentiate it."""
+    """`Reentrant.backward`: re-run the region and differentiate it.
+
+    NOTE [Outputs without a gradient]
+    An output the caller drops (a block's second result, unused) gets no gradient. A custom
+    Function's backward is handed zeros for it by default, so the re-run was differentiated
+    against zeros, and every parameter reached only from that output got a gradient of
+    zeros where the unmarked model leaves ``.grad`` None: an optimizer then moved it (weight
+    decay, momentum), silently (torch's reentrant checkpoint does the same). So the
+    Function takes such gradients as None and differentiates the re-run only through the
+    outputs that got one; a backward that got none re-runs nothing. A parameter reached
+    only from a dropped output is still an input of the Function: it gets None, and autograd
+    calls its tensor hooks with None, where the unmarked model never calls them.
+    """
     frame: ReentrantFrame = ctx.frame
+    if all(g is None for g in grads) and not frame.released:
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            _let_go(frame)
+        return (None,) * len(ctx.needs_input_grad)
     if frame.released:
         raise RecomputeError(
             f"remat: backward ran a second time through reentrant region '{frame.name}', whose "
@@ -333,11 +366,17 @@ def _backward(ctx: Any, grads: tuple) -> Any:
     keep = torch._C._autograd._get_current_graph_task_keep_graph()
     found = differentiate(frame, tensors, _as_written_views(ctx, grads))
     if not keep:  # a graph not kept cannot run the region again: break the cycles
-        if frame.escaped or frame.picks:  # NOTE [Tensors that escape a reentrant region]
-            frame.release()
-        else:
-            frame.finish()
+        _let_go(frame)
     return found
+
+
+def _let_go(frame: ReentrantFrame) -> None:
+    """The graph was not kept: let go of what a re-run needs (the module too, where an
+    attribute holds an escaped output: NOTE [Tensors that escape a reentrant region])."""
+    if frame.escaped or frame.picks:
+        frame.release()
+    else:
+        frame.finish()
 
 
 def _saved_inputs(ctx: Any, frame: ReentrantFrame) -> tuple:

@@ -85,11 +85,22 @@ def _pairs(frame: Any, outs: tuple, feeds: list, grads: tuple) -> tuple[list, li
     gradient; the base itself gets the rest (the slice zeroed: the region overwrote it).
     """
     n = len(grads) - frame.n_targets
-    pairs = [(o, g) for o, g in zip(outs, grads[:n]) if isinstance(o, torch.Tensor) and o.requires_grad]
+    pairs = [(o, g) for o, g in zip(outs, grads[:n])  # NOTE [Outputs without a gradient] (reentrant.py)
+             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+    for o, g in pairs:
+        if o.grad_fn is None and g is not None and not any(o is f for f in feeds):
+            raise RecomputeError(  # NOTE [Tensors returned as they were] (reentrant.py)
+                f"remat: region '{frame.name}' (use_reentrant=True) returned a view made without "
+                f"grad before its forward (shape {list(o.shape)}), whose gradient would be lost: "
+                f"the re-run hands back that view without history; make the view inside the "
+                f"region, return its base, or use use_reentrant=False"
+            )
     bases: list = [None] * frame.n_bases
     slices = []
     for i in frame.dirty:
         g = grads[n + frame.target_of[i]]
+        if g is None:  # its later readers sent nothing back
+            continue
         if i in frame.views:
             k, base_shape, base_stride, shape, stride, offset = frame.views[i]
             whole = g.new_empty_strided(base_shape, base_stride)
