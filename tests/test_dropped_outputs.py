@@ -111,3 +111,40 @@ def test_a_reentrant_region_whose_outputs_get_no_gradient_runs_no_re_run():
         assert all(p.grad is None for p in block.parameters())
         assert torch.equal(x.grad, torch.ones_like(x))
         x.grad = None
+
+
+class _Detached(nn.Module):
+    """``(tanh(a(x)), a target computed without grad)``, as an EMA teacher's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.t = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.t(x).tanh()
+        return torch.tanh(self.a(x)), target
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_an_output_computed_without_grad_changes_no_number(reentrant):
+    """A documented limit (the docs' torch page): under ``use_reentrant=True`` it requires grad
+    (torch's reentrant checkpoint alike), and nothing reaches anything through it."""
+    def train(mark: bool) -> tuple[list, bool]:
+        torch.manual_seed(0)
+        block, head = _Detached(), nn.Linear(D, D)
+        if mark:
+            remat.recompute_module(block, use_reentrant=reentrant)
+        grads = []
+        for step in range(2):
+            x = torch.randn(4, D, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            pred, target = block(x)
+            (head(pred) - target).pow(2).mean().backward()
+            grads += [p.grad.clone() if p.grad is not None else None for p in (*block.parameters(), *head.parameters())]
+            grads.append(x.grad)
+        return grads, target.requires_grad
+
+    (expected, unmarked), (got, marked) = train(False), train(True)
+    assert not unmarked and marked == reentrant
+    for a, b in zip(got, expected, strict=True):
+        assert (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
