@@ -23,6 +23,7 @@ D = 8
 OUTSIDE = nn.Parameter(torch.randn(D, generator=torch.Generator().manual_seed(7)))
 with torch.no_grad():
     OUTSIDE_VIEW = OUTSIDE[:]  # which="view outside": a view without history no module holds
+CONSTANT = torch.linspace(0.5, 1.5, D)  # which="constant": a global that does not require grad
 
 
 class _Returns(nn.Module):
@@ -34,6 +35,8 @@ class _Returns(nn.Module):
     def __init__(self, which: str) -> None:
         super().__init__()
         self.fc, self.pos, self.which = nn.Linear(D, D), nn.Parameter(torch.randn(D)), which
+        self.register_buffer("scale", torch.full((D,), 0.5))  # which="buffer"
+        self.mask = torch.full((D,), 2.0)  # which="attribute"
 
     def forward(self, x):
         h = x + torch.tanh(self.fc(x))  # the leaf is not read: it is no input of the Function
@@ -49,6 +52,8 @@ class _Returns(nn.Module):
             return h, self.before
         if self.which == "view outside":
             return h, OUTSIDE_VIEW
+        if self.which in ("buffer", "attribute", "constant"):  # tensors that do not require grad
+            return h, {"buffer": self.scale, "attribute": self.mask, "constant": CONSTANT}[self.which]
         self.made = torch.full((D,), 0.5, requires_grad=True)
         return h, self.made
 
@@ -89,7 +94,11 @@ def _train(which: str, front: str | None, options: dict) -> list:
         x = torch.randn(4, D, generator=torch.Generator().manual_seed(step), requires_grad=True)
         net.zero_grad(set_to_none=True)
         OUTSIDE.grad = None
-        net(x).pow(2).mean().backward()
+        loss = net(x).pow(2).mean()
+        # returned from the reentrant Function as themselves, they took its history, and
+        # the backward re-entered the Function without end
+        assert all(t.grad_fn is None for t in (net.a.scale, net.a.mask, CONSTANT))
+        loss.backward()
         leaves = [net.a.made, net.b.made] if which == "made" else [OUTSIDE]
         grads = [p.grad for p in net.parameters()] + [t.grad for t in leaves] + [x.grad]
         assert all(p.is_leaf for p in (*net.parameters(), OUTSIDE))
@@ -110,7 +119,8 @@ def _options(mode: str, front: str) -> dict:
     return {"policy": remat.save_compute_intensive}
 
 
-@pytest.mark.parametrize("which", ["parameter", "outside", "fast", "made", "view"])
+@pytest.mark.parametrize("which", ["parameter", "outside", "fast", "made", "view", "buffer", "attribute",
+                                   "constant"])
 @pytest.mark.parametrize("front", ["module", "apply", "checkpoint"])
 @pytest.mark.parametrize("mode", ["reentrant", "non-reentrant", "policy"])
 def test_a_leaf_returned_by_a_region_trains_as_unmarked(which, front, mode):

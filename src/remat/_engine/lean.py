@@ -84,6 +84,8 @@ def close(frame: Any, output: Any) -> Any:
             raise
     if type(output) is not torch.Tensor or output._is_view() or output.requires_grad:
         return None  # NOTE [Tensors returned as they were] (reentrant.py)
+    if frame.module_state.versioned and frame.module_state.holds(output):
+        return None  # a buffer returned: the same note
     tensors = frame.arguments
     if any(x._version != v for x, v in zip(tensors, frame.versions)):
         return None  # NOTE [Written arguments]

@@ -61,7 +61,7 @@ import torch
 from remat._engine import boundary as _boundary
 from remat._engine import per_use as _per_use
 from remat._engine import refusal as _refusal
-from remat._engine.core import RegionCore
+from remat._engine.core import _PLAIN, RegionCore
 from remat._engine.errors import RecomputeError
 from remat._engine.modes import storage_of
 from remat._engine.observe import Substitute, substituted
@@ -100,6 +100,7 @@ class ReentrantFrame(RegionCore):
     released = False  # let go of its module after its first backward
     extra: Any = ()  # NOTE [Per-use gradients]: (argument, more inputs)
     lean = False  # NOTE [Lean reentrant calls] (lean.py)
+    n_held = 0  # the last outputs: escaped tensors given their history in place (escapes.Picks)
 
     def __init__(self, fn: Any, args: tuple, kwargs: dict, spec: Any, name: str,
                  contexts: tuple | None) -> None:
@@ -173,6 +174,14 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped:
     as unmarked; one held elsewhere (a global, a closure's) comes back from the re-run
     without history, its gradient lost, so that backward is refused
     (`reentrant_backward._pairs`).
+
+    A buffer or a tensor attribute of its modules that does not require grad (a scale, a
+    mask) is handed out as itself too. Returned from the Function, autograd gave that very
+    tensor the Function's node as its history, as it did a parameter: the module's buffer
+    was changed, and the re-run, which returns it, re-entered the Function without end (a
+    hang; torch's reentrant checkpoint hangs the same way). One held elsewhere (a global
+    constant), which the forward cannot tell from one it made, leaves the Function as an
+    alias (NOTE [Outputs returned as aliases]): the global keeps no history.
     """
     if escaped or picks is not None:
         return _with_escaped(frame, reads, state, output, escaped, picks)
@@ -187,8 +196,9 @@ def close(frame: ReentrantFrame, reads: list, state: list, output: Any, escaped:
         j: i for j, o in enumerate(outs) for i, (x, a) in enumerate(zip(tensors, aliases))
         if isinstance(o, torch.Tensor) and (o is x or o is a) and i not in frame.written}
     as_they_were = {j: o for j, o in enumerate(outs)  # NOTE [Tensors returned as they were]
-                    if j not in frame.passthrough and frame.returned_as_it_was(o)
-                    and not _view_made_here(frame, o)}
+                    if j not in frame.passthrough and (
+                        (frame.returned_as_it_was(o) and not _view_made_here(frame, o))
+                        or (type(o) in _PLAIN and frame.module_state.holds(o)))}
     if not frame.passthrough and not as_they_were:
         return apply(frame, output, tensors)
     handed = {j: tensors[i] for j, i in frame.passthrough.items()} | as_they_were
@@ -219,7 +229,7 @@ def _with_escaped(frame: ReentrantFrame, reads: list, state: list, output: Any, 
     outs = (output,) if single else tuple(output)
     frame.escaped = [(where, key) for where, key, _ in escaped]
     held = picks.take() if picks is not None else []
-    frame.picks = picks
+    frame.picks, frame.n_held = picks, len(held)
     result = close(frame, reads, state, (*outs, *(t for _, _, t in escaped), *held))
     for (where, key, _), value in zip(escaped, result[len(outs):], strict=False):
         where[key] = value
@@ -301,11 +311,12 @@ class Reentrant(torch.autograd.Function):
         if frame.lean:  # NOTE [Lean reentrant calls] (lean.py): one plain tensor, nothing written
             ctx.save_for_backward(*tensors[:n_inputs])
             ctx.views = ctx.argument_views = ()
-            return out
+            return out.detach()  # NOTE [Outputs returned as aliases]
         outs = (out if isinstance(out, tuple) else (out,))
         ctx.save_for_backward(*_without_history(frame, _returned_copied(frame, tensors[:n_inputs])))
         views = [(i, o.stride()) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o._is_view()]
-        outs = tuple(_not_a_view(o) for o in outs)
+        mine = len(outs) - frame.n_held  # the held ones get their history in place
+        outs = (*map(_alias, outs[:mine]), *outs[mine:])
         ctx.views = [(i, stride, outs[i].detach(), outs[i]._version) for i, stride in views]
         ctx.argument_views = _argument_views(frame, ctx.views, tensors[:n_inputs])
         if frame.targets:
@@ -475,7 +486,7 @@ def _as_written_views(ctx: Any, grads: tuple) -> tuple:
 
     NOTE [Views changed after the region]
     A region that returns a view of a tensor it made (a block ending in ``transpose``)
-    hands the caller a detached alias instead (`_not_a_view`). Without the mark, an
+    hands the caller a detached alias instead (`_alias`). Without the mark, an
     in-place change of that view (``out.add_(1)``) puts a ``CopySlices`` over its base,
     whose backward hands the base's producer a gradient in the base's own layout; through
     the region, the view's gradient came in the caller's layout and reached the base
@@ -497,6 +508,17 @@ def _as_written_views(ctx: Any, grads: tuple) -> tuple:
     return tuple(grads)
 
 
-def _not_a_view(x: Any) -> Any:
-    """A view returned from a custom Function may not be changed in place; an alias may."""
-    return x.detach() if isinstance(x, torch.Tensor) and x._is_view() else x
+def _alias(x: Any) -> Any:
+    """What the Function returns for output ``x``: a detached alias.
+
+    NOTE [Outputs returned as aliases]
+    Autograd gives a Function's output tensor the Function's node as its history, on that
+    very object. A region's forward runs without grad, so remat cannot tell a tensor it made
+    from one it returns that was made before (a global constant, a closure's): returned as
+    itself, such a tensor took the region's history for good, and the re-run, which returns
+    it again, re-entered the Function without end (torch's reentrant checkpoint hangs
+    there). So every output leaves as a detached alias: the same memory and version
+    counter, the history on the alias only. A view returned from a custom Function may not be
+    changed in place; an alias may (NOTE [Views changed after the region]).
+    """
+    return x.detach() if isinstance(x, torch.Tensor) else x
