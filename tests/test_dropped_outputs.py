@@ -17,6 +17,7 @@ from torch import nn
 
 import remat
 from remat._engine import state as _state
+from tests.test_leaves_returned import _options as _leaf_options
 
 D = 8
 
@@ -64,15 +65,9 @@ def _train(front: str | None, options: dict) -> list:
 
 
 def _options(mode: str, front: str) -> dict:
-    if mode == "reentrant":
-        return {"use_reentrant": True}
-    if mode == "non-reentrant":
-        return {"use_reentrant": False}
     if mode == "output_recompute":
         return {"use_reentrant": False, "output_recompute": True}
-    if front == "checkpoint":
-        return {"use_reentrant": False, "context_fn": remat.policy_context(remat.save_compute_intensive)}
-    return {"policy": remat.save_compute_intensive}
+    return _leaf_options(mode, front)
 
 
 @pytest.mark.parametrize("front", ["module", "apply", "checkpoint"])
