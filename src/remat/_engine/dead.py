@@ -193,7 +193,8 @@ class Flow:
     """What a selective forward's calls read and what backward reads of them
     (NOTE [Dead operators in a selective re-run])."""
 
-    __slots__ = ("deps", "differentiable", "funcs", "keys", "needed", "outs", "producer", "task", "usable")
+    __slots__ = ("deps", "differentiable", "funcs", "keys", "needed", "outs", "producer", "saved_at", "task",
+                 "usable")
 
     def __init__(self) -> None:
         self.producer: dict[int, int] = {}  # id of a tensor a call returned -> that call
@@ -206,6 +207,9 @@ class Flow:
         #: calls live whatever reads them: an output saved for backward, or read where the
         #: dispatcher does not show (NOTE [Reads the dispatcher does not show])
         self.needed: set[int] = set()
+        #: call -> the indices of the staged region's own saved tensors it made (NOTE [Re-runs
+        #: in stages] in ``stages.py``): live only in the stage that rebuilds one of them
+        self.saved_at: dict[int, list[int]] = {}
         self.task = _graph_task()
         self.usable = True
         self.differentiable = False  # the running call reads a tensor that requires grad, in grad mode
@@ -263,12 +267,28 @@ class Flow:
         if call is not None:
             self.needed.add(call)
 
-    def live(self, handed_back: set[int]) -> list[bool]:
+    def note_saved_at(self, x: torch.Tensor, index: int) -> None:
+        """The staged region whose flow this is saved ``x`` as its saved tensor ``index``."""
+        call = self.producer.get(id(x))
+        if call is not None:
+            self.saved_at.setdefault(call, []).append(index)
+
+    def live(self, handed_back: set[int], stage: tuple[int, int] | None = None) -> list[bool]:
         """Per call, whether a re-run needs what it returns (``handed_back``: the calls whose
-        kept outputs the re-run hands back without running them, reading nothing)."""
+        kept outputs the re-run hands back without running them, reading nothing; ``stage``:
+        the first and last saved tensor a staged re-run rebuilds, None for all of them)."""
         n = len(self.funcs)
         live = [False] * n
         needed, deps, funcs = self.needed, self.deps, self.funcs
+        if self.saved_at and stage is None:
+            needed = needed | self.saved_at.keys()
+        elif self.saved_at:  # NOTE [Re-runs in stages] in ``stages.py``
+            lo, hi = stage
+            needed = needed | {c for c, at in self.saved_at.items() if any(lo <= i <= hi for i in at)}
+            # what a kept call saved of its inputs is real in every stage: code above the
+            # dispatcher reads them as it does in forward (an attention picks its kernel by
+            # their devices), and the call is handed back, not run
+            needed |= {d for c in handed_back for d in deps[c] if d in self.saved_at}
         for call in range(n - 1, -1, -1):
             if not (live[call] or call in needed or _kind(funcs[call]) == _RUNS):
                 continue

@@ -109,6 +109,7 @@ from remat._engine import dead as _dead
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
 from remat._engine import refusal as _refusal
+from remat._engine import stages as _stages
 from remat._engine import state as _state
 from remat._engine.core import Contexts, RegionCore
 from remat._engine.errors import RecomputeError
@@ -171,6 +172,10 @@ class HookedFrame(RegionCore):
         self.rebuilt_outputs: dict[int, list] = {}
         self.cached_inputs: dict[int, tuple] = {}
         self.stored: set[int] = set()
+        self.staged = _staged(spec, contexts)  # NOTE [Re-runs in stages] (stages.py)
+        self.sizes: list[int] = []  # bytes per saved tensor, when staged
+        self.starts = [0]  # the first saved tensor of each stage
+        self.stored_from: dict[int, int] = {}  # graph task -> the first saved tensor stored for it
         self.counter: dict[int, int] = {}
         self.expired: str | None = None  # why it let go: NOTE [Regions made inside a re-run]
         self.trace, self.recompute_trace = OpTrace() if spec.debug else None, None  # OpTrace | None
@@ -213,6 +218,8 @@ class HookedFrame(RegionCore):
             self._copy_returned_inputs(inputs, [k is not None and k in returned for k in in_list])
         if spec.output_recompute or spec.keep_outputs:
             self.settle_outputs(flat, out_keys)
+        if self.staged:
+            self.starts = _stages.stage_starts(self.sizes, self._rebuilt_ones(), self.spec.stages)
         if spec.output_recompute:  # an input passed through is not this region's to rebuild, nor
             # a tensor it returns as it was (a parameter: NOTE [Tensors returned as they were])
             _outputs.register(self, [None if k in in_keys or self.returned_as_it_was(t) else t
@@ -308,9 +315,16 @@ class HookedFrame(RegionCore):
                 holder.argument, holder.argument_version = holder.probe, x._version
         if self.trace is not None:
             holder.saved_by = self.trace.last_op
+        own = None
+        if self.staged:  # NOTE [Re-runs in stages]
+            self.sizes.append(x.numel() * x.element_size())
+            own = self.contexts[0].store.flow
+            if own is not None:
+                own.note_saved_at(x, holder.index)
         if _dead.forwards:  # NOTE [Saved inside a nested region]
             for flow in _dead.forwards:
-                flow.note_saved(x)
+                if flow is not own:
+                    flow.note_saved(x)
         return holder
 
     def _next_operator(self, op: int) -> None:
@@ -405,7 +419,7 @@ class HookedFrame(RegionCore):
                 return x.detach() if x.requires_grad else x
         gid = _graph_task()
         if gid not in holder.rebuilt:
-            if gid in self.stored:
+            if gid in self.stored and holder.index >= self.stored_from.get(gid, 0):
                 raise RecomputeError(unpacked_twice(self.name, holder, gid is _flags.current_group()))
             self.recompute(gid)
         x, version = holder.rebuilt.pop(gid)
@@ -428,11 +442,16 @@ class HookedFrame(RegionCore):
         return any((r := ref()) is not None and gid not in r.done for ref in self.out_refs)
 
     def _last_needed(self, gid: int | None = None) -> int:
+        below = self.stored_from.get(gid, len(self.holders))  # NOTE [Re-runs in stages]
         alive = [
             h.index for r in self.holders
-            if (h := r()) is not None and h.kept is None and gid not in h.rebuilt
+            if (h := r()) is not None and h.kept is None and gid not in h.rebuilt and h.index < below
         ]
         return max(alive) if alive else -1
+
+    def _rebuilt_ones(self) -> list[bool]:
+        """Per saved tensor, whether a re-run rebuilds it: alive, neither kept nor an argument."""
+        return [(h := r()) is not None and h.kept is None and h.argument is None for r in self.holders]
 
     def recompute(self, gid: int, store: bool = True) -> None:
         """`_recompute`; a refusal lets go of the regions the backward will not reach (NOTE
@@ -462,10 +481,16 @@ class HookedFrame(RegionCore):
         need_outputs = not store or self._refs_pending(gid)
         during_forward = not self.closed  # NOTE [Backward inside a region's forward]
         stop_at = self._last_needed(gid) if self.spec.early_stop and not need_outputs else None
+        first = 0
+        if self.staged:  # NOTE [Re-runs in stages]
+            now = store and stop_at is not None and stop_at >= 0 and self._flow_usable()
+            first = _stages.stage_of(self.starts, stop_at) if now else 0
+            self.contexts[1].stage, self.contexts[1].again = ((first, stop_at), first > 0) if now else (None, False)
         self.counter[gid] = 0
         self.runs += 1
         if store:
             self.stored.add(gid)
+            self.stored_from[gid] = first
             args, kwargs = self.cached_inputs.pop(gid, None) or self.inputs()
         else:
             args, kwargs = self.inputs()
@@ -479,7 +504,7 @@ class HookedFrame(RegionCore):
                 stack.enter_context(replayed_state(self.state))  # outside every mode (NOTE [Observed writes])
             stack.enter_context(self.replay.context())
             stack.enter_context(torch.enable_grad())
-            stack.enter_context(RecomputeHooks(self, gid, stop_at, mismatches, store))
+            stack.enter_context(RecomputeHooks(self, gid, stop_at, mismatches, store, first))
             if self.kept_collectives is not None:
                 stack.enter_context(_collectives.replaying(self))  # NOTE [Kept collectives]
             if self.contexts is not None:
@@ -523,6 +548,20 @@ class HookedFrame(RegionCore):
             if holder is not None and holder.out_of is not None and gid not in holder.rebuilt:
                 j, (size, stride, offset) = holder.out_of
                 holder.rebuilt[gid] = (outputs[j].as_strided(size, stride, offset), None)
+
+
+    def _flow_usable(self) -> bool:
+        flow = self.contexts[1].store.flow
+        return flow is not None and flow.usable and self.contexts[1].store.finished
+
+
+def _staged(spec: RegionSpec, contexts: tuple | None) -> bool:
+    """Whether a region re-runs in stages (NOTE [Re-runs in stages]): asked for, selective,
+    rebuilding saved tensors only; its forward then records its flow."""
+    if spec.stages <= 1 or spec.output_recompute or contexts is None or type(contexts[1]) is not ReplayMode:
+        return False
+    contexts[0].staged = True
+    return True
 
 
 class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):

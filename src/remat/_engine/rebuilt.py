@@ -83,7 +83,7 @@ class RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
     """Collect the tensors a re-run saves into the holders of the forward."""
 
     def __init__(self, frame: Any, gid: int, stop_at: int | None, mismatches: list,
-                 store: bool) -> None:
+                 store: bool, first: int = 0) -> None:
         # the re-run's graph holds this hook with every tensor it saves: a strong reference to
         # the frame would lead a tensor the re-run hands out (a hook's capture in a list the
         # frame's module state holds) back to the frame, a cycle the collector cannot free
@@ -96,6 +96,8 @@ class RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
             frame.counter[gid] = index + 1
             x = x.detach() if x.requires_grad else x  # NOTE [Inputs come back as themselves]
             if index >= len(frame.holders):
+                return x
+            if index < first:  # a stage rebuilt later: it checks its own (NOTE [Re-runs in stages] in stages.py)
                 return x
             if frame.metas and frame.metas[index] != meta(x):
                 holder = frame.holders[index]()

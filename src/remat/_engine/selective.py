@@ -164,12 +164,13 @@ class SaveMode(TorchDispatchMode):
         self.policy, self.store = policy, store
         self.calls: dict[Any, int] = defaultdict(int)
         self.depth = 0
+        self.staged = False  # a staged region's forward records its flow always (NOTE [Re-runs in stages])
 
     def __enter__(self):
         self.depth = recompute_depth()
         self.store.finished = False
         # NOTE [Dead operators in a selective re-run]
-        self.store.flow = flow = _dead.Flow() if _dead.worth_recording(self.policy) else None
+        self.store.flow = flow = _dead.Flow() if self.staged or _dead.worth_recording(self.policy) else None
         if flow is not None:
             _dead.forwards.append(flow)  # NOTE [Saved inside a nested region]
         return super().__enter__()
@@ -252,6 +253,11 @@ class ReplayMode(TorchDispatchMode):
         #: set by the region before a re-run that only rebuilds saved tensors (NOTE [Dead
         #: operators in a selective re-run]); read and cleared as the re-run starts
         self.prune = False
+        #: set with ``prune`` by a staged region (NOTE [Re-runs in stages] in ``stages.py``):
+        #: the first and last saved tensor this re-run rebuilds, and whether a later stage
+        #: re-runs again (then kept outputs are handed back and kept for it)
+        self.stage: tuple[int, int] | None = None
+        self.again = False
         self.live: list[bool] | None = None  # per forward call, while the re-run follows it
         self.call = 0
         self.handed_back: set[int] = set()  # the calls whose kept outputs this re-run hands back
@@ -265,9 +271,9 @@ class ReplayMode(TorchDispatchMode):
         flow, store = self.store.flow, self.store
         if self.prune and flow is not None and flow.usable and store.finished:
             self.handed_back = {c for c, (k, i) in flow.keys.items() if store.hands_back(k, i)}
-            self.live = flow.live(self.handed_back)
+            self.live = flow.live(self.handed_back, self.stage)
             _dead.judge(self.policy, flow, self.live, self.handed_back)
-        self.prune = False
+        self.prune, self.stage = False, None
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -297,7 +303,7 @@ class ReplayMode(TorchDispatchMode):
                 f"in storage."
             )
         stored = self.store.stored(key, index)
-        entry = kept.pop(index)  # handed back once; a later backward rebuilds it
+        entry = kept[index] if self.again else kept.pop(index)  # handed back once; a later backward rebuilds it
         if any(t._version != version for t, version in stored):
             return self._run(func, args, kwargs)  # changed in place after forward: rebuild it
         if (key, index) in self.store.draws:

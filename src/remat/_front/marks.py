@@ -35,6 +35,7 @@ MARK_KEYWORDS = (
     "parallel_optimizer_comm_recompute",
     "policy",
     "preserve_rng_state",
+    "stages",
 )
 
 _SPEC_ATTR = "_remat_spec"
@@ -45,7 +46,7 @@ def mark_from_keywords(api: str, kwargs: dict, *, keep_outputs: bool) -> RegionS
     """Validate mark keywords for ``api`` and build the region options."""
     check_keywords(api, kwargs, MARK_KEYWORDS)
     for key, value in kwargs.items():
-        if key != "policy":
+        if key not in ("policy", "stages"):
             check_bool(api, key, value)
     policy = kwargs.get("policy")
     if policy is not None and not isinstance(policy, Policy):

@@ -39,6 +39,9 @@ class RegionSpec:
             parameters inside the region (True) or keep them gathered from
             forward (False); None (not passed) leaves the sharding's own
             choice alone (FSDP2's ``reshard_after_forward``).
+        stages: re-run a selective region in this many stages in backward, each rebuilding
+            only the saved tensors backward reads next, so backward holds one stage at a
+            time (NOTE [Re-runs in stages]); 1 re-runs it once.
 
     Examples:
         >>> from remat._vocab.spec import RegionSpec
@@ -56,6 +59,7 @@ class RegionSpec:
     debug: bool = False
     mp_comm_recompute: bool = True
     parallel_optimizer_comm_recompute: bool | None = None
+    stages: int = 1
 
     def __post_init__(self) -> None:
         api = "remat.RegionSpec"
@@ -64,6 +68,15 @@ class RegionSpec:
                 check_bool(api, f.name, getattr(self, f.name))
         if self.parallel_optimizer_comm_recompute is not None:
             check_bool(api, "parallel_optimizer_comm_recompute", self.parallel_optimizer_comm_recompute)
+        if type(self.stages) is not int or self.stages < 1:
+            raise ValueError(f"{api}: stages must be an int >= 1 (how many re-runs a region's backward "
+                             f"splits its recomputation into), got {self.stages!r}")
+        if self.stages > 1 and (self.policy is None or self.output_recompute):
+            raise ValueError(
+                f"{api}: stages={self.stages} needs a selective policy (policy=remat.save_calls(...) or "
+                f"another remat.Policy) and output_recompute=False: a stage re-runs only what its own "
+                f"saved tensors need, which only a selective region's re-run can tell"
+            )
         if self.determinism_check not in DETERMINISM_CHECKS:
             raise ValueError(
                 f"{api}: determinism_check must be one of {DETERMINISM_CHECKS}, "
