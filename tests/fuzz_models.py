@@ -1196,6 +1196,14 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
             # tests/test_leaves_returned.py)
             view = r.random() < 0.5
             desc["leaf_view"] = view and _combine_of(desc, desc["leaf_out"]) != "first"
+    # drawn after it: selective marks re-run in stages (NOTE [Re-runs in stages])
+    if not compiled and r.random() < 0.3:
+        stages = r.choice((2, 3))
+        for mark in case.plan:
+            m = mark.get("mark", mark)
+            if m["kind"] in ("cell", "module", "blocks", "name") and "policy" in m["opts"] \
+                    and not m["opts"].get("output_recompute"):
+                m["opts"]["stages"] = stages
     return case
 
 

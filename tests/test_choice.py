@@ -52,8 +52,8 @@ def test_a_bad_text_is_refused_naming_it_and_the_forms(text):
         Choice.parse(text)
     message = str(err.value)
     assert message.startswith(f"remat.planner.Choice.parse: unknown option {text!r}")
-    assert "choose from ('keep', 'recompute', 'selective', 'output'), 'children:<child>+<child>' " \
-           "or 'ops:<operator>#<call>+...' ('ops:aten::mm#0')" in message
+    assert "choose from ('keep', 'recompute', 'selective', 'output'), 'children:<child>+<child>', " \
+           "'ops:<operator>#<call>+...' ('ops:aten::mm#0') or 'staged:<operator>#<call>+...'" in message
 
 
 @pytest.mark.parametrize("text", ["ops:mm#0", "ops:aten::mm", "ops:aten::mm#x", "ops:aten::mm#0+"])

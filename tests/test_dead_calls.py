@@ -112,12 +112,26 @@ def test_dead_projections_are_skipped_and_gradients_are_bitwise():
     assert skipped_calls() - before >= 2 * 5  # the five dead products, and their pointwise tails
 
 
-def test_placeholders_are_meta_tensors_a_hook_records():
+def test_placeholders_a_hook_records_keep_the_device_and_hold_no_value():
+    """NOTE [Placeholders keep the device]: the skipped output projection's stand-in reports
+    the forward's device and layout; reading its values raises, it never yields one."""
     seen = []
+
+    def hook(module, args, out):
+        if not remat.is_recomputing():
+            seen.append(("forward", out.device.type, tuple(out.shape)))
+            return
+        with pytest.raises(RuntimeError, match="not supported for tensor subclasses"):
+            out.tolist()
+        with pytest.raises(remat.RecomputeError, match="the output of an operator"):
+            out.sum()  # an operator outside the re-run's own (the hook's)
+        seen.append((type(out).__name__, out.device.type, tuple(out.shape)))
+
     model = _marked()
-    model[0].o.register_forward_hook(lambda m, a, out: seen.append((remat.is_recomputing(), out.device.type)))
-    _train(model, _x())
-    assert seen == [(False, "cpu"), (True, "meta")]
+    model[0].o.register_forward_hook(hook)
+    got, _ = _train(model, _x())
+    assert seen == [("forward", "cpu", (2, 6, 16)), ("Placeholder", "cpu", (2, 6, 16))]
+    assert_bitwise_equal(got, _train(_model(), _x())[0], "grad")
 
 
 def test_two_backwards_through_one_forward_rebuild_what_the_first_let_go():

@@ -173,3 +173,30 @@ def test_bad_stages_are_refused_before_marking(kwargs: dict, fault: str) -> None
         remat.recompute_module(block, **kwargs)
     assert "remat.recompute_module" in str(err.value)
     assert remat.mark_of(block) is None
+
+
+# --- the planner's staged options ----------------------------------------------------------
+
+
+def test_the_planner_offers_staged_options_and_a_staged_plan_holds_its_budget_bitwise() -> None:
+    """NOTE [Options re-run in stages]: each min-cut option of a block comes staged too; a plan
+    that may only keep a block or stage it reaches its floor with staged blocks, held, and
+    trains bitwise; its choices round-trip through JSON."""
+    options = ("keep", "staged")
+    loose = remat.plan(_llama(), _TOKENS, loss_fn=next_token_loss, budget=1.0, repeat=1, options=options)
+    tight = remat.plan(_llama(), _TOKENS, loss_fn=next_token_loss, budget=loose.floor_bytes, repeat=1,
+                       options=options)
+    staged = [c for c in tight.choices.values() if c.startswith("staged:")]
+    assert staged and set(tight.choices.values()) <= {"keep", *staged}, tight.choices
+    assert tight.measured_peak_bytes <= tight.budget_bytes
+    assert remat.Plan.from_json(tight.to_json()).choices == tight.choices
+    marked = _llama()
+    tight.apply(marked)
+    assert all(remat.mark_of(marked.get_submodule(n)).stages == 2 for n, c in tight.choices.items() if c != "keep")
+    assert_bitwise_equal(_train(_llama()), _train(marked))
+
+
+def test_a_compiled_plan_refuses_staged_options_saying_why() -> None:
+    with pytest.raises(ValueError, match="a staged re-run is an eager option"):
+        remat.compile(_llama(), budget=0.5, example_inputs=(_TOKENS,), loss_fn=next_token_loss,
+                      options=("keep", "staged"))

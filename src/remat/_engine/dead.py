@@ -16,10 +16,11 @@ marks live, from the last call back, every call whose output backward reads, eve
 that runs whatever reads its outputs (not an ``aten`` operator, an in-place or ``out=``
 one, a random one, one that returns anything but tensors), and every call a live call
 reads that runs (a kept call handed back reads nothing). A dead call returns, instead of
-running, placeholders of its outputs' shapes, strides and dtypes on the ``meta`` device
-(views run as they are: they cost nothing; a kept call is handed back, dead or not: a
-placeholder where the forward had a value can change what code above the dispatcher does,
-an attention choosing its kernel by its inputs' device). What autograd saves of a dead call's inputs
+running, placeholders of its outputs' shapes, strides, dtypes and devices, without memory
+(NOTE [Placeholders keep the device] in ``placeholder.py``; views run as they are: they
+cost nothing; a kept call is handed back, dead or not: a placeholder where the forward
+had a value can change what code above the dispatcher does, an attention choosing its
+kernel by its inputs' device). What autograd saves of a dead call's inputs
 (it saves them before the call runs) is still saved. This is early stop carried through
 the whole region: ``early_stop=False`` (or ``remat.set_checkpoint_early_stop(False)``)
 re-runs every operator.
@@ -60,6 +61,7 @@ from typing import Any
 import torch
 
 from remat._engine.errors import RecomputeError
+from remat._engine.placeholder import placeholder
 from remat._vocab.policy import COMPUTE_INTENSIVE_OPS
 
 _SKIPPABLE, _VIEW, _RUNS = 0, 1, 2
@@ -254,7 +256,7 @@ class Flow:
                 self.usable = False
             if (skippable and type(t) is torch.Tensor and t.is_floating_point() and t.layout == torch.strided
                     and not t.is_nested):  # a plain dense tensor: its placeholder is one too
-                metas.append((t.shape, t.stride(), t.dtype))
+                metas.append((t.shape, t.stride(), t.dtype, t.device))
             else:
                 skippable = False
         self.outs.append((metas[0] if single else metas) if skippable else None)
@@ -285,10 +287,6 @@ class Flow:
         elif self.saved_at:  # NOTE [Re-runs in stages] in ``stages.py``
             lo, hi = stage
             needed = needed | {c for c, at in self.saved_at.items() if any(lo <= i <= hi for i in at)}
-            # what a kept call saved of its inputs is real in every stage: code above the
-            # dispatcher reads them as it does in forward (an attention picks its kernel by
-            # their devices), and the call is handed back, not run
-            needed |= {d for c in handed_back for d in deps[c] if d in self.saved_at}
         for call in range(n - 1, -1, -1):
             if not (live[call] or call in needed or _kind(funcs[call]) == _RUNS):
                 continue
@@ -303,14 +301,13 @@ class Flow:
         return not live[call] and self.outs[call] is not None
 
     def placeholder(self, call: int) -> Any:
-        """Stand-ins for call ``call``'s outputs: their shapes, strides and dtypes, on ``meta``."""
+        """Stand-ins for call ``call``'s outputs: their shapes, strides, dtypes and devices,
+        no memory (NOTE [Placeholders keep the device] in ``placeholder.py``)."""
         _skipped[0] += 1
         outs = self.outs[call]
-        with torch._C._DisableTorchDispatch():  # no tracker counts them, no mode sees them
-            if type(outs) is list:
-                return tuple(torch.empty_strided(s, st, dtype=d, device="meta") for s, st, d in outs)
-            shape, stride, dtype = outs
-            return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        if type(outs) is list:
+            return tuple(placeholder(*out) for out in outs)
+        return placeholder(*outs)
 
 
 def refuse_placeholder(func: Any, policy: Any) -> None:

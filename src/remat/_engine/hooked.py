@@ -174,8 +174,9 @@ class HookedFrame(RegionCore):
         self.stored: set[int] = set()
         self.staged = _staged(spec, contexts)  # NOTE [Re-runs in stages] (stages.py)
         self.sizes: list[int] = []  # bytes per saved tensor, when staged
+        self.positions: list[int] = []  # per saved tensor, the calls of the region before it (staged)
         self.starts = [0]  # the first saved tensor of each stage
-        self.stored_from: dict[int, int] = {}  # graph task -> the first saved tensor stored for it
+        self.stored_stages: dict[int, set[int]] = {}  # graph task -> the stages stored for it
         self.counter: dict[int, int] = {}
         self.expired: str | None = None  # why it let go: NOTE [Regions made inside a re-run]
         self.trace, self.recompute_trace = OpTrace() if spec.debug else None, None  # OpTrace | None
@@ -319,6 +320,7 @@ class HookedFrame(RegionCore):
         if self.staged:  # NOTE [Re-runs in stages]
             self.sizes.append(x.numel() * x.element_size())
             own = self.contexts[0].store.flow
+            self.positions.append(len(own.funcs) if own is not None else 0)
             if own is not None:
                 own.note_saved_at(x, holder.index)
         if _dead.forwards:  # NOTE [Saved inside a nested region]
@@ -419,9 +421,9 @@ class HookedFrame(RegionCore):
                 return x.detach() if x.requires_grad else x
         gid = _graph_task()
         if gid not in holder.rebuilt:
-            if gid in self.stored and holder.index >= self.stored_from.get(gid, 0):
+            if gid in self.stored and self._stage_stored(gid, holder.index):
                 raise RecomputeError(unpacked_twice(self.name, holder, gid is _flags.current_group()))
-            self.recompute(gid)
+            self.recompute(gid, index=holder.index)
         x, version = holder.rebuilt.pop(gid)
         if version is not None and x._version != version:
             raise RecomputeError(changed_after_rebuilt(self.name, holder, x, version))
@@ -441,28 +443,64 @@ class HookedFrame(RegionCore):
     def _refs_pending(self, gid: int) -> bool:
         return any((r := ref()) is not None and gid not in r.done for ref in self.out_refs)
 
-    def _last_needed(self, gid: int | None = None) -> int:
-        below = self.stored_from.get(gid, len(self.holders))  # NOTE [Re-runs in stages]
+    def _last_needed(self, gid: int | None = None, below: int | None = None) -> int:
+        """The last saved tensor a re-run must rebuild (``below``: of those before it)."""
+        below = len(self.holders) if below is None else below
         alive = [
             h.index for r in self.holders
             if (h := r()) is not None and h.kept is None and gid not in h.rebuilt and h.index < below
         ]
         return max(alive) if alive else -1
 
+    def _stage_stored(self, gid: int, index: int) -> bool:
+        """Whether graph task ``gid`` stored the stage of saved tensor ``index`` already."""
+        stages = self.stored_stages.get(gid)
+        return stages is None or _stages.stage_of(self.starts, index) in stages
+
+    def _stage(self, gid: int, index: int | None, stop_at: int | None) -> tuple[int, int | None]:
+        """``(first, stop_at)`` of this re-run: the stage of saved tensor ``index``, up to the
+        last of it still needed, when staged (NOTE [Re-runs in stages]); else all, as asked."""
+        replay = self.contexts[1]
+        replay.stage, replay.keep_before = None, 0
+        if index is None or stop_at is None or not self._flow_usable():
+            self.stored_stages.pop(gid, None)  # every stage stored at once
+            return 0, stop_at
+        first = _stages.stage_of(self.starts, index)
+        if gid not in self.stored_stages and type(gid) is int and torch._C._current_graph_task_id() != -1:
+            ref = weakref.ref(self)  # the frame dies with its holders, as unstaged, not at the end
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: (f := ref()) and f._end_stages(gid))
+        later = [s for s in self.starts if s > first]
+        stop_at = self._last_needed(gid, below=later[0] if later else None)
+        stored = self.stored_stages.setdefault(gid, set())
+        stored.add(first)
+        # the kept outputs a later stage's re-run reaches (it stops before the first saved
+        # tensor of this stage) are handed back and kept; the others are let go, as unstaged
+        again = any((h := r()) is not None and h.kept is None and _stages.stage_of(self.starts, h.index) not in stored
+                    for r in self.holders)
+        replay.stage, replay.keep_before = (first, stop_at), self.positions[first - 1] if first and again else 0
+        return first, stop_at
+
+    def _end_stages(self, gid: int) -> None:
+        """The backward that re-ran stages ended: let go of what a stage it never reached
+        would have read, the kept outputs and the inputs (a single re-run hands them back and
+        lets go as it passes them; a later backward rebuilds them, as then)."""
+        self.cached_inputs.pop(gid, None)
+        self.contexts[1].store.kept.clear()
+
     def _rebuilt_ones(self) -> list[bool]:
         """Per saved tensor, whether a re-run rebuilds it: alive, neither kept nor an argument."""
         return [(h := r()) is not None and h.kept is None and h.argument is None for r in self.holders]
 
-    def recompute(self, gid: int, store: bool = True) -> None:
+    def recompute(self, gid: int, store: bool = True, index: int | None = None) -> None:
         """`_recompute`; a refusal lets go of the regions the backward will not reach (NOTE
         [Backward refused] in ``refusal.py``)."""
         try:
-            self._recompute(gid, store)
+            self._recompute(gid, store, index)
         except RecomputeError:
             _refusal.refused()
             raise
 
-    def _recompute(self, gid: int, store: bool) -> None:
+    def _recompute(self, gid: int, store: bool, index: int | None = None) -> None:
         """Re-run the region for graph task ``gid``.
 
         NOTE [Output pass]: a consumer that needs an output of an
@@ -482,16 +520,15 @@ class HookedFrame(RegionCore):
         during_forward = not self.closed  # NOTE [Backward inside a region's forward]
         stop_at = self._last_needed(gid) if self.spec.early_stop and not need_outputs else None
         first = 0
-        if self.staged:  # NOTE [Re-runs in stages]
-            now = store and stop_at is not None and stop_at >= 0 and self._flow_usable()
-            first = _stages.stage_of(self.starts, stop_at) if now else 0
-            self.contexts[1].stage, self.contexts[1].again = ((first, stop_at), first > 0) if now else (None, False)
+        if self.staged and store:  # NOTE [Re-runs in stages]
+            first, stop_at = self._stage(gid, index, stop_at)
         self.counter[gid] = 0
         self.runs += 1
         if store:
             self.stored.add(gid)
-            self.stored_from[gid] = first
             args, kwargs = self.cached_inputs.pop(gid, None) or self.inputs()
+            if self.staged and self.contexts[1].keep_before:  # read once per backward, as unstaged
+                self.cached_inputs[gid] = (args, kwargs)
         else:
             args, kwargs = self.inputs()
             if self._last_needed() >= 0:  # some saved tensors will be rebuilt later

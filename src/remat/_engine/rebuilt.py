@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from remat._engine.errors import RecomputeError
+from remat._engine.placeholder import Placeholder
 
 
 def meta(x: torch.Tensor) -> tuple:
@@ -94,12 +95,15 @@ class RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
             frame = frame_ref()
             index = frame.counter[gid]
             frame.counter[gid] = index + 1
+            if index < first:  # another stage's, which stores and checks its own (NOTE [Re-runs
+                return None  # in stages]); the re-run's graph is never differentiated: hold nothing
             x = x.detach() if x.requires_grad else x  # NOTE [Inputs come back as themselves]
             if index >= len(frame.holders):
                 return x
-            if index < first:  # a stage rebuilt later: it checks its own (NOTE [Re-runs in stages] in stages.py)
-                return x
-            if frame.metas and frame.metas[index] != meta(x):
+            if type(x) is Placeholder:  # NOTE [Placeholders keep the device]: never saved
+                mismatches.append(f"tensor #{index}: recomputation saved the output of an operator "
+                                  f"it skipped ({x!r}): the re-run reads otherwise than its forward")
+            elif frame.metas and frame.metas[index] != meta(x):
                 holder = frame.holders[index]()
                 by = f" (saved by {holder.saved_by})" if holder is not None and holder.saved_by else ""
                 mismatches.append(

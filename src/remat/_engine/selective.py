@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from remat._engine import dead as _dead
 from remat._engine.errors import RecomputeError
+from remat._engine.placeholder import Placeholder
 from remat._engine.rng import drew, generator_states
 from remat._engine.state import recompute_depth
 from remat._vocab.policy import Policy
@@ -254,10 +255,10 @@ class ReplayMode(TorchDispatchMode):
         #: operators in a selective re-run]); read and cleared as the re-run starts
         self.prune = False
         #: set with ``prune`` by a staged region (NOTE [Re-runs in stages] in ``stages.py``):
-        #: the first and last saved tensor this re-run rebuilds, and whether a later stage
-        #: re-runs again (then kept outputs are handed back and kept for it)
+        #: the first and last saved tensor this re-run rebuilds, and the calls before which
+        #: kept outputs are handed back and kept (a later stage's re-run reaches them)
         self.stage: tuple[int, int] | None = None
-        self.again = False
+        self.keep_before = 0
         self.live: list[bool] | None = None  # per forward call, while the re-run follows it
         self.call = 0
         self.handed_back: set[int] = set()  # the calls whose kept outputs this re-run hands back
@@ -303,7 +304,8 @@ class ReplayMode(TorchDispatchMode):
                 f"in storage."
             )
         stored = self.store.stored(key, index)
-        entry = kept[index] if self.again else kept.pop(index)  # handed back once; a later backward rebuilds it
+        # handed back once (a later backward rebuilds it), or kept for a later stage's re-run
+        entry = kept[index] if self.call <= self.keep_before else kept.pop(index)
         if any(t._version != version for t, version in stored):
             return self._run(func, args, kwargs)  # changed in place after forward: rebuild it
         if (key, index) in self.store.draws:
@@ -331,7 +333,7 @@ class ReplayMode(TorchDispatchMode):
         return flow.placeholder(call)
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if self.made and self.reading and any(t.is_meta for t in _dead.tensors_of(args, kwargs)):
+        if self.made and self.reading and any(type(t) is Placeholder for t in _dead.tensors_of(args, kwargs)):
             _dead.refuse_placeholder(func, self.policy)
         return func(*args, **kwargs)
 

@@ -29,14 +29,14 @@ class _NewStorages(TorchDispatchMode):
         if any(getattr(t, "__tensor_flatten__", None) is not None for t in types):
             return NotImplemented  # a DTensor runs local operators: count its local shard
         for t in pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and not t.is_meta:  # a re-run's placeholder holds nothing
                 storage = t.untyped_storage()
                 key = storage._cdata
                 if not self._live(self.seen, key) and not self._live(self.older, key):
                     self.older[key] = weakref.ref(storage)
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and not t.is_meta:  # a re-run's placeholder holds nothing
                 storage = t.untyped_storage()
                 key = storage._cdata
                 if not self._live(self.seen, key) and not self._live(self.older, key):

@@ -72,7 +72,7 @@ from remat.planner._options import inner_options
 from remat.planner._plan import Decision, Plan, _check_step, _step
 from remat.planner._result import Measured
 from remat.planner._settings import Settings, Solving
-from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, BudgetError, Choice, solve_savings
+from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, STAGED, BudgetError, Choice, solve_savings
 from remat.planner._trace import find_blocks, trace
 
 API = "remat.compile"
@@ -80,12 +80,14 @@ API = "remat.compile"
 #: the block's kept bytes, at most this many (wider than the eager planner's: NOTE [Planning a
 #: compiled step])
 WIDE_SHARE = 0.03
+#: the option families a compiled plan may use: the eager planner's but ``staged``
+COMPILED_OPTIONS = tuple(o for o in OPTIONS if o != STAGED)
 WIDE_LIMIT = 4
 
 
 def plan_compiled(model: torch.nn.Module, *example_inputs: Any, budget: float | str, batch: Any = None,
                   loss_fn: Callable | None = None, step: StepFn | None = None,
-                  options: Sequence[str] = OPTIONS, backend: str = "aot_eager", rounds: int = 5,
+                  options: Sequence[str] = COMPILED_OPTIONS, backend: str = "aot_eager", rounds: int = 5,
                   blocks: Any = None, progress: Callable[[str], None] | None = None) -> Plan:
     """A `remat.Plan` whose peak is held by the step compiled with ``remat.compile``
     (NOTE [Planning a compiled step]); the arguments as [`remat.compile`][remat.compile]'s."""
@@ -100,9 +102,11 @@ def plan_compiled(model: torch.nn.Module, *example_inputs: Any, budget: float | 
         raise TypeError(f"{API}: budget= needs the step's inputs to measure it: "
                         f"example_inputs=(x,) or batch={{...}}")
     value, fractional = parse_budget(budget, api=API)
-    bad = [o for o in options if o not in OPTIONS]
+    bad = [o for o in options if o not in COMPILED_OPTIONS]
     if bad:
-        raise ValueError(f"{API}: unknown option(s) {bad}; choose from {OPTIONS}")
+        why = (" (a staged re-run is an eager option: the compiled step's backward rebuilds each "
+               "operator where it reads it already)" if STAGED in bad else "")
+        raise ValueError(f"{API}: unknown option(s) {bad}{why}; choose from {COMPILED_OPTIONS}")
     _check_step(example_inputs, batch, loss_fn, step)
     made = _step(example_inputs, batch, loss_fn, step)
     settings = Settings(step=made, optimizer=None, blocks=blocks,
@@ -346,7 +350,7 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 def compile(model_or_fn: Any, *, backend: str = "aot_eager", save_graphs: str | None = None,
             fullgraph: bool = False, dynamic: bool | None = None, budget: float | str | None = None,
             example_inputs: Sequence[Any] = (), batch: Any = None, loss_fn: Callable | None = None,
-            step: StepFn | None = None, options: Sequence[str] = OPTIONS, rounds: int = 5,
+            step: StepFn | None = None, options: Sequence[str] = COMPILED_OPTIONS, rounds: int = 5,
             progress: Callable[[str], None] | None = None) -> Any:
     """Compile a model or a training-step function with MindSpore's graph-mode recomputation;
     with ``budget=``, plan what to recompute for that peak and compile, in one call.
@@ -421,7 +425,7 @@ def compile(model_or_fn: Any, *, backend: str = "aot_eager", save_graphs: str | 
     if budget is None:
         given = {"example_inputs": example_inputs != (), "batch": batch is not None,
                  "loss_fn": loss_fn is not None, "step": step is not None,
-                 "options": tuple(options) != OPTIONS, "rounds": rounds != 5, "progress": progress is not None}
+                 "options": tuple(options) != COMPILED_OPTIONS, "rounds": rounds != 5, "progress": progress is not None}
         named = [k for k, v in given.items() if v]
         if named:
             raise TypeError(f"{API}: {named[0]}= plans the recompute for a budget; give budget= "

@@ -43,7 +43,15 @@ import torch
 from remat.memory.internal import local_nbytes, signature, truncated
 from remat.planner._measure import Runs, measure_options
 from remat.planner._settings import Settings
-from remat.planner._solve import BLOCK_OPTIONS, OPS, OUTPUT, RECOMPUTE, Choice, Problem, evaluate
+from remat.planner._solve import (
+    BLOCK_OPTIONS,
+    CALL_FAMILIES,
+    OUTPUT,
+    RECOMPUTE,
+    Choice,
+    Problem,
+    evaluate,
+)
 from remat.planner._times import BlockTimes, block_times
 from remat.planner._trace import Trace, _named, trace
 
@@ -271,7 +279,7 @@ def _family(option: str) -> str:
         return option  # each block re-run twice in backward (NOTE [Output pass])
     if option == "recompute":
         return "blocks"
-    return "policies" if option == "selective" or Choice.parse(option).family == OPS else "children"
+    return "policies" if option == "selective" or Choice.parse(option).family in CALL_FAMILIES else "children"
 
 
 

@@ -26,7 +26,7 @@ from remat.memory.internal import Step
 from remat.memory.profile import OptimizerLike, make_optimizer, measure, prime_optimizer
 from remat.planner._options import inner_options
 from remat.planner._settings import Settings, mark_choices
-from remat.planner._solve import BLOCK_OPTIONS, CHILDREN, OPS
+from remat.planner._solve import BLOCK_OPTIONS
 from remat.planner._trace import Trace, _named
 
 API = "remat.plan"
@@ -99,7 +99,7 @@ def measure_options(model: torch.nn.Module, traced: Trace, settings: Settings,
     names, blocks = traced.names, traced.blocks
     inner: dict[str, list[str]] = {name: [] for name in names}
     columns: list[str] = []
-    pending = ["keep", *(o for o in settings.options if o not in ("keep", CHILDREN, OPS))]
+    pending = ["keep", *(o for o in settings.options if o in BLOCK_OPTIONS and o != "keep")]
     uniform: dict[str, dict[str, str]] = {}  # option -> the blocks its run marks
     reports = {}
     measured = model

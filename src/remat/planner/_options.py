@@ -77,6 +77,19 @@ place by ``bernoulli_``), nor any call of the operator's functional form (``div`
 block runs ``div_``). Nor is a random operator's output (NOTE [Kept random operators] in
 ``remat/_engine/selective.py``: a kept one still draws in recomputation, so keeping it
 buys nothing). A level whose cut would keep one of them gives no option.
+
+NOTE [Options re-run in stages]
+A min-cut option leaves a re-run of cheap operators only, but an eager re-run rebuilds all
+of the block's saved tensors at once, so the block's backward holds the MLP's rebuilt
+activations and the attention's together (torch.compile's partitioner places each rebuilt
+operator just before its use, and on the Llama of issue 27 its peak at an
+``activation_memory_budget`` of 0.8 stayed 6.5 MiB below the same choice's eager one). So each
+min-cut option also comes as family ``staged`` (``"staged:aten::add#1+aten::mm#2"``): the same
+policy, the block re-run in ``STAGES`` (2) stages (NOTE [Re-runs in stages] in
+``remat/_engine/stages.py``), which lowers the peak for about one more pass through the block's
+Python in backward. Like every option it is measured, bytes, peak and time, and chosen only
+where it is the fastest within the budget. Eager plans only: under ``remat.compile`` the
+partitioner places each rebuilt operator itself, so the compiled planner does not offer it.
 """
 
 from __future__ import annotations
@@ -86,7 +99,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from remat.planner._solve import CHILDREN, OPS, Choice, min_cut_keep
+from remat.planner._solve import CHILDREN, OPS, STAGED, Choice, min_cut_keep
 
 if TYPE_CHECKING:  # a trace is read, never made, here (``_trace`` imports this module)
     from remat.planner._trace import Trace
@@ -219,9 +232,12 @@ def inner_options(traced: Trace, unmarked: Mapping[str, Any], options: Sequence[
         if CHILDREN in options:
             inner[name] += child_options(name, block, unmarked, traced.leaving[name], traced.calls,
                                          share=share, limit=limit, operators=operators, every=every)
+        i = traced.index[k]
         if OPS in options:
-            i, candidates = traced.index[k], traced.ops.candidates
+            candidates = traced.ops.candidates
             inner[name] += ops_options(candidates.of(i), candidates.small_results(i))
             inner[name] += [o for o in traced.ops.cut_options(i) if o not in inner[name]]
+        if STAGED in options:  # NOTE [Options re-run in stages]
+            inner[name] += [str(Choice(STAGED, Choice.parse(o).calls)) for o in traced.ops.cut_options(i)]
     return inner
 

@@ -22,7 +22,7 @@ from remat._front.marks import recompute_module, unmark_module
 from remat._vocab.policy import save_calls, save_compute_intensive
 from remat.memory.internal import Step
 from remat.memory.profile import OptimizerLike
-from remat.planner._solve import OPS, OPTIONS, Choice
+from remat.planner._solve import OPS, OPTIONS, STAGED, STAGES, Choice
 
 API = "remat.plan"
 MARKS: dict[str, dict] = {
@@ -51,6 +51,8 @@ def marks_of(name: str, block: torch.nn.Module, choice: str | Choice,
         return [] if parsed.family == "keep" else [(name, block, MARKS[parsed.family])]
     if parsed.family == OPS:  # NOTE [Options per operator]: the kept calls, the rest rebuilt
         return [(name, block, {"policy": save_calls(*parsed.calls)})]
+    if parsed.family == STAGED:  # the same, re-run in stages (NOTE [Re-runs in stages])
+        return [(name, block, {"policy": save_calls(*parsed.calls), "stages": STAGES})]
     kids = dict(block.named_children())
     missing = [c for c in parsed.children if c not in kids]
     if missing:

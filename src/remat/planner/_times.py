@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from remat.planner._measure import Runs
 from remat.planner._settings import child_mark
-from remat.planner._solve import OPS, Choice
+from remat.planner._solve import CALL_FAMILIES, Choice
 from remat.planner._trace import Trace
 
 
@@ -71,7 +71,7 @@ def block_times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple
         if option not in runs.inner[names[k]]:
             return 0.0
         choice = Choice.parse(option)
-        if choice.family != OPS:
+        if choice.family not in CALL_FAMILIES:
             return sum(child_seconds(k, c) for c in choice.children)
         # NOTE [Options per operator]: the re-run runs all but the kept calls
         block = traced.index[k]

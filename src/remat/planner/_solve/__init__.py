@@ -20,9 +20,12 @@ from remat.planner._solve._chain import _undominated as _undominated
 from remat.planner._solve._chain import floor as floor
 from remat.planner._solve._chain import solve_chain as solve_chain
 from remat.planner._solve._choice import BLOCK_OPTIONS as BLOCK_OPTIONS
+from remat.planner._solve._choice import CALL_FAMILIES as CALL_FAMILIES
 from remat.planner._solve._choice import CHILDREN as CHILDREN
 from remat.planner._solve._choice import OPS as OPS
 from remat.planner._solve._choice import OPTIONS as OPTIONS
+from remat.planner._solve._choice import STAGED as STAGED
+from remat.planner._solve._choice import STAGES as STAGES
 from remat.planner._solve._choice import Choice as Choice
 from remat.planner._solve._choose import is_chain as is_chain
 from remat.planner._solve._choose import solve as solve

@@ -5,7 +5,9 @@ A block takes one of the four whole-block options (``keep``, ``recompute``, ``se
 ``output``: NOTE [Plan cost model] in ``_problem.py``) or an option of a family inside the
 block: ``children`` marks the children named (``"children:attn+fc"``, NOTE [Options inside
 blocks] in ``_options.py``), ``ops`` keeps the outputs of the operator calls named
-(``"ops:aten::mm#0+aten::addmm#3"``, NOTE [Options per operator]). The compiled planner gives
+(``"ops:aten::mm#0+aten::addmm#3"``, NOTE [Options per operator]), and ``staged`` keeps them
+too with the block re-run in stages (``"staged:aten::mm#0"``, NOTE [Re-runs in stages] in
+``remat/_engine/stages.py``; eager plans only). The compiled planner gives
 each module outside the blocks a column of its own, the option after the module's name
 (``"head=recompute"``, NOTE [Modules outside the blocks] in ``_compiled.py``).
 
@@ -28,11 +30,19 @@ CHILDREN = "children"
 #: the family of per-operator options: the block marked with a policy keeping the outputs of
 #: the operator calls named, ``"ops:aten::addmm#3+aten::bmm#0"`` (NOTE [Options per operator])
 OPS = "ops"
+#: the family of per-operator options re-run in stages: the same policy as ``ops:``, the block
+#: rebuilt a stage at a time as its backward reads it (NOTE [Re-runs in stages] in
+#: ``remat/_engine/stages.py``), ``"staged:aten::add#1+aten::mm#2"``; eager plans only
+STAGED = "staged"
+#: how many stages a ``staged:`` option re-runs its block in
+STAGES = 2
 #: the option families a plan may use (``remat.plan(options=...)``)
-OPTIONS = (*BLOCK_OPTIONS, CHILDREN, OPS)
+OPTIONS = (*BLOCK_OPTIONS, CHILDREN, OPS, STAGED)
+#: the families that keep the outputs of the operator calls they name
+CALL_FAMILIES = (OPS, STAGED)
 #: the forms of an option's text, as errors list them
-FORMS = (f"{BLOCK_OPTIONS}, '{CHILDREN}:<child>+<child>' or "
-         f"'{OPS}:<operator>#<call>+...' ('ops:aten::mm#0')")
+FORMS = (f"{BLOCK_OPTIONS}, '{CHILDREN}:<child>+<child>', "
+         f"'{OPS}:<operator>#<call>+...' ('ops:aten::mm#0') or '{STAGED}:<operator>#<call>+...'")
 API = "remat.planner.Choice"
 
 
@@ -97,7 +107,7 @@ class Choice:
         """
         family, parts, module = _split(text) if isinstance(text, str) else (None, (), "")
         fault = "not text" if family is None else _fault(family, parts, module)
-        if fault is not None and family == OPS and not module:  # the family is right, a call is not
+        if fault is not None and family in CALL_FAMILIES and not module:  # the family is right, a call is not
             where = "" if block is None else f" of block {block!r}"
             raise ValueError(f"{api}: option {text!r}{where}: {fault}")
         if fault is not None:
@@ -118,7 +128,7 @@ class Choice:
     @property
     def calls(self) -> tuple[str, ...]:
         """The operator calls whose outputs an ``ops`` option keeps (none for the others)."""
-        return self.parts if self.family == OPS else ()
+        return self.parts if self.family in CALL_FAMILIES else ()
 
     def without_module(self) -> Choice:
         """The option alone, without the module of a compiled planner's column."""
@@ -128,12 +138,12 @@ class Choice:
 def _split(text: str) -> tuple[str, tuple[str, ...], str]:
     """``(family, parts, module)`` of an option's text, unchecked."""
     head, sep, tail = text.rpartition("=")
-    if head and sep and tail in BLOCK_OPTIONS and not head.startswith((f"{CHILDREN}:", f"{OPS}:")):
+    if head and sep and tail in BLOCK_OPTIONS and not head.startswith((f"{CHILDREN}:", f"{OPS}:", f"{STAGED}:")):
         return tail, (), head
     family, sep, rest = text.partition(":")
     if not sep:  # a family inside blocks without its ':' is no option ("ops" is not "ops:")
-        return ("" if text in (CHILDREN, OPS) else text), (), ""
-    return family, tuple(rest.split("+")) if rest or family != OPS else (), ""
+        return ("" if text in (CHILDREN, *CALL_FAMILIES) else text), (), ""
+    return family, tuple(rest.split("+")) if rest or family not in CALL_FAMILIES else (), ""
 
 
 def _fault(family: str, parts: tuple[str, ...], module: str) -> str | None:
@@ -145,7 +155,7 @@ def _fault(family: str, parts: tuple[str, ...], module: str) -> str | None:
     if module:
         return "only a whole-block option marks a module outside the blocks"
     if len(set(parts)) != len(parts):
-        return f"a {'call key' if family == OPS else 'child'} is repeated in {list(parts)!r}"
+        return f"a {'call key' if family in CALL_FAMILIES else 'child'} is repeated in {list(parts)!r}"
     if family == CHILDREN:
         bad = [p for p in parts if not p or "+" in p]
         return ("name one child or more, joined by '+'" if not parts or bad else None)
