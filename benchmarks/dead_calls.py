@@ -15,7 +15,10 @@ backward:
 - ``remat``: the dead calls skipped;
 - ``remat, every call re-run``: the same marks with the forward's reads not noted, so
   nothing is skipped (early stop still ends the re-run after its last saved tensor, as
-  torch's does).
+  torch's does);
+- ``remat, two stages``: the same marks with ``stages=2`` (NOTE [Re-runs in stages]): each
+  block's backward rebuilds its MLP's tensors, then its attention's, skipping in each re-run
+  what only the other reads.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/dead_calls.py [--rounds 15]
 
@@ -72,18 +75,18 @@ def _nothing_skipped() -> Iterator[None]:
         dead.worth_recording = before
 
 
-def _model(marked: bool) -> torch.nn.Module:
+def _model(stages: int) -> torch.nn.Module:
+    """The Llama, every block marked with the min-cut policy in ``stages`` stages (0: unmarked)."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(layers=4, width=256, heads=8, kv_heads=2, hidden=688, vocab=1000))
-    if marked:
-        for block in model.blocks:
-            remat.recompute_module(block, policy=remat.save_calls(*KEEP))
+    for block in model.blocks if stages else ():
+        remat.recompute_module(block, policy=remat.save_calls(*KEEP), stages=stages)
     return model
 
 
 def run(rounds: int) -> dict:
     tokens = torch.zeros(4, 256, dtype=torch.long)
-    plain, marked = _model(False), _model(True)
+    plain, marked, staged = _model(0), _model(1), _model(2)
 
     def step(model: torch.nn.Module, skip: bool = True) -> None:
         with contextlib.nullcontext() if skip else _nothing_skipped():
@@ -91,7 +94,8 @@ def run(rounds: int) -> dict:
         model.zero_grad(set_to_none=True)
 
     configs = {"unmarked": lambda: step(plain), "remat": lambda: step(marked),
-               "remat, every call re-run": lambda: step(marked, skip=False)}
+               "remat, every call re-run": lambda: step(marked, skip=False),
+               "remat, two stages": lambda: step(staged)}
     peaks, products = {}, {}
     for name, go in configs.items():
         go()
@@ -102,7 +106,7 @@ def run(rounds: int) -> dict:
     times = {name: [] for name in configs}
     for r in range(rounds):
         names = list(configs)
-        for name in names[r % 3:] + names[:r % 3]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             start = time.perf_counter()
             configs[name]()
             times[name].append(time.perf_counter() - start)

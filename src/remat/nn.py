@@ -76,6 +76,8 @@ class Cell(torch.nn.Module):
                 the cell all-gather their parameters again for recomputation;
                 False: they stay gathered from forward to backward; not passed:
                 FSDP2's own ``reshard_after_forward`` decides), ``policy``,
+                ``stages`` (default 1; with a ``policy``: backward rebuilds the cell
+                that many parts at a time, holding one part's tensors at once),
                 ``preserve_rng_state``.
 
         Raises:

@@ -149,7 +149,7 @@ def recompute_module(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     Args:
         module: the module to mark (a ``Linear``, a Hugging Face block, ...).
         **kwargs: ``use_reentrant``, ``output_recompute``, ``early_stop``,
-            ``policy``, ``preserve_rng_state``, ``mp_comm_recompute``,
+            ``policy``, ``stages``, ``preserve_rng_state``, ``mp_comm_recompute``,
             ``parallel_optimizer_comm_recompute`` as for ``Cell.recompute``.
 
     Returns:
@@ -157,13 +157,18 @@ def recompute_module(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
 
     Raises:
         TypeError: ``module`` is not a module, an unknown keyword, a non-bool flag.
-        ValueError: ``module`` is already marked with other options.
+        ValueError: ``module`` is already marked with other options; ``stages`` is not a
+            positive int, or is above 1 without a ``policy`` or with ``output_recompute``.
 
     Examples:
         >>> import torch, remat
         >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
         >>> _ = remat.recompute_module(mlp)
         >>> mlp(torch.randn(2, 8, requires_grad=True)).sum().backward()
+        >>> # a selective mark whose backward rebuilds the block two parts at a time
+        >>> block = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        >>> _ = remat.recompute_module(block, policy=remat.save_compute_intensive, stages=2)
+        >>> block(torch.randn(2, 8, requires_grad=True)).sum().backward()
     """
     api = "remat.recompute_module"
     if not isinstance(module, torch.nn.Module):
