@@ -159,7 +159,7 @@ class _SaveInputs(torch.autograd.Function):
         raise AssertionError("remat internal error: the input saver was differentiated")
 
 
-class HookedFrame(RegionCore):
+class HookedFrame(_stages.StagedRuns, RegionCore):
     """A region run with saved-tensor hooks (``use_reentrant=False``): its holders and re-runs."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, spec: RegionSpec, name: str,
@@ -172,7 +172,7 @@ class HookedFrame(RegionCore):
         self.rebuilt_outputs: dict[int, list] = {}
         self.cached_inputs: dict[int, tuple] = {}
         self.stored: set[int] = set()
-        self.staged = _staged(spec, contexts)  # NOTE [Re-runs in stages] (stages.py)
+        self.staged = _stages.staged(spec, contexts)  # NOTE [Re-runs in stages] (stages.py)
         self.sizes: list[int] = []  # bytes per saved tensor, when staged
         self.positions: list[int] = []  # per saved tensor, the calls of the region before it (staged)
         self.starts = [0]  # the first saved tensor of each stage
@@ -316,13 +316,7 @@ class HookedFrame(RegionCore):
                 holder.argument, holder.argument_version = holder.probe, x._version
         if self.trace is not None:
             holder.saved_by = self.trace.last_op
-        own = None
-        if self.staged:  # NOTE [Re-runs in stages]
-            self.sizes.append(x.numel() * x.element_size())
-            own = self.contexts[0].store.flow
-            self.positions.append(len(own.funcs) if own is not None else 0)
-            if own is not None:
-                own.note_saved_at(x, holder.index)
+        own = self.note_staged(x, holder.index) if self.staged else None  # NOTE [Re-runs in stages]
         if _dead.forwards:  # NOTE [Saved inside a nested region]
             for flow in _dead.forwards:
                 if flow is not own:
@@ -452,45 +446,6 @@ class HookedFrame(RegionCore):
         ]
         return max(alive) if alive else -1
 
-    def _stage_stored(self, gid: int, index: int) -> bool:
-        """Whether graph task ``gid`` stored the stage of saved tensor ``index`` already."""
-        stages = self.stored_stages.get(gid)
-        return stages is None or _stages.stage_of(self.starts, index) in stages
-
-    def _stage(self, gid: int, index: int | None, stop_at: int | None) -> tuple[int, int | None]:
-        """``(first, stop_at)`` of this re-run: the stage of saved tensor ``index``, up to the
-        last of it still needed, when staged (NOTE [Re-runs in stages]); else all, as asked."""
-        replay = self.contexts[1]
-        replay.stage, replay.keep_before = None, 0
-        if index is None or stop_at is None or not self._flow_usable():
-            self.stored_stages.pop(gid, None)  # every stage stored at once
-            return 0, stop_at
-        first = _stages.stage_of(self.starts, index)
-        if gid not in self.stored_stages and type(gid) is int and torch._C._current_graph_task_id() != -1:
-            ref = weakref.ref(self)  # the frame dies with its holders, as unstaged, not at the end
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: (f := ref()) and f._end_stages(gid))
-        later = [s for s in self.starts if s > first]
-        stop_at = self._last_needed(gid, below=later[0] if later else None)
-        stored = self.stored_stages.setdefault(gid, set())
-        stored.add(first)
-        # the kept outputs a later stage's re-run reaches (it stops before the first saved
-        # tensor of this stage) are handed back and kept; the others are let go, as unstaged
-        again = any((h := r()) is not None and h.kept is None and _stages.stage_of(self.starts, h.index) not in stored
-                    for r in self.holders)
-        replay.stage, replay.keep_before = (first, stop_at), self.positions[first - 1] if first and again else 0
-        return first, stop_at
-
-    def _end_stages(self, gid: int) -> None:
-        """The backward that re-ran stages ended: let go of what a stage it never reached
-        would have read, the kept outputs and the inputs (a single re-run hands them back and
-        lets go as it passes them; a later backward rebuilds them, as then)."""
-        self.cached_inputs.pop(gid, None)
-        self.contexts[1].store.kept.clear()
-
-    def _rebuilt_ones(self) -> list[bool]:
-        """Per saved tensor, whether a re-run rebuilds it: alive, neither kept nor an argument."""
-        return [(h := r()) is not None and h.kept is None and h.argument is None for r in self.holders]
-
     def recompute(self, gid: int, store: bool = True, index: int | None = None) -> None:
         """`_recompute`; a refusal lets go of the regions the backward will not reach (NOTE
         [Backward refused] in ``refusal.py``)."""
@@ -585,20 +540,6 @@ class HookedFrame(RegionCore):
             if holder is not None and holder.out_of is not None and gid not in holder.rebuilt:
                 j, (size, stride, offset) = holder.out_of
                 holder.rebuilt[gid] = (outputs[j].as_strided(size, stride, offset), None)
-
-
-    def _flow_usable(self) -> bool:
-        flow = self.contexts[1].store.flow
-        return flow is not None and flow.usable and self.contexts[1].store.finished
-
-
-def _staged(spec: RegionSpec, contexts: tuple | None) -> bool:
-    """Whether a region re-runs in stages (NOTE [Re-runs in stages]): asked for, selective,
-    rebuilding saved tensors only; its forward then records its flow."""
-    if spec.stages <= 1 or spec.output_recompute or contexts is None or type(contexts[1]) is not ReplayMode:
-        return False
-    contexts[0].staged = True
-    return True
 
 
 class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
