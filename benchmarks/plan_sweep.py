@@ -176,13 +176,14 @@ def anchors(name: str, build, inputs, loss_fn, pairs: int) -> dict:
 
 def short(choices: dict) -> str:
     """Choices as letters (k, r, s, o), children as ``c(attn+fc)``, per-operator options as
-    ``p(addmm#0+addmm#2)``."""
+    ``p(addmm#0+addmm#2)``, staged ones as ``st(addmm#0+addmm#2)``."""
     def one(c: str) -> str:
         choice = Choice.parse(c)
         if choice.children:
             return f"c({'+'.join(choice.children)})"
-        if choice.family == "ops":
-            return f"p({'+'.join(choice.calls).replace('aten::', '')})"
+        if choice.family in ("ops", "staged"):
+            letter = "p" if choice.family == "ops" else "st"
+            return f"{letter}({'+'.join(choice.calls).replace('aten::', '')})"
         return c[0]
     return " ".join(one(c) for c in choices.values())
 

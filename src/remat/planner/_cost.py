@@ -48,6 +48,7 @@ from remat.planner._solve import (
     CALL_FAMILIES,
     OUTPUT,
     RECOMPUTE,
+    STAGED,
     Choice,
     Problem,
     evaluate,
@@ -273,13 +274,18 @@ def _family(option: str) -> str:
     (whole blocks re-run by the hooks), ``"children"`` (children re-run by cell and operator
     marks), ``"policies"`` (``selective`` and the per-call policies ``ops:``: a block re-run
     under a dispatch mode that decides per call, whose price per block the ``ops:`` options
-    show and ``selective`` alone could not), and ``"output"`` of its own (a chain of blocks
-    re-run twice, measured at 2x a block re-run)."""
+    show and ``selective`` alone could not), ``"output"`` of its own (a chain of blocks
+    re-run twice, measured at 2x a block re-run), and ``"staged"`` of its own (a block's
+    Python run once more per stage: priced with the per-call policies, every staged plan
+    came out cheaper than it ran, NOTE [Options re-run in stages])."""
     if option == "output":
         return option  # each block re-run twice in backward (NOTE [Output pass])
     if option == "recompute":
         return "blocks"
-    return "policies" if option == "selective" or Choice.parse(option).family in CALL_FAMILIES else "children"
+    if option == "selective":
+        return "policies"
+    family = Choice.parse(option).family
+    return "staged" if family == STAGED else "policies" if family in CALL_FAMILIES else "children"
 
 
 

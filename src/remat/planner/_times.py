@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from remat.planner._measure import Runs
 from remat.planner._settings import child_mark
-from remat.planner._solve import CALL_FAMILIES, Choice
+from remat.planner._solve import CALL_FAMILIES, STAGED, STAGES, Choice
 from remat.planner._trace import Trace
 
 
@@ -80,7 +80,9 @@ def block_times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple
         kept = sum(found[key][0] for key in keys)
         total = totals.total.get(block, 0.0)
         share = max(0.0, 1.0 - kept / total) if total else 1.0
-        return forward[k] * share + rerun * max(0.0, count[k] - len(keys)) + policy * count[k]
+        passes = STAGES if choice.family == STAGED else 1  # NOTE [Options re-run in stages]: each
+        # stage's re-run runs the block's code up to its stop, under the policy's mode again
+        return forward[k] * share + rerun * max(0.0, count[k] - len(keys)) + policy * count[k] * passes
 
     child_s = [[inner_seconds(k, o) for o in runs.columns] for k in range(len(names))]
     selective = _selective_seconds(traced, forward, count, rerun, policy)
