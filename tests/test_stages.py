@@ -200,3 +200,12 @@ def test_a_compiled_plan_refuses_staged_options_saying_why() -> None:
     with pytest.raises(ValueError, match="a staged re-run is an eager option"):
         remat.compile(_llama(), budget=0.5, example_inputs=(_TOKENS,), loss_fn=next_token_loss,
                       options=("keep", "staged"))
+
+
+def test_staged_options_are_priced_apart_with_a_pass_per_stage() -> None:
+    """A staged option runs the block's code once more than its ``ops:`` twin: priced with the
+    per-call policies, the planner took staged plans that ran slower than it predicted."""
+    from remat.planner._cost import _family
+
+    calls = "aten::add#1+aten::mm#2"
+    assert _family(f"staged:{calls}") == "staged" != _family(f"ops:{calls}") == "policies"
