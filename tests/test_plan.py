@@ -823,7 +823,7 @@ def test_every_child_together_lowers_the_floor_and_plans_reach_it(monkeypatch):
 
     inner = _measure.inner_options
     x = small_gpt_tokens()
-    unstaged = tuple(o for o in remat.planner.OPTIONS if o != "staged")  # the children's floor alone
+    unstaged = remat.planner.OPTIONS
     low = remat.plan(small_gpt(), *x, budget=1.0, repeat=1, options=unstaged).floor_bytes
     with monkeypatch.context() as m:
         m.setattr(_measure, "inner_options", lambda *a, **k: inner(*a, **{**k, "every": False}))

@@ -223,7 +223,8 @@ def test_errors_print_their_public_names():
 
 def test_the_planner_package_is_not_hidden_by_the_function():
     assert callable(remat.plan) and remat.plan is remat.planner.plan
-    assert remat.planner.OPTIONS == ("keep", "recompute", "selective", "output", "children", "ops", "staged")
+    assert remat.planner.OPTIONS == ("keep", "recompute", "selective", "output", "children", "ops")
+    assert remat.planner.FAMILIES == (*remat.planner.OPTIONS, "staged")  # staged: only when asked
     assert set(remat.planner.BLOCK_OPTIONS) < set(remat.planner.OPTIONS)
     assert remat.planner.BudgetError is remat.BudgetError and remat.planner.Plan is remat.Plan
 

@@ -197,6 +197,7 @@ def test_the_planner_offers_staged_options_and_a_staged_plan_holds_its_budget_bi
 
 
 def test_a_compiled_plan_refuses_staged_options_saying_why() -> None:
+    assert "staged" not in remat.planner.OPTIONS  # a plan uses it only when asked
     with pytest.raises(ValueError, match="a staged re-run is an eager option"):
         remat.compile(_llama(), budget=0.5, example_inputs=(_TOKENS,), loss_fn=next_token_loss,
                       options=("keep", "staged"))

@@ -34,7 +34,7 @@ from remat.cli.profile import (
     parse_shape,
     rank_options,
 )
-from remat.planner import OPTIONS, parse_budget
+from remat.planner import FAMILIES, OPTIONS, parse_budget
 
 API = "remat plan"
 #: The anchors the planner is compared with, in plot order.
@@ -59,7 +59,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--throughput", type=float, help="FLOP/s of that device for --estimate")
     parser.add_argument("--options", default=",".join(OPTIONS),
                         help="option families the plan may use, comma-separated (default: "
-                             f"{','.join(OPTIONS)}; 'children' marks parts of blocks)")
+                             f"{','.join(OPTIONS)}; 'children' marks parts of blocks; 'staged' "
+                             f"re-runs the 'ops' min-cut options in two stages, only when listed)")
     add_rank_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     parser.add_argument("--plot", metavar="PATH",
@@ -272,10 +273,10 @@ def _options_arg(text: str | None) -> tuple[str, ...]:
     if text is None:
         return OPTIONS
     options = tuple(o.strip() for o in text.split(",") if o.strip())
-    bad = [o for o in options if o not in OPTIONS]
+    bad = [o for o in options if o not in FAMILIES]
     if bad:
         raise SystemExit(f"{API}: --options: unknown option(s) {', '.join(bad)}; "
-                         f"choose from {','.join(OPTIONS)}")
+                         f"choose from {','.join(FAMILIES)}")
     return options
 
 

@@ -19,6 +19,7 @@ from remat.planner._plan import Decision, JobRank, Measured, Plan, plan, sweep
 from remat.planner._schedule import in_flight_counts, schedule_actions
 from remat.planner._solve import (
     BLOCK_OPTIONS,
+    FAMILIES,
     OPTIONS,
     BudgetError,
     Choice,
@@ -32,6 +33,6 @@ from remat.planner._solve import (
     solve_savings,
 )
 
-__all__ = ["BLOCK_OPTIONS", "OPTIONS", "BudgetError", "Choice", "Decision", "JobRank", "Measured", "PipelinePlan", "Plan", "Problem", "RankPlan", "Solution",
+__all__ = ["BLOCK_OPTIONS", "FAMILIES", "OPTIONS", "BudgetError", "Choice", "Decision", "JobRank", "Measured", "PipelinePlan", "Plan", "Problem", "RankPlan", "Solution",
            "compile", "evaluate", "floor", "in_flight_counts", "parse_budget", "plan", "plan_compiled", "plan_pipeline", "schedule_actions", "solve",
            "solve_chain", "solve_milp", "solve_savings", "sweep"]

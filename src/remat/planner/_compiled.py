@@ -81,7 +81,7 @@ API = "remat.compile"
 #: compiled step])
 WIDE_SHARE = 0.03
 #: the option families a compiled plan may use: the eager planner's but ``staged``
-COMPILED_OPTIONS = tuple(o for o in OPTIONS if o != STAGED)
+COMPILED_OPTIONS = OPTIONS
 WIDE_LIMIT = 4
 
 
@@ -102,11 +102,11 @@ def plan_compiled(model: torch.nn.Module, *example_inputs: Any, budget: float | 
         raise TypeError(f"{API}: budget= needs the step's inputs to measure it: "
                         f"example_inputs=(x,) or batch={{...}}")
     value, fractional = parse_budget(budget, api=API)
-    bad = [o for o in options if o not in COMPILED_OPTIONS]
+    bad = [o for o in options if o not in OPTIONS]
     if bad:
         why = (" (a staged re-run is an eager option: the compiled step's backward rebuilds each "
                "operator where it reads it already)" if STAGED in bad else "")
-        raise ValueError(f"{API}: unknown option(s) {bad}{why}; choose from {COMPILED_OPTIONS}")
+        raise ValueError(f"{API}: unknown option(s) {bad}{why}; choose from {OPTIONS}")
     _check_step(example_inputs, batch, loss_fn, step)
     made = _step(example_inputs, batch, loss_fn, step)
     settings = Settings(step=made, optimizer=None, blocks=blocks,

@@ -88,8 +88,13 @@ min-cut option also comes as family ``staged`` (``"staged:aten::add#1+aten::mm#2
 policy, the block re-run in ``STAGES`` (2) stages (NOTE [Re-runs in stages] in
 ``remat/_engine/stages.py``), which lowers the peak for about one more pass through the block's
 Python in backward. Like every option it is measured, bytes, peak and time, and chosen only
-where it is the fastest within the budget. Eager plans only: under ``remat.compile`` the
-partitioner places each rebuilt operator itself, so the compiled planner does not offer it.
+where it is the fastest within the budget; but a plan uses the family only when asked
+(``options=(*remat.planner.OPTIONS, "staged")``, `FAMILIES`): priced with the per-call policies it
+came out cheaper than it ran (a GPT of issue 27 planned at compile's peak at 0.1 took four
+staged blocks at 1.207x compile's step, where every child marked ran 1.036x), and priced as a
+family of its own its few timed runs do not yet make a fit that ranks it reliably. Eager plans
+only: under ``remat.compile`` the partitioner places each rebuilt operator itself, so the
+compiled planner refuses it.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from remat.planner._budget import parse_budget
 from remat.planner._fitting import _plans
 from remat.planner._result import Decision, JobRank, Measured, Plan
 from remat.planner._settings import Builder, Machine, Settings, Solving
-from remat.planner._solve import OPTIONS, BudgetError
+from remat.planner._solve import FAMILIES, OPTIONS, BudgetError
 
 API = "remat.plan"
 
@@ -229,9 +229,9 @@ def _call(inputs: tuple, given: Mapping[str, Any], ranks: Ranks) -> _Call:
     """The keywords `plan` and `sweep` share (``given``, by name) as one checked value: the one
     place they become `Settings`."""
     options = given["options"]
-    bad = [o for o in options if o not in OPTIONS]
+    bad = [o for o in options if o not in FAMILIES]
     if bad:
-        raise ValueError(f"{API}: unknown option(s) {bad}; choose from {OPTIONS}")
+        raise ValueError(f"{API}: unknown option(s) {bad}; choose from {FAMILIES}")
     _check_step(inputs, given["batch"], given["loss_fn"], given["step"])
     _check_verify(given["verify"])
     settings = Settings(step=Step(), optimizer=given["optimizer"], blocks=given["blocks"],

@@ -22,6 +22,7 @@ from remat.planner._solve._chain import solve_chain as solve_chain
 from remat.planner._solve._choice import BLOCK_OPTIONS as BLOCK_OPTIONS
 from remat.planner._solve._choice import CALL_FAMILIES as CALL_FAMILIES
 from remat.planner._solve._choice import CHILDREN as CHILDREN
+from remat.planner._solve._choice import FAMILIES as FAMILIES
 from remat.planner._solve._choice import OPS as OPS
 from remat.planner._solve._choice import OPTIONS as OPTIONS
 from remat.planner._solve._choice import STAGED as STAGED

@@ -36,8 +36,11 @@ OPS = "ops"
 STAGED = "staged"
 #: how many stages a ``staged:`` option re-runs its block in
 STAGES = 2
-#: the option families a plan may use (``remat.plan(options=...)``)
-OPTIONS = (*BLOCK_OPTIONS, CHILDREN, OPS, STAGED)
+#: the option families a plan uses unless told (``remat.plan(options=...)``)
+OPTIONS = (*BLOCK_OPTIONS, CHILDREN, OPS)
+#: every option family a plan may be asked to use: `OPTIONS` and ``staged``, which a plan
+#: uses only when asked (NOTE [Options re-run in stages] in ``planner/_options.py``)
+FAMILIES = (*OPTIONS, STAGED)
 #: the families that keep the outputs of the operator calls they name
 CALL_FAMILIES = (OPS, STAGED)
 #: the forms of an option's text, as errors list them
@@ -51,7 +54,7 @@ class Choice:
     """One block's option as a value (NOTE [Choices as values]); prints as its text.
 
     Args:
-        family: one of `OPTIONS`: a whole-block option, ``"children"`` or ``"ops"``.
+        family: one of `FAMILIES`: a whole-block option, ``"children"``, ``"ops"`` or ``"staged"``.
         parts: the children marked (``children``) or the operator calls whose outputs are
             kept (``ops``), in the order the text lists them; empty for a whole-block option.
         module: the compiled planner's column for a module outside the blocks: the module
@@ -148,7 +151,7 @@ def _split(text: str) -> tuple[str, tuple[str, ...], str]:
 
 def _fault(family: str, parts: tuple[str, ...], module: str) -> str | None:
     """What makes a choice no option ("" when its family is unknown); None: it is one."""
-    if family not in OPTIONS:
+    if family not in FAMILIES:
         return ""
     if family in BLOCK_OPTIONS:
         return "a whole-block option names no parts" if parts else None
