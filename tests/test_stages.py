@@ -13,31 +13,18 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat._graph.internal import allocation_peak
 from remat.models.llama import Llama, LlamaBlock, LlamaConfig, next_token_loss
 from tests._harness import assert_bitwise_equal
+from tests.test_dead_calls import _Count
 
 #: what torch.compile's min-cut keeps in a Llama block at activation_memory_budget=0.8
 #: (benchmarks/dead_calls.py): a re-run needs only cheap operators
 _KEEP = remat.save_calls("aten::_scaled_dot_product_flash_attention_for_cpu#0", "aten::add#1", "aten::add#2",
                          "aten::add#3", "aten::mm#2", "aten::mm#4", "aten::mm#5", "aten::rsqrt#0",
                          "aten::rsqrt#1")
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-
-
-class _Products(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in _MATMULS
-        return func(*args, **(kwargs or {}))
-
-
 def _llama(mark=None) -> Llama:
     torch.manual_seed(0)
     model = Llama(LlamaConfig(layers=3, width=64, heads=4, kv_heads=2, hidden=160, vocab=97))
@@ -106,9 +93,9 @@ def test_stages_lower_the_peak_and_rerun_no_product() -> None:
     assert peaks[id(two)] < 0.97 * peaks[id(one)], peaks  # 4.3% lower here
     products = {}
     for model in (one, two):
-        with _Products() as count:
+        with _Count() as count:
             step(model)
-        products[id(model)] = count.count
+        products[id(model)] = count.matmuls
     assert products[id(two)] == products[id(one)] == 3 * 7 + 1 + 3 * (7 * 2) + 2  # no product re-run
 
 
@@ -210,3 +197,14 @@ def test_staged_options_are_priced_apart_with_a_pass_per_stage() -> None:
 
     calls = "aten::add#1+aten::mm#2"
     assert _family(f"staged:{calls}") == "staged" != _family(f"ops:{calls}") == "policies"
+
+
+def test_a_staged_region_inside_a_selective_region_reads_its_inputs_once_per_backward() -> None:
+    """Found by the project's fuzzer (case 2468): a staged region inside another selective
+    region saves its inputs through the outer region's hooks; its second stage read them again
+    and the outer region refused the second unpack as 'unpacked twice'. Bitwise now."""
+    import tests.fuzz_models as fm
+
+    case = fm.make_case(2468)
+    assert any(m.get("opts", {}).get("stages") for m in case.plan)
+    assert fm.run_case(case).verdict == "ok"

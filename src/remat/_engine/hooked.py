@@ -177,6 +177,7 @@ class HookedFrame(_stages.StagedRuns, RegionCore):
         self.positions: list[int] = []  # per saved tensor, the calls of the region before it (staged)
         self.starts = [0]  # the first saved tensor of each stage
         self.stored_stages: dict[int, set[int]] = {}  # graph task -> the stages stored for it
+        self.more_stages = False  # a later stage of this backward is still to re-run
         self.counter: dict[int, int] = {}
         self.expired: str | None = None  # why it let go: NOTE [Regions made inside a re-run]
         self.trace, self.recompute_trace = OpTrace() if spec.debug else None, None  # OpTrace | None
@@ -482,7 +483,7 @@ class HookedFrame(_stages.StagedRuns, RegionCore):
         if store:
             self.stored.add(gid)
             args, kwargs = self.cached_inputs.pop(gid, None) or self.inputs()
-            if self.staged and self.contexts[1].keep_before:  # read once per backward, as unstaged
+            if self.staged and self.more_stages:  # read once per backward, as unstaged
                 self.cached_inputs[gid] = (args, kwargs)
         else:
             args, kwargs = self.inputs()

@@ -107,6 +107,7 @@ class StagedRuns:
         last of it still needed, when staged (NOTE [Re-runs in stages]); else all, as asked."""
         replay = self.contexts[1]
         replay.stage, replay.keep_before = None, 0
+        self.more_stages = False
         if index is None or stop_at is None or not self._flow_usable():
             self.stored_stages.pop(gid, None)  # every stage stored at once
             return 0, stop_at
@@ -123,6 +124,7 @@ class StagedRuns:
         again = any((h := r()) is not None and h.kept is None and stage_of(self.starts, h.index) not in stored
                     for r in self.holders)
         replay.stage, replay.keep_before = (first, stop_at), self.positions[first - 1] if first and again else 0
+        self.more_stages = again
         return first, stop_at
 
     def _end_stages(self, gid: int) -> None:
