@@ -15,6 +15,7 @@ enough: the global switches (NOTE [Global switches] in ``_engine/flags.py``),
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager as ContextManager
@@ -69,6 +70,14 @@ def noop_context_fn() -> tuple[ContextManager, ContextManager]:
 
 _noop_context_fn = noop_context_fn
 _DEFAULT_CONTEXT_FNS = (noop_context_fn, _torch_checkpoint.noop_context_fn)
+
+
+@functools.lru_cache(maxsize=64)
+def _spec(use_reentrant: bool, preserve: bool, early_stop: bool, determinism_check: str, debug: bool) -> RegionSpec:
+    """The region options of a call, made once per combination (a spec is frozen; making and
+    validating one cost a launch-bound block's call a few microseconds)."""
+    return RegionSpec(use_reentrant=use_reentrant, preserve_rng_state=preserve, early_stop=early_stop,
+                      determinism_check=determinism_check, debug=debug)
 
 
 def _region_name(function: Callable) -> str:
@@ -157,18 +166,12 @@ def checkpoint(
             f"determinism_check should be one of {list(DETERMINISM_CHECKS)}, "
             f"but got {determinism_check}"
         )
-    if not use_reentrant and _flags.resolve(RegionSpec(debug=bool(debug))).debug and not default_context:
+    if not use_reentrant and _flags.resolve(_spec(False, True, True, "default", bool(debug))).debug and not default_context:
         raise ValueError(
             "remat.checkpoint: debug=True is incompatible with non-default context_fn (debug "
             "is on through the argument or set_checkpoint_debug_enabled(True)); turn one off"
         )
-    spec = RegionSpec(
-        use_reentrant=bool(use_reentrant),
-        preserve_rng_state=bool(preserve),
-        early_stop=bool(early_stop),
-        determinism_check=determinism_check,
-        debug=bool(debug),
-    )
+    spec = _spec(bool(use_reentrant), bool(preserve), bool(early_stop), determinism_check, bool(debug))
     contexts = None if default_context else _selective.adopt_torch_contexts(context_fn)
     return _region.run(function, args, kwargs, spec, name=_region_name(function), context_fn=contexts)
 
