@@ -58,7 +58,7 @@ import engine_overhead as eo
 
 import remat
 from remat._engine import boundary, facts, per_use, rng, state
-from remat._engine.observe import reached_outside
+from remat._engine.walk import reached_outside
 from remat._front.marks import mark_of
 
 PARTS = ("minimal", "+ module state", "+ facts", "+ per-use", "+ settle", "+ re-run contexts", "+ graph walk")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from remat._engine.observe import reached_outside
+from remat._engine.walk import reached_outside
 
 
 def _reference(outs: list, wrt: list, made: set) -> tuple[set, set]:

@@ -56,7 +56,7 @@ would get a hook call with None on every step), and:
 - where the reads still vary unseen (a branch on a Python value held outside the
   region's modules, or on values read by ``.tolist()`` or ``.numpy()``, which no
   operator runs; an item of a list attribute replaced), the re-run's graph is walked
-  before its backward (``observe.reached_outside``, a few microseconds per block): any
+  before its backward (``walk.reached_outside``, a few microseconds per block): any
   leaf it reaches that is not an input (one of the modules' other parameters, or a
   tensor held outside them: a global, a closure's) is differentiated too; one that gets
   a gradient was read without being an input, and a ``RecomputeError`` says so, and the

@@ -21,7 +21,7 @@ differentiable down to the real inputs (a gradient penalty), while the nested
 ``torch.autograd.grad`` still stops there. A tensor read through the closure
 cannot be stopped at: if the nested backward runs on past it (it was computed
 from the region's own parameters), the region is refused (`reentrant_backward._closure_stops`).
-Before the nested backward the re-run's graph is walked (``observe.reached_outside``):
+Before the nested backward the re-run's graph is walked (``walk.reached_outside``):
 a path to a tensor that is not an input of the Function is refused, never lost.
 The gradient hooks of the tensors read (``param.register_hook``) are silenced
 while the nested backward captures their gradients (`_hooks_off`): they run

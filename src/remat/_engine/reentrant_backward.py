@@ -24,13 +24,8 @@ from remat._engine.core import Contexts
 from remat._engine.errors import RecomputeError
 from remat._engine.escapes import Pick
 from remat._engine.modes import _UNANNOTATED, StateGuard, _allocates, _storage_key, _written_args
-from remat._engine.observe import (
-    CheckReads,
-    Substitute,
-    reached_outside,
-    refuse_lost,
-    replayed_state,
-)
+from remat._engine.observe import CheckReads, Substitute, replayed_state
+from remat._engine.walk import reached_outside, refuse_lost
 
 _GRAD_FN = operator.attrgetter("grad_fn")
 _BACKWARD_HOOKS = operator.attrgetter("_backward_hooks")
