@@ -5,7 +5,7 @@ arguments from forward to its re-runs: saved through a custom Function where a
 saved-tensor hook outside the region must see them, held with their versions
 otherwise (NOTE [Inputs held directly]), each one once (NOTE [Arguments that are one
 tensor] in ``hooked.py``), a copy of one the region returns (NOTE [Arguments returned as
-outputs] in ``reentrant.py``).
+outputs] in ``aliases.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class HeldInputs:
         """Save a copy of each input the region returns, or returns a view of (``shared``:
         per input, whether an output shares its storage).
 
-        NOTE [Arguments returned as outputs] (``reentrant.py``): a caller may change
+        NOTE [Arguments returned as outputs] (``aliases.py``): a caller may change
         such an output in place, which would change the input the re-run starts from.
         """
         with engine_ops():
