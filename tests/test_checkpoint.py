@@ -523,3 +523,36 @@ def test_profile_flags_are_type_checked():
         remat.profile(net, x, repeat=-1)
     with pytest.raises(TypeError, match="remat.estimate: 'output_recompute' must be a bool"):
         remat.estimate(net, x, output_recompute=1)
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block called through ``remat.checkpoint`` (or directly, for the unmarked model)."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        if self.reentrant is None:
+            return self.block(x).pow(2).sum()
+        return remat.checkpoint(self.block, x, use_reentrant=self.reentrant).pow(2).sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_traced_by_dynamo_warns_nothing_and_trains_as_unmarked(reentrant):
+    """remat.checkpoint inside torch.compile: its options are made as written while traced (a
+    cache of them made dynamo warn, once per call site, that it ignores the cache)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    marked = _Checkpointed(reentrant)
+    plain = _Checkpointed(None)
+    plain.load_state_dict(marked.state_dict())
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(marked, backend="eager")(x).backward()
+    plain(x).backward()
+    assert [str(w.message) for w in caught if "checkpoint.py" in str(w.message)] == []
+    for (name, p), q in zip(marked.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name

@@ -15,7 +15,6 @@ enough: the global switches (NOTE [Global switches] in ``_engine/flags.py``),
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager as ContextManager
@@ -72,12 +71,21 @@ _noop_context_fn = noop_context_fn
 _DEFAULT_CONTEXT_FNS = (noop_context_fn, _torch_checkpoint.noop_context_fn)
 
 
-@functools.lru_cache(maxsize=64)
+_SPECS: dict[tuple, RegionSpec] = {}
+
+
 def _spec(use_reentrant: bool, preserve: bool, early_stop: bool, determinism_check: str, debug: bool) -> RegionSpec:
     """The region options of a call, made once per combination (a spec is frozen; making and
-    validating one cost a launch-bound block's call a few microseconds)."""
-    return RegionSpec(use_reentrant=use_reentrant, preserve_rng_state=preserve, early_stop=early_stop,
-                      determinism_check=determinism_check, debug=debug)
+    validating one cost a launch-bound block's call a few microseconds). Traced by dynamo, a
+    spec is made as it is written: dynamo folds it into a constant, and warns on a cache."""
+    key = (use_reentrant, preserve, early_stop, determinism_check, debug)
+    spec = None if torch.compiler.is_compiling() else _SPECS.get(key)
+    if spec is None:
+        spec = RegionSpec(use_reentrant=use_reentrant, preserve_rng_state=preserve, early_stop=early_stop,
+                          determinism_check=determinism_check, debug=debug)
+        if not torch.compiler.is_compiling():
+            _SPECS[key] = spec
+    return spec
 
 
 def _region_name(function: Callable) -> str:
