@@ -79,11 +79,12 @@ def _spec(use_reentrant: bool, preserve: bool, early_stop: bool, determinism_che
     validating one cost a launch-bound block's call a few microseconds). Traced by dynamo, a
     spec is made as it is written: dynamo folds it into a constant, and warns on a cache."""
     key = (use_reentrant, preserve, early_stop, determinism_check, debug)
-    spec = None if torch.compiler.is_compiling() else _SPECS.get(key)
+    compiling = torch.compiler.is_compiling()
+    spec = None if compiling else _SPECS.get(key)
     if spec is None:
         spec = RegionSpec(use_reentrant=use_reentrant, preserve_rng_state=preserve, early_stop=early_stop,
                           determinism_check=determinism_check, debug=debug)
-        if not torch.compiler.is_compiling():
+        if not compiling:
             _SPECS[key] = spec
     return spec
 
