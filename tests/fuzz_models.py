@@ -1196,9 +1196,10 @@ def make_case(seed: int, *, compiled: bool = False) -> Case:
             # tests/test_leaves_returned.py)
             view = r.random() < 0.5
             desc["leaf_view"] = view and _combine_of(desc, desc["leaf_out"]) != "first"
-    # drawn after it: selective marks re-run in stages (NOTE [Re-runs in stages])
+    # drawn after it: selective marks re-run in stages (NOTE [Re-runs in stages]) or rebuild
+    # each saved tensor on its own (NOTE [Each saved tensor rebuilt on its own])
     if not compiled and r.random() < 0.3:
-        stages = r.choice((2, 3))
+        stages = r.choice((2, 3, "each"))
         for mark in case.plan:
             m = mark.get("mark", mark)
             if m["kind"] in ("cell", "module", "blocks", "name") and "policy" in m["opts"] \

@@ -77,7 +77,8 @@ class Cell(torch.nn.Module):
                 False: they stay gathered from forward to backward; not passed:
                 FSDP2's own ``reshard_after_forward`` decides), ``policy``,
                 ``stages`` (default 1; with a ``policy``: backward rebuilds the cell
-                that many parts at a time, holding one part's tensors at once),
+                that many parts at a time, holding one part's tensors at once; ``"each"``:
+                each saved tensor on its own, from the operators that made it),
                 ``preserve_rng_state``.
 
         Raises:

@@ -195,8 +195,8 @@ class Flow:
     """What a selective forward's calls read and what backward reads of them
     (NOTE [Dead operators in a selective re-run])."""
 
-    __slots__ = ("deps", "differentiable", "funcs", "keys", "needed", "outs", "producer", "saved_at", "task",
-                 "usable")
+    __slots__ = ("deps", "differentiable", "funcs", "keys", "needed", "outs", "producer", "recipes", "saved_at",
+                 "task", "usable")
 
     def __init__(self) -> None:
         self.producer: dict[int, int] = {}  # id of a tensor a call returned -> that call
@@ -214,6 +214,7 @@ class Flow:
         self.saved_at: dict[int, list[int]] = {}
         self.task = _graph_task()
         self.usable = True
+        self.recipes: Any = None  # NOTE [Each saved tensor rebuilt on its own] in ``recipes.py``
         self.differentiable = False  # the running call reads a tensor that requires grad, in grad mode
 
     def before(self, func: Any, args: tuple, kwargs: dict) -> int:
@@ -227,6 +228,8 @@ class Flow:
             call = producer.get(id(args[0]))
             if call is not None:
                 self.needed.add(call)
+            if self.recipes is not None:
+                self.recipes.escaped(args[0])
             return -1
         tensors = tensors_of(args, kwargs)
         if any(type(t) not in _PLAIN for t in tensors):  # NOTE [Tensors whose reads the mode does not see]

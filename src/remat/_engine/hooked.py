@@ -108,6 +108,7 @@ from remat._engine import collectives as _collectives
 from remat._engine import dead as _dead
 from remat._engine import flags as _flags
 from remat._engine import outputs as _outputs
+from remat._engine import recipes as _recipes
 from remat._engine import refusal as _refusal
 from remat._engine import stages as _stages
 from remat._engine import state as _state
@@ -160,6 +161,8 @@ class HookedFrame(_stages.StagedRuns, HeldInputs, RegionCore):
         self.cached_inputs: dict[int, tuple] = {}
         self.stored: set[int] = set()
         self.staged = _stages.staged(spec, contexts)  # NOTE [Re-runs in stages] (stages.py)
+        self.each = _recipes.each(spec, contexts)  # NOTE [Each saved tensor rebuilt on its own]
+        self.replays: dict = {}  # graph task -> its `recipes._Shared`
         self.sizes: list[int] = []  # bytes per saved tensor, when staged
         self.positions: list[int] = []  # per saved tensor, the calls of the region before it (staged)
         self.starts = [0]  # the first saved tensor of each stage
@@ -237,6 +240,8 @@ class HookedFrame(_stages.StagedRuns, HeldInputs, RegionCore):
         if self.trace is not None:
             holder.saved_by = self.trace.last_op
         own = self.note_staged(x, holder.index) if self.staged else None  # NOTE [Re-runs in stages]
+        if self.each and not self.keep_all:  # NOTE [Each saved tensor rebuilt on its own]
+            holder.recipe = _recipes.saved(self, x, holder)
         if _dead.forwards:  # NOTE [Saved inside a nested region]
             for flow in _dead.forwards:
                 if flow is not own:
@@ -335,6 +340,8 @@ class HookedFrame(_stages.StagedRuns, HeldInputs, RegionCore):
                 return x.detach() if x.requires_grad else x
         gid = _graph_task()
         if gid not in holder.rebuilt:
+            if holder.recipe is not None and (x := _recipes.rebuild(self, holder)) is not None:
+                return x  # NOTE [Each saved tensor rebuilt on its own]
             if gid in self.stored and self._stage_stored(gid, holder.index):
                 raise RecomputeError(unpacked_twice(self.name, holder, gid is _flags.current_group()))
             self.recompute(gid, index=holder.index)

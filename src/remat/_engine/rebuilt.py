@@ -143,7 +143,7 @@ class Holder:
     or what the re-runs rebuilt, per graph task."""
 
     __slots__ = ("__weakref__", "argument", "argument_version", "index", "kept", "kept_version", "out_of",
-                 "probe", "probe_version", "rebuilt", "saved_by")
+                 "probe", "probe_version", "rebuilt", "recipe", "saved_by")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -156,6 +156,7 @@ class Holder:
         self.saved_by: str | None = None
         self.argument: weakref.ref | None = None  # NOTE [Saved arguments are read back]
         self.argument_version = -1
+        self.recipe: tuple[int, int] | None = None  # NOTE [Each saved tensor rebuilt on its own]
 
     def keep(self, x: torch.Tensor) -> None:
         self.kept, self.kept_version, self.probe = x.detach(), x._version, None

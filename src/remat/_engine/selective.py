@@ -26,6 +26,16 @@ and recomputation handed back the changed values: a silent wrong gradient (found
 independent fuzzer). So in forward every later output sharing a kept output's storage is
 watched too, and a change to any of them rebuilds the call.
 
+NOTE [Kept outputs detached in forward]
+Code can write a tensor's memory where the dispatcher does not see: through ``numpy()``
+(``h.detach().numpy()[...] *= 2``), an extension's pointer. A kept output written so after it
+was kept holds the written values with its version unchanged, and the re-run, handed it back,
+ran the write again on it: twice written, a silent wrong gradient (a selective region only: a
+full re-run rebuilds the output before writing it). Every such path starts with a ``detach``
+the forward's mode sees (``.data``, ``detach()``, ``numpy()`` each issue one), so a kept output
+whose memory a ``detach`` reached in forward is rebuilt, not handed back: exact, at the cost of
+running its operator again. ``tests/test_each.py`` holds the case.
+
 A policy is either a [`remat.Policy`][remat.Policy] (by operator name) or a
 `CallPolicy`, which asks a function about every operator call, as
 torch's ``create_selective_checkpoint_contexts`` does; the function is asked in
@@ -45,6 +55,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from remat._engine import dead as _dead
+from remat._engine import recipes as _recipes
 from remat._engine.errors import RecomputeError
 from remat._engine.placeholder import Placeholder
 from remat._engine.rng import drew, generator_states
@@ -118,6 +129,7 @@ class _Store:
         # sharing one of them that autograd does not count as views (with their versions)
         self.watched: dict[Any, tuple[Any, int]] = {}
         self.aliases: dict[tuple[Any, int], list] = {}
+        self.escaped: set[tuple[Any, int]] = set()  # NOTE [Kept outputs detached in forward]
         self.finished = False  # the forward returned (NOTE [Re-runs inside a selective forward])
         self.flow: _dead.Flow | None = None  # NOTE [Dead operators in a selective re-run]
 
@@ -133,7 +145,7 @@ class _Store:
         """Whether recomputation hands call ``index`` of ``key`` back without running it:
         kept, unchanged since forward, and drew nothing (NOTE [Kept random operators])."""
         stored = self.stored(key, index)
-        return (stored is not None and (key, index) not in self.draws
+        return (stored is not None and (key, index) not in self.draws and (key, index) not in self.escaped
                 and all(t._version == version for t, version in stored))
 
 
@@ -166,12 +178,16 @@ class SaveMode(TorchDispatchMode):
         self.calls: dict[Any, int] = defaultdict(int)
         self.depth = 0
         self.staged = False  # a staged region's forward records its flow always (NOTE [Re-runs in stages])
+        self.each = False  # and notes how to run each call again (NOTE [Each saved tensor rebuilt on its own])
 
     def __enter__(self):
         self.depth = recompute_depth()
         self.store.finished = False
         # NOTE [Dead operators in a selective re-run]
-        self.store.flow = flow = _dead.Flow() if self.staged or _dead.worth_recording(self.policy) else None
+        recorded = self.staged or self.each or _dead.worth_recording(self.policy)
+        self.store.flow = flow = _dead.Flow() if recorded else None
+        if self.each:
+            flow.recipes = _recipes.Recipes()
         if flow is not None:
             _dead.forwards.append(flow)  # NOTE [Saved inside a nested region]
         return super().__enter__()
@@ -190,12 +206,18 @@ class SaveMode(TorchDispatchMode):
         if recompute_depth() > self.depth:  # NOTE [Re-runs inside a selective forward]
             return func(*args, **kwargs)
         flow, store = self.store.flow, self.store
+        if func is _dead.DETACH and store.watched:  # NOTE [Kept outputs detached in forward]
+            entry = store.watched.get(_storage_key(args[0]))
+            if entry is not None:
+                store.escaped.add(entry)
         call = flow.before(func, args, kwargs) if flow is not None and flow.usable else -1
         _, keeps, random, is_view = _facts(self.policy, func)
         before = generator_states((args, kwargs)) if random else None
         out = func(*args, **kwargs)
         if call >= 0:
             flow.after(call, func, out)
+            if flow.recipes is not None:  # NOTE [Each saved tensor rebuilt on its own]
+                flow.recipes.note(call, func, args, kwargs, out)
         if store.watched and not is_view:  # NOTE [Aliases with a version of their own]
             for t in (out,) if type(out) is torch.Tensor else pytree.tree_leaves(out):
                 entry = store.watched.get(_storage_key(t))
@@ -306,8 +328,8 @@ class ReplayMode(TorchDispatchMode):
         stored = self.store.stored(key, index)
         # handed back once (a later backward rebuilds it), or kept for a later stage's re-run
         entry = kept[index] if self.call <= self.keep_before else kept.pop(index)
-        if any(t._version != version for t, version in stored):
-            return self._run(func, args, kwargs)  # changed in place after forward: rebuild it
+        if (key, index) in self.store.escaped or any(t._version != version for t, version in stored):
+            return self._run(func, args, kwargs)  # changed in place after forward, or may have been: rebuild it
         if (key, index) in self.store.draws:
             # NOTE [Kept random operators]: the draw still runs, so the generator stands where
             # forward left it for the random operators rebuilt after this one

@@ -76,7 +76,7 @@ def stage_of(starts: list[int], index: int) -> int:
 def staged(spec: RegionSpec, contexts: tuple | None) -> bool:
     """Whether a region re-runs in stages (NOTE [Re-runs in stages]): asked for, selective,
     rebuilding saved tensors only; its forward then records its flow."""
-    if spec.stages <= 1 or spec.output_recompute or contexts is None or type(contexts[1]) is not ReplayMode:
+    if spec.stages == "each" or spec.stages <= 1 or spec.output_recompute or contexts is None or type(contexts[1]) is not ReplayMode:
         return False
     contexts[0].staged = True
     return True

@@ -157,8 +157,9 @@ def recompute_module(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
 
     Raises:
         TypeError: ``module`` is not a module, an unknown keyword, a non-bool flag.
-        ValueError: ``module`` is already marked with other options; ``stages`` is not a
-            positive int, or is above 1 without a ``policy`` or with ``output_recompute``.
+        ValueError: ``module`` is already marked with other options; ``stages`` is neither a
+            positive int nor ``"each"``, or is not 1 without a ``policy`` or with
+            ``output_recompute``.
 
     Examples:
         >>> import torch, remat
@@ -168,6 +169,10 @@ def recompute_module(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         >>> # a selective mark whose backward rebuilds the block two parts at a time
         >>> block = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
         >>> _ = remat.recompute_module(block, policy=remat.save_compute_intensive, stages=2)
+        >>> block(torch.randn(2, 8, requires_grad=True)).sum().backward()
+        >>> # one whose backward rebuilds each saved tensor on its own, running none of its code
+        >>> block = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        >>> _ = remat.recompute_module(block, policy=remat.save_compute_intensive, stages="each")
         >>> block(torch.randn(2, 8, requires_grad=True)).sum().backward()
     """
     api = "remat.recompute_module"

@@ -41,7 +41,9 @@ class RegionSpec:
             choice alone (FSDP2's ``reshard_after_forward``).
         stages: re-run a selective region in this many stages in backward, each rebuilding
             only the saved tensors backward reads next, so backward holds one stage at a
-            time (NOTE [Re-runs in stages]); 1 re-runs it once.
+            time (NOTE [Re-runs in stages]); 1 re-runs it once; ``"each"`` runs none of its
+            code again: each saved tensor is rebuilt on its own, when backward reads it, from
+            the operator calls that made it (NOTE [Each saved tensor rebuilt on its own]).
 
     Examples:
         >>> from remat._vocab.spec import RegionSpec
@@ -59,7 +61,7 @@ class RegionSpec:
     debug: bool = False
     mp_comm_recompute: bool = True
     parallel_optimizer_comm_recompute: bool | None = None
-    stages: int = 1
+    stages: int | str = 1
 
     def __post_init__(self) -> None:
         api = "remat.RegionSpec"
@@ -68,10 +70,11 @@ class RegionSpec:
                 check_bool(api, f.name, getattr(self, f.name))
         if self.parallel_optimizer_comm_recompute is not None:
             check_bool(api, "parallel_optimizer_comm_recompute", self.parallel_optimizer_comm_recompute)
-        if type(self.stages) is not int or self.stages < 1:
+        if self.stages != "each" and (type(self.stages) is not int or self.stages < 1):
             raise ValueError(f"{api}: stages must be an int >= 1 (how many re-runs a region's backward "
-                             f"splits its recomputation into), got {self.stages!r}")
-        if self.stages > 1 and (self.policy is None or self.output_recompute):
+                             f"splits its recomputation into) or \"each\" (each saved tensor rebuilt on "
+                             f"its own), got {self.stages!r}")
+        if self.stages != 1 and (self.policy is None or self.output_recompute):
             raise ValueError(
                 f"{api}: stages={self.stages} needs a selective policy (policy=remat.save_calls(...) or "
                 f"another remat.Policy) and output_recompute=False: a stage re-runs only what its own "
