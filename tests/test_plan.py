@@ -823,7 +823,9 @@ def test_every_child_together_lowers_the_floor_and_plans_reach_it(monkeypatch):
 
     inner = _measure.inner_options
     x = small_gpt_tokens()
-    unstaged = remat.planner.OPTIONS
+    # the block and child options: per-operator options rebuilt one tensor at a time reach
+    # lower than either floor on this model (NOTE [Each saved tensor rebuilt on its own])
+    unstaged = tuple(o for o in remat.planner.OPTIONS if o != "ops")
     low = remat.plan(small_gpt(), *x, budget=1.0, repeat=1, options=unstaged).floor_bytes
     with monkeypatch.context() as m:
         m.setattr(_measure, "inner_options", lambda *a, **k: inner(*a, **{**k, "every": False}))

@@ -15,7 +15,10 @@ or a tensor from outside the region, held with its version), and the storages it
 use. An unpack of a saved tensor made by call ``c`` then runs again only the calls ``c``
 depends on, in forward order, under ``no_grad``: a call whose output the policy kept is
 handed back (unchanged since forward, as the re-run checks), an argument from outside is
-read as the object forward read. The value is freed when backward is done with it.
+read as the object forward read. The value is freed when backward is done with it, and
+what several saved tensors share is run once per backward (NOTE [Replays share what they
+both read]): a matrix product the policy did not keep runs once, as in the ordinary re-run.
+More than `MAX_CALLS` calls for one tensor is the ordinary re-run's job.
 
 What the dispatcher shows is all the replay knows, so a call is never replayed, and a saved
 tensor that depends on it is rebuilt by the ordinary re-run instead, when:
@@ -24,15 +27,15 @@ tensor that depends on it is rebuilt by the ordinary re-run instead, when:
 - its output was detached in forward (``.data``, ``detach()``, ``numpy()``: its memory may
   be written where the dispatcher does not see), or an in-place operator wrote memory one
   of its outputs uses;
-- it read an earlier output at another version than that output had when made;
-- it is a matrix product, convolution or attention the policy did not keep (each unpack
-  would run it again: that is the ordinary re-run's job, once);
+- it read an earlier output at another version than that output had when made, or one of
+  a call it cannot plan (a kept output that is no longer handed back, whose own inputs the
+  replay did not plan for);
 - an outside tensor it reads has changed version since, or a kept output it reads changed
   in place or drew random numbers (NOTE [Kept random operators] in ``selective.py``);
 - the forward recorded no usable flow (a tensor subclass, a backward inside the forward),
   had not returned, or made its tensors under another region's re-run.
-The rebuilt tensor's shape, strides, dtype and device are compared with the forward's; a
-difference falls back to the re-run, which checks and refuses as always. The ordinary
+The rebuilt tensor's shape, dtype and device are compared with the forward's (unless the
+mark turned ``determinism_check`` off); a difference falls back to the re-run, which checks and refuses as always. The ordinary
 re-run, whenever one runs, rebuilds what is still to come and hands that out first.
 """
 
@@ -48,7 +51,7 @@ from remat._engine.modes import _written_args
 from remat._engine.state import recomputing
 
 #: the most calls one saved tensor's replay runs; a longer chain is the re-run's job
-MAX_CALLS = 64
+MAX_CALLS = 1024
 
 
 class _Out:
@@ -69,22 +72,30 @@ class _Outside:
         self.tensor, self.version = tensor, tensor._version
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.stride(), t.dtype, t.device)
+#: id of an operator -> (never replayed, writes what it reads, a view): learned once per operator
+_STATIC: dict = {}
+
+
+def _static(func: Any) -> tuple[bool, bool, bool]:
+    found = _STATIC.get(id(func))  # an operator lives as long as torch: its id is its key
+    if found is None:
+        kind = _dead._kind(func)
+        writes = bool(_written_args(func)) or (kind == _dead._RUNS and func._schema.is_mutable)
+        found = _STATIC[id(func)] = (kind == _dead._RUNS or writes, writes, kind == _dead._VIEW)
+    return found
 
 
 class Recipes:
     """Per call of a selective forward: how to run it again (NOTE [Each saved tensor rebuilt
     on its own])."""
 
-    __slots__ = ("bad", "calls", "layouts", "made", "orders", "storages", "views")
+    __slots__ = ("bad", "calls", "made", "orders", "storages", "views")
 
     def __init__(self) -> None:
         self.calls: dict[int, tuple] = {}  # call -> (func, args template, kwargs template, deps)
         self.bad: set[int] = set()  # calls never replayed
         #: id of an output -> (call, position, weak reference, version when made)
         self.made: dict[int, tuple] = {}
-        self.layouts: dict[tuple[int, int], tuple] = {}  # (call, position) -> forward's layout
         self.storages: dict[int, list[int]] = {}  # storage -> the calls whose outputs use it
         #: NOTE [Views are found by their memory]: layout of a view call's output -> (call,
         #: position, weak reference to the tensor it views, version when made)
@@ -114,36 +125,39 @@ class Recipes:
         running statistics its schema does not say it writes) is never replayed, nor any call
         whose outputs use memory it wrote."""
         deps: list[int] = []
-        bad = _dead._kind(func) == _dead._RUNS
-        if _written_args(func) or (bad and func._schema.is_mutable):
-            bad = True
+        bad, writes, is_view = _static(func)
+        if writes:
             for t in _dead.tensors_of(args, kwargs):  # which of them it wrote: all, to be sure
                 for c in self.storages.get(_storage(t), ()):
                     self.bad.add(c)
-        template = tuple(self._arg(a, deps) for a in args)
+        template = tuple([self._arg(a, deps) for a in args])
         kw = {k: self._arg(v, deps) for k, v in kwargs.items()} if kwargs else {}
-        if None in deps:
-            bad = True
-        if bad:
+        if bad or None in deps:
             self.bad.add(call)
         else:
             self.calls[call] = (func, template, kw, deps)
-        outputs = (out,) if isinstance(out, torch.Tensor) else out if type(out) in (tuple, list) else ()
+        single = isinstance(out, torch.Tensor)
+        outputs = (out,) if single else out if type(out) is tuple or type(out) is list else ()
         base = None
-        if _dead._kind(func) == _dead._VIEW:  # NOTE [Views are found by their memory]
+        if is_view:  # NOTE [Views are found by their memory]
             base = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        made, storages = self.made, self.storages
         for pos, t in enumerate(outputs):
-            if isinstance(t, torch.Tensor):
+            if single or isinstance(t, torch.Tensor):
                 # the caller's view shares the version counter of what it views
                 version = base._version if base is not None else t._version
-                self.made[id(t)] = (call, pos, weakref.ref(t), version)
-                self.layouts[call, pos] = _layout(t)
-                self.storages.setdefault(_storage(t), []).append(call)
+                made[id(t)] = (call, pos, weakref.ref(t), version)
+                key = _storage(t)
+                found = storages.get(key)
+                if found is None:
+                    storages[key] = [call]
+                else:
+                    found.append(call)
                 if base is not None:
                     self.views[_view_key(t)] = (call, pos, weakref.ref(base), version)
 
     def _arg(self, a: Any, deps: list) -> Any:
-        if isinstance(a, torch.Tensor):
+        if type(a) is torch.Tensor or isinstance(a, torch.Tensor):
             return self._ref(a, deps)
         if (type(a) is list or type(a) is tuple) and any(isinstance(b, torch.Tensor) for b in a):
             return type(a)(self._ref(b, deps) if isinstance(b, torch.Tensor) else b for b in a)
@@ -177,7 +191,7 @@ class Recipes:
             if handed(c):
                 continue
             entry = self.calls.get(c)
-            if entry is None or c in self.bad or _dead._intensive(entry[0]) or len(need) > MAX_CALLS:
+            if entry is None or c in self.bad or len(need) > MAX_CALLS:
                 return None
             stack.extend(entry[3])
         return sorted(need)
@@ -198,8 +212,8 @@ class Recipes:
                     if (handed := kept(c)) is not None:
                         values[c] = handed
                         continue
-                    if entry is None or _dead._intensive(entry[0]):  # a kept output no longer handed back
-                        return None
+                    if entry is None or c in self.bad or any(d not in values for d in entry[3]):
+                        return None  # a kept output no longer handed back, its inputs not planned
                     func, template, kw, _ = entry
                     values[c] = func(*[_value(a, values) for a in template],
                                      **{k: _value(v, values) for k, v in kw.items()})
@@ -215,8 +229,7 @@ class Recipes:
                 uses.pop(c, None)
                 memo.pop(c, None)
         out = values[target]
-        x = out if isinstance(out, torch.Tensor) else out[pos]
-        return x if _layout(x) == self.layouts[target, pos] else None
+        return out if isinstance(out, torch.Tensor) else out[pos]
 
 
 class _Shared:

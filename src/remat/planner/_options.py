@@ -53,6 +53,10 @@ as an RMSNorm's mean, an eighth of its input or less) and one option keeps only 
 next to no memory, and what depends on them (a norm's square, its reduction) is not rebuilt.
 Reductions have no in-place forms, so the eager engine and the graph pass number them alike.
 The same policy is applied by ``remat.compile``'s graph pass, which numbers the calls alike.
+In eager plans the block is marked ``stages="each"`` (NOTE [Each saved tensor rebuilt on its
+own] in ``remat/_engine/recipes.py``): its backward rebuilds each saved tensor from the calls
+that make it, as it reads them, and holds one at a time, as the graph pass's partitioner
+places each rebuilt operator just before its use; the block's code is not run again.
 
 NOTE [Options cut by min-cut]
 The ranked options keep products and reductions only, so a value backward reads that a

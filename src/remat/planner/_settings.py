@@ -50,7 +50,7 @@ def marks_of(name: str, block: torch.nn.Module, choice: str | Choice,
     if parsed.family in MARKS:
         return [] if parsed.family == "keep" else [(name, block, MARKS[parsed.family])]
     if parsed.family == OPS:  # NOTE [Options per operator]: the kept calls, the rest rebuilt
-        return [(name, block, {"policy": save_calls(*parsed.calls)})]
+        return [(name, block, {"policy": save_calls(*parsed.calls), "stages": "each"})]
     if parsed.family == STAGED:  # the same, re-run in stages (NOTE [Re-runs in stages])
         return [(name, block, {"policy": save_calls(*parsed.calls), "stages": STAGES})]
     kids = dict(block.named_children())
