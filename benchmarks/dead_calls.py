@@ -18,7 +18,10 @@ backward:
   torch's does);
 - ``remat, two stages``: the same marks with ``stages=2`` (NOTE [Re-runs in stages]): each
   block's backward rebuilds its MLP's tensors, then its attention's, skipping in each re-run
-  what only the other reads.
+  what only the other reads;
+- ``remat, each tensor on its own``: the same marks with ``stages="each"`` (NOTE [Each saved
+  tensor rebuilt on its own]): no block's code runs again; each saved tensor is rebuilt from
+  the kept outputs by the calls that make it, as backward reads it.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/dead_calls.py [--rounds 15]
 
@@ -75,7 +78,7 @@ def _nothing_skipped() -> Iterator[None]:
         dead.worth_recording = before
 
 
-def _model(stages: int) -> torch.nn.Module:
+def _model(stages: int | str) -> torch.nn.Module:
     """The Llama, every block marked with the min-cut policy in ``stages`` stages (0: unmarked)."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(layers=4, width=256, heads=8, kv_heads=2, hidden=688, vocab=1000))
@@ -86,7 +89,7 @@ def _model(stages: int) -> torch.nn.Module:
 
 def run(rounds: int) -> dict:
     tokens = torch.zeros(4, 256, dtype=torch.long)
-    plain, marked, staged = _model(0), _model(1), _model(2)
+    plain, marked, staged, each = _model(0), _model(1), _model(2), _model("each")
 
     def step(model: torch.nn.Module, skip: bool = True) -> None:
         with contextlib.nullcontext() if skip else _nothing_skipped():
@@ -95,7 +98,7 @@ def run(rounds: int) -> dict:
 
     configs = {"unmarked": lambda: step(plain), "remat": lambda: step(marked),
                "remat, every call re-run": lambda: step(marked, skip=False),
-               "remat, two stages": lambda: step(staged)}
+               "remat, two stages": lambda: step(staged), "remat, each tensor on its own": lambda: step(each)}
     peaks, products = {}, {}
     for name, go in configs.items():
         go()

@@ -473,9 +473,13 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
         assert [full.options[o] for o in inside] == ["children:attn", "children:fc", "children:gelu",
                                                      "children:attn+fc+gelu",  # NOTE [Every child]:
                                                      "children:ln1+attn+ln2+fc+gelu+proj"]
+        # per-operator options apart: rebuilt one tensor at a time, they cost less still here
+        ops = [o for o, name in enumerate(full.options) if name.startswith("ops:")]
+        children = Problem(**{**full.__dict__, "kept": [
+            [None if o in ops else k for o, k in enumerate(row)] for row in full.kept]})
         blocks_only = Problem(**{**full.__dict__, "kept": [
-            [None if o in inside else k for o, k in enumerate(row)] for row in full.kept]})
-        plans = [_fit(model, costs, (p, p), budget, floor(p), settings) for p in (full, blocks_only)]
+            [None if o in inside or o in ops else k for o, k in enumerate(row)] for row in full.kept]})
+        plans = [_fit(model, costs, (p, p), budget, floor(p), settings) for p in (children, blocks_only)]
     with_children, without = plans
     assert any(c.startswith("children:") for c in with_children.choices.values()), with_children.choices
     assert not any(c.startswith("children:") for c in without.choices.values())
@@ -489,7 +493,10 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
     from remat.planner._measure import measure_peak
 
     step = Step(inputs=small_gpt_tokens(), loss_fn=next_token_loss)  # parameters restored after
-    assert measure_peak(real, step, optimizer="adam", fake=False) == with_children.measured_peak_bytes <= budget
+    # the planner's own measure: its optimizer phase is the unmarked run's (no mark changes it
+    # but by what a region still holds: with blocks rebuilt one tensor at a time, it is the peak)
+    assert measure_peak(real, step, optimizer="adam", fake=False,
+                        optimizer_peak=costs.memory.optimizer_peak) == with_children.measured_peak_bytes <= budget
     x = torch.randint(0, 64, (8, 64), generator=torch.Generator().manual_seed(3))
     expected = grads(small_gpt(), x)
     real.zero_grad(set_to_none=True)
@@ -498,7 +505,8 @@ def test_at_per_block_checkpointings_peak_an_option_inside_blocks_costs_less():
 
 
 def test_a_plan_with_children_round_trips_through_json_and_names_its_children():
-    p = remat.plan(small_gpt, small_gpt_tokens, budget="70%")
+    # without per-operator options, which cost less than children here
+    p = remat.plan(small_gpt, small_gpt_tokens, budget="70%", options=("keep", "recompute", "children"))
     assert any(c.startswith("children:") for c in p.choices.values()), p.choices
     back = remat.Plan.from_json(p.to_json())
     assert back == p

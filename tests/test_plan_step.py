@@ -152,7 +152,7 @@ def check_compiled(example: Example, plans: list) -> None:
     """Each distinct plan, under ``remat.compile``, trains bit for bit as the unmarked model."""
     expected = gradients(example.make(), example)
     distinct = {tuple(p.choices.values()): p for p in plans if isinstance(p, remat.Plan)}
-    assert len(distinct) >= 3
+    assert len(distinct) >= 2  # (per-operator options rebuilt one tensor at a time hold most budgets)
     for plan in distinct.values():
         marked = example.make()
         plan.apply(marked)

@@ -214,7 +214,9 @@ class Flow:
         self.saved_at: dict[int, list[int]] = {}
         self.task = _graph_task()
         self.usable = True
-        self.recipes: Any = None  # NOTE [Each saved tensor rebuilt on its own] in ``recipes.py``
+        #: NOTE [Each saved tensor rebuilt on its own] in ``recipes.py``: noted in place of the
+        #: flow's own reads, which then stays empty (a re-run that falls back skips nothing)
+        self.recipes: Any = None
         self.differentiable = False  # the running call reads a tensor that requires grad, in grad mode
 
     def before(self, func: Any, args: tuple, kwargs: dict) -> int:
@@ -228,8 +230,6 @@ class Flow:
             call = producer.get(id(args[0]))
             if call is not None:
                 self.needed.add(call)
-            if self.recipes is not None:
-                self.recipes.escaped(args[0])
             return -1
         tensors = tensors_of(args, kwargs)
         if any(type(t) not in _PLAIN for t in tensors):  # NOTE [Tensors whose reads the mode does not see]

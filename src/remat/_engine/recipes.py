@@ -48,6 +48,8 @@ import torch
 
 from remat._engine import dead as _dead
 from remat._engine.modes import _written_args
+
+_graph_task = torch._C._current_graph_task_id
 from remat._engine.state import recomputing
 
 #: the most calls one saved tensor's replay runs; a longer chain is the re-run's job
@@ -89,7 +91,7 @@ class Recipes:
     """Per call of a selective forward: how to run it again (NOTE [Each saved tensor rebuilt
     on its own])."""
 
-    __slots__ = ("bad", "calls", "made", "orders", "storages", "views")
+    __slots__ = ("bad", "base", "calls", "count", "made", "orders", "storages", "task", "usable", "views")
 
     def __init__(self) -> None:
         self.calls: dict[int, tuple] = {}  # call -> (func, args template, kwargs template, deps)
@@ -101,6 +103,10 @@ class Recipes:
         #: position, weak reference to the tensor it views, version when made)
         self.views: dict[tuple, tuple] = {}
         self.orders: dict[int, list[int] | None] = {}  # call -> what its replay runs (`plan`)
+        self.count = 0  # calls numbered so far
+        self.base: torch.Tensor | None = None  # what the running view call views
+        self.task = _graph_task()
+        self.usable = True
 
     def _find(self, t: torch.Tensor) -> tuple | None:
         """``(call, position, version when made)`` of the output ``t`` is, or None."""
@@ -119,29 +125,43 @@ class Recipes:
         if found is not None:
             self.bad.add(found[0])
 
-    def note(self, call: int, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """Forward's call ``call`` ran ``func(*args, **kwargs)`` and returned ``out``. A call
-        that writes what it reads (in place, ``out=``, or as ``native_batch_norm`` writes the
-        running statistics its schema does not say it writes) is never replayed, nor any call
-        whose outputs use memory it wrote."""
-        deps: list[int] = []
+    def before(self, func: Any, args: tuple, kwargs: dict) -> int:
+        """Note a forward call about to run; return its number (-1 for a ``detach``, or once the
+        recipes are unusable). A call that writes what it reads (in place, ``out=``, or as
+        ``native_batch_norm`` writes the running statistics its schema does not say it writes)
+        is never replayed, nor any call whose outputs use memory it wrote."""
+        if _graph_task() != self.task:  # a backward inside the forward
+            self.usable = False
+            return -1
+        if func is _dead.DETACH:
+            self.escaped(args[0])
+            return -1
+        call = self.count
+        self.count = call + 1
         bad, writes, is_view = _static(func)
+        deps: list = []
+        template = tuple([self._arg(a, deps) for a in args])
+        kw = {k: self._arg(v, deps) for k, v in kwargs.items()} if kwargs else {}
+        if not self.usable:  # NOTE [Tensors whose reads the mode does not see] in ``dead.py``
+            return -1
         if writes:
             for t in _dead.tensors_of(args, kwargs):  # which of them it wrote: all, to be sure
                 for c in self.storages.get(_storage(t), ()):
                     self.bad.add(c)
-        template = tuple([self._arg(a, deps) for a in args])
-        kw = {k: self._arg(v, deps) for k, v in kwargs.items()} if kwargs else {}
         if bad or None in deps:
             self.bad.add(call)
         else:
             self.calls[call] = (func, template, kw, deps)
+        # NOTE [Views are found by their memory]
+        self.base = next((a for a in args if isinstance(a, torch.Tensor)), None) if is_view else None
+        return call
+
+    def after(self, call: int, out: Any) -> None:
+        """Call ``call`` returned ``out``."""
         single = isinstance(out, torch.Tensor)
         outputs = (out,) if single else out if type(out) is tuple or type(out) is list else ()
-        base = None
-        if is_view:  # NOTE [Views are found by their memory]
-            base = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        made, storages = self.made, self.storages
+        base, made, storages = self.base, self.made, self.storages
+        self.base = None  # held only while its call runs
         for pos, t in enumerate(outputs):
             if single or isinstance(t, torch.Tensor):
                 # the caller's view shares the version counter of what it views
@@ -164,6 +184,9 @@ class Recipes:
         return a
 
     def _ref(self, t: torch.Tensor, deps: list) -> Any:
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and not _fake(t):
+            self.usable = False  # a subclass runs operators the mode does not see
+            return None
         found = self._find(t)
         if found is not None:
             call, pos, version = found
@@ -280,6 +303,14 @@ def _view_key(t: torch.Tensor) -> tuple:
     return (_storage(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
+def _fake(t: torch.Tensor) -> bool:
+    """A fake tensor (the planner's estimates): it runs every operator itself, where the mode
+    sees it, so replaying on fake tensors allocates what replaying on real ones does."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def _storage(t: torch.Tensor) -> int | None:
     try:
         return t.untyped_storage()._cdata
@@ -316,7 +347,7 @@ def saved(frame: Any, x: torch.Tensor, holder: Any) -> tuple[int, int] | None:
     """The call and output position that made ``x``, which the region saves (in forward);
     a tensor no call of the region made (a parameter) is read back while it lives unchanged."""
     flow = frame.contexts[0].store.flow
-    if flow is None or flow.recipes is None or not flow.usable:
+    if flow is None or flow.recipes is None or not flow.recipes.usable:
         return None
     if flow.recipes._find(x) is None and holder.argument is None:  # as NOTE [Saved arguments are read back]
         holder.argument, holder.argument_version = weakref.ref(x), x._version
@@ -329,7 +360,7 @@ def rebuild(frame: Any, holder: Any) -> torch.Tensor | None:
     ordinary re-run must rebuild it (NOTE [Each saved tensor rebuilt on its own])."""
     store = frame.contexts[0].store
     flow = store.flow
-    if frame.expired or not frame.closed or flow is None or not flow.usable or not store.finished:
+    if frame.expired or not frame.closed or flow is None or not flow.recipes.usable or not store.finished:
         return None
     recipes, keys = flow.recipes, flow.keys
 

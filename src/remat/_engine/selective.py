@@ -210,14 +210,19 @@ class SaveMode(TorchDispatchMode):
             entry = store.watched.get(_storage_key(args[0]))
             if entry is not None:
                 store.escaped.add(entry)
-        call = flow.before(func, args, kwargs) if flow is not None and flow.usable else -1
+        recipes = flow.recipes if flow is not None else None
+        if recipes is not None:  # NOTE [Each saved tensor rebuilt on its own]: in place of the flow
+            call = recipes.before(func, args, kwargs) if recipes.usable else -1
+        else:
+            call = flow.before(func, args, kwargs) if flow is not None and flow.usable else -1
         _, keeps, random, is_view = _facts(self.policy, func)
         before = generator_states((args, kwargs)) if random else None
         out = func(*args, **kwargs)
         if call >= 0:
-            flow.after(call, func, out)
-            if flow.recipes is not None:  # NOTE [Each saved tensor rebuilt on its own]
-                flow.recipes.note(call, func, args, kwargs, out)
+            if recipes is not None:
+                recipes.after(call, out)
+            else:
+                flow.after(call, func, out)
         if store.watched and not is_view:  # NOTE [Aliases with a version of their own]
             for t in (out,) if type(out) is torch.Tensor else pytree.tree_leaves(out):
                 entry = store.watched.get(_storage_key(t))

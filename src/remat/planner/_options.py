@@ -82,6 +82,15 @@ block runs ``div_``). Nor is a random operator's output (NOTE [Kept random opera
 ``remat/_engine/selective.py``: a kept one still draws in recomputation, so keeping it
 buys nothing). A level whose cut would keep one of them gives no option.
 
+NOTE [Cuts one product apart]
+The cut that re-runs no product keeps every product backward reads, or what it makes; the
+next level (half of them re-runnable) lets the cut re-run many at once and drop everything
+cheap they feed. Between the two lie the options a plan near torch.compile's loose budgets
+wants: that cut less one product, re-run in backward (the Llama of issue 27 at compile's
+peak of 0.8 needed 2 MiB less than the first cut keeps). So the cut is solved again with
+each product it keeps allowed to re-run, one at a time: an option each (none new where the
+cut finds nothing cheaper to keep than that product).
+
 NOTE [Options re-run in stages]
 A min-cut option leaves a re-run of cheap operators only, but an eager re-run rebuilds all
 of the block's saved tensors at once, so the block's backward holds the MLP's rebuilt
@@ -184,15 +193,25 @@ def cut_options(nodes: Mapping[str, tuple[int, Sequence[str]]], needed: Iterable
     never = 1 + sum(int(nodes[k][0]) for k in keys)  # dearer than keeping every other call
     weights = [never if k in fixed else int(nodes[k][0]) for k in keys]
     found: list[str] = []
-    for share in CUT_SHARES:
-        banned = {*small, *ranked[:max(1, round(share * len(ranked)))]} if ranked else set(small)
-        kept = min_cut_keep(weights, [[where[r] for r in nodes[k][1]] for k in keys],
-                            [where[k] for k in needed if k in where], [where[k] for k in banned if k in where])
+    reads = [[where[r] for r in nodes[k][1]] for k in keys]
+
+    def cut(banned: set) -> list[int] | None:
+        kept = min_cut_keep(weights, reads, [where[k] for k in needed if k in where],
+                            [where[k] for k in banned if k in where])
         if not kept or any(keys[i] in fixed for i in kept):
-            continue
+            return None
         option = str(Choice(OPS, tuple(sorted(keys[i] for i in kept))))
         if option not in found:
             found.append(option)
+        return kept
+
+    every = None
+    for share in CUT_SHARES:
+        every = cut({*small, *ranked[:max(1, round(share * len(ranked)))]} if ranked else set(small))
+    # NOTE [Cuts one product apart]: the cut that re-runs no product, less each product it keeps
+    for i in every or ():
+        if keys[i] in intensive:
+            cut({*small, *ranked} - {keys[i]})
     return found
 
 

@@ -73,12 +73,16 @@ def block_times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple
         choice = Choice.parse(option)
         if choice.family not in CALL_FAMILIES:
             return sum(child_seconds(k, c) for c in choice.children)
-        # NOTE [Options per operator]: the re-run runs all but the kept calls
         block = traced.index[k]
         found = graph.nodes.get(block, {})
         keys = [key for key in choice.calls if key in found]
-        kept = sum(found[key][0] for key in keys)
         total = totals.total.get(block, 0.0)
+        if choice.family != STAGED and found:  # NOTE [Options replayed call by call]
+            live = replayed(found, {key for b, key in graph.needed if b == block}, set(keys))
+            share = sum(found[key][0] for key in live) / total if total else 1.0
+            return forward[k] * share + rerun * len(live) + policy * count[k]
+        # NOTE [Options per operator]: the re-run runs all but the kept calls
+        kept = sum(found[key][0] for key in keys)
         share = max(0.0, 1.0 - kept / total) if total else 1.0
         passes = STAGES if choice.family == STAGED else 1  # NOTE [Options re-run in stages]: each
         # stage's re-run runs the block's code up to its stop, under the policy's mode again
@@ -88,6 +92,36 @@ def block_times(traced: Trace, runs: Runs, roofline: bool, groups: Mapping[tuple
     selective = _selective_seconds(traced, forward, count, rerun, policy)
     forward = [f + rerun * n for f, n in zip(forward, count)]
     return _averaged(BlockTimes(forward, selective, child_s), groups, len(runs.columns))
+
+
+def replayed(nodes: Mapping[str, list], needed: set[str], kept: set[str]) -> set[str]:
+    """NOTE [Options replayed call by call]
+    An ``ops:`` option's block is marked ``stages="each"`` in eager plans (NOTE [Each saved
+    tensor rebuilt on its own] in ``remat/_engine/recipes.py``): its backward runs none of the
+    block's code again, only the calls that make what it reads, from the outputs kept. So
+    its re-run costs the calls backward's reads reach through the calls they read, stopping
+    at the kept ones: a query projection whose output only a kept attention read costs
+    nothing, where the block's re-run would run it (and before that, was priced so: a plan
+    of the issue-27 Llama took blocks keeping less that ran slower). ``nodes``: the block's
+    calls (`CutGraph.nodes`: cost, bytes, the calls read); ``needed``: those whose output
+    backward reads.
+
+    Examples:
+        >>> nodes = {"mm#0": [4, 0, [], True], "relu#0": [1, 0, ["mm#0"], True], "mm#1": [4, 0, ["relu#0"], True]}
+        >>> sorted(replayed(nodes, {"relu#0", "mm#1"}, {"mm#0"}))
+        ['mm#1', 'relu#0']
+        >>> sorted(replayed(nodes, {"relu#0"}, {"relu#0"}))
+        []
+    """
+    live: set[str] = set()
+    stack = [key for key in needed if key not in kept]
+    while stack:
+        key = stack.pop()
+        if key in live or key in kept or key not in nodes:
+            continue
+        live.add(key)
+        stack.extend(nodes[key][2])
+    return live
 
 
 def _selective_seconds(traced: Trace, forward: list[float], count: list[float], rerun: float,
