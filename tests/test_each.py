@@ -256,3 +256,37 @@ def test_bad_stages_are_refused_before_marking(kwargs: dict, fault: str) -> None
         remat.recompute_module(block, **kwargs)
     assert "remat.recompute_module" in str(err.value)
     assert remat.mark_of(block) is None
+
+
+class _Mixed(torch.nn.Module):
+    """A block whose second product runs with autocast turned off inside it, in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        with torch.autocast("cpu", enabled=False):
+            return torch.nn.functional.gelu(self.fc2(h.float()))
+
+
+def test_each_replays_as_forward_ran_whatever_autocast_says_in_backward() -> None:
+    """The forward's operators are noted below autocast (its casts are operators too) and
+    replayed with autocast off: a float32 product forward ran with autocast turned off is
+    rebuilt in float32 by a backward that runs under bfloat16 autocast (bitwise)."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(6))
+    results = []
+    for stages in (None, "each"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_Mixed(), _Mixed())
+        if stages:
+            for block in model:
+                remat.recompute_module(block, policy=remat.save_calls("aten::tanh#0"), stages=stages)
+        counter = _Runs([b.fc1 for b in model])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).sum()
+            loss.backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+        assert counter.count == 2  # no block ran again: every saved tensor was replayed
+    assert_bitwise_equal(*results)

@@ -300,8 +300,7 @@ def test_profile_on_a_real_rank_says_which(real):
 def test_a_plan_for_a_rank_fits_its_budget_on_the_real_rank(plans, real, name):
     plan = plans[name]
     assert (plan.rank, plan.world_size) == (0, WORLD) and "rank 0 of 2" in str(plan)
-    assert "recompute" in plan.choices.values() or "selective" in plan.choices.values() \
-        or "output" in plan.choices.values()
+    assert any(c != "keep" for c in plan.choices.values()), plan.choices  # something is rebuilt
     assert plan.measured_peak_bytes <= plan.budget_bytes < plan.no_recompute_peak_bytes
     # the plan's whole step (the optimizer's included) on each rank, estimated and real: rank
     # 1 of the FSDP model holds one row of the MLP less than rank 0, which was planned
