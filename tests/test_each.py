@@ -26,6 +26,10 @@ from tests._harness import assert_bitwise_equal
 from tests.test_dead_calls import _Count
 from tests.test_stages import _KEEP, _TOKENS, _dropped, _llama, _train
 
+#: the calls ``_KEEP`` keeps (benchmarks/dead_calls.py)
+_KEEP_CALLS = ("aten::_scaled_dot_product_flash_attention_for_cpu#0", "aten::add#1", "aten::add#2", "aten::add#3",
+               "aten::mm#2", "aten::mm#4", "aten::mm#5", "aten::rsqrt#0", "aten::rsqrt#1")
+
 _FRONTS = {
     "recompute_module": lambda m: [remat.recompute_module(b, policy=_KEEP, stages="each") for b in m.blocks],
     "apply": lambda m: remat.apply(m, where=LlamaBlock, policy=_KEEP, stages="each"),
@@ -289,4 +293,43 @@ def test_each_replays_as_forward_ran_whatever_autocast_says_in_backward() -> Non
             loss.backward()
         results.append([loss.detach()] + [p.grad for p in model.parameters()])
         assert counter.count == 2  # no block ran again: every saved tensor was replayed
+    assert_bitwise_equal(*results)
+
+
+def test_an_attention_that_drew_nothing_is_replayed_not_the_block() -> None:
+    """NOTE [Random operators that drew nothing] (``recipes.py``): the attention is tagged as
+    random for its dropout; at ``dropout_p=0`` it draws nothing and is replayed alone, where
+    its saved tensors sent every block to its re-run before (its code ran twice)."""
+    keep = remat.save_calls(*[k for k in _KEEP_CALLS if "attention" not in k])
+    model = _llama(lambda m: [remat.recompute_module(b, policy=keep, stages="each") for b in m.blocks])
+    counter = _Runs([b.attn_norm for b in model.blocks])
+    assert_bitwise_equal(_train(_llama()), _train(model))
+    assert counter.count == 2 * 3  # two steps, three blocks, no re-run
+
+
+class _Dropping(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 6, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+        return x + torch.tanh(out.transpose(1, 2).reshape(2, 6, 16))
+
+
+def test_an_attention_that_drew_is_rebuilt_by_the_rerun() -> None:
+    """At ``dropout_p=0.4`` the attention draws: the replay refuses it, the re-run replays the
+    forward's random state (bitwise)."""
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(7))
+    results = []
+    for stages in (None, "each"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_Dropping(), _Dropping())
+        if stages:
+            for block in model:
+                remat.recompute_module(block, policy=remat.save_calls("aten::addmm#0"), stages=stages)
+        torch.manual_seed(3)
+        model(x).pow(2).sum().backward()
+        results.append([p.grad for p in model.parameters()])
     assert_bitwise_equal(*results)

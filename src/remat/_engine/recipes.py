@@ -23,7 +23,8 @@ More than `MAX_CALLS` calls for one tensor is the ordinary re-run's job.
 What the dispatcher shows is all the replay knows, so a call is never replayed, and a saved
 tensor that depends on it is rebuilt by the ordinary re-run instead, when:
 - it is not a plain ``aten`` operator returning tensors, it writes memory (in place or
-  ``out=``), or it draws random numbers (``dead._kind``: one that always runs);
+  ``out=``), or it drew random numbers in forward (NOTE [Random operators that drew
+  nothing]);
 - its output was detached in forward (``.data``, ``detach()``, ``numpy()``: its memory may
   be written where the dispatcher does not see), or an in-place operator wrote memory one
   of its outputs uses;
@@ -48,6 +49,7 @@ import torch
 
 from remat._engine import dead as _dead
 from remat._engine.modes import _written_args
+from remat._engine.rng import drew, generator_states
 
 _graph_task = torch._C._current_graph_task_id
 from remat._engine.state import recomputing
@@ -78,12 +80,19 @@ class _Outside:
 _STATIC: dict = {}
 
 
-def _static(func: Any) -> tuple[bool, bool, bool]:
+def _static(func: Any) -> tuple[bool, bool, bool, bool]:
+    """(never replayed, writes what it reads, a view, random: replayed only where it drew nothing)."""
     found = _STATIC.get(id(func))  # an operator lives as long as torch: its id is its key
     if found is None:
         kind = _dead._kind(func)
-        writes = bool(_written_args(func)) or (kind == _dead._RUNS and func._schema.is_mutable)
-        found = _STATIC[id(func)] = (kind == _dead._RUNS or writes, writes, kind == _dead._VIEW)
+        schema = func._schema
+        writes = bool(_written_args(func)) or (kind == _dead._RUNS and schema.is_mutable)
+        # NOTE [Random operators that drew nothing]: an aten operator returning tensors, seeded
+        random = (kind == _dead._RUNS and not writes and func.namespace == "aten"
+                  and torch.Tag.nondeterministic_seeded in func.tags and bool(schema.returns)
+                  and all(type(r.type) is torch.TensorType for r in schema.returns))
+        found = _STATIC[id(func)] = ((kind == _dead._RUNS and not random) or writes, writes,
+                                     kind == _dead._VIEW, random)
     return found
 
 
@@ -91,7 +100,8 @@ class Recipes:
     """Per call of a selective forward: how to run it again (NOTE [Each saved tensor rebuilt
     on its own])."""
 
-    __slots__ = ("bad", "base", "calls", "count", "made", "orders", "storages", "task", "usable", "views")
+    __slots__ = ("bad", "base", "calls", "count", "made", "orders", "states", "storages", "task", "usable",
+                 "views")
 
     def __init__(self) -> None:
         self.calls: dict[int, tuple] = {}  # call -> (func, args template, kwargs template, deps)
@@ -105,6 +115,7 @@ class Recipes:
         self.orders: dict[int, list[int] | None] = {}  # call -> what its replay runs (`plan`)
         self.count = 0  # calls numbered so far
         self.base: torch.Tensor | None = None  # what the running view call views
+        self.states: list | None = None  # the generators' states before the running random call
         self.task = _graph_task()
         self.usable = True
 
@@ -138,7 +149,7 @@ class Recipes:
             return -1
         call = self.count
         self.count = call + 1
-        bad, writes, is_view = _static(func)
+        bad, writes, is_view, random = _static(func)
         deps: list = []
         template = tuple([self._arg(a, deps) for a in args])
         kw = {k: self._arg(v, deps) for k, v in kwargs.items()} if kwargs else {}
@@ -152,12 +163,21 @@ class Recipes:
             self.bad.add(call)
         else:
             self.calls[call] = (func, template, kw, deps)
+        if random:  # NOTE [Random operators that drew nothing]
+            own = any(isinstance(a, torch.Generator) for a in (*args, *kwargs.values()))
+            self.states = None if own else generator_states((args, kwargs))
+            if own:
+                self.bad.add(call)
         # NOTE [Views are found by their memory]
         self.base = next((a for a in args if isinstance(a, torch.Tensor)), None) if is_view else None
         return call
 
     def after(self, call: int, out: Any) -> None:
         """Call ``call`` returned ``out``."""
+        if self.states is not None:  # NOTE [Random operators that drew nothing]
+            if drew(self.states, generator_states(out)):
+                self.bad.add(call)
+            self.states = None
         single = isinstance(out, torch.Tensor)
         outputs = (out,) if single else out if type(out) is tuple or type(out) is list else ()
         base, made, storages = self.base, self.made, self.storages
@@ -301,6 +321,18 @@ def _view_key(t: torch.Tensor) -> tuple:
     is alive (the storage cannot be another's then): two views with the same layout of the
     same memory hold the same values, whichever call made them."""
     return (_storage(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+#: NOTE [Random operators that drew nothing]
+#: An operator tagged ``nondeterministic_seeded`` may draw from a generator: run again, it would
+#: draw other numbers. But attention is tagged so for its ``dropout_p`` and draws nothing at
+#: 0, and refusing it sent every saved tensor that depends on an attention to the block's
+#: re-run (the issue-27 Llama: a block not keeping its attention's output re-ran all its code,
+#: where replaying the attention alone costs what its forward did). So a seeded call is
+#: replayed when the default generators' states (the CPU's, and each CUDA device's among its
+#: tensors: ``rng.generator_states``) are the same after it as before, as a kept random call's
+#: draw is judged (NOTE [Kept random operators] in ``selective.py``), and never when it is
+#: given a generator of its own.
 
 
 def _fake(t: torch.Tensor) -> bool:
