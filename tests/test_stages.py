@@ -110,7 +110,7 @@ class _Dropped(torch.nn.Module):
         return x + self.fc2(torch.tanh(h) * h)
 
 
-def _dropped(stages: int | None) -> torch.nn.Sequential:
+def _dropped(stages: int | str | None) -> torch.nn.Sequential:
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Dropped(), _Dropped())
     if stages:
@@ -119,8 +119,8 @@ def _dropped(stages: int | None) -> torch.nn.Sequential:
     return model
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_stages_replay_random_operators(stages: int) -> None:
+@pytest.mark.parametrize("stages", [2, 4, "each"])  # "each": what a dropout feeds goes to the re-run
+def test_stages_replay_random_operators(stages) -> None:
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(2))
 
     def run(model):
@@ -132,12 +132,13 @@ def test_stages_replay_random_operators(stages: int) -> None:
     assert_bitwise_equal(run(_dropped(None)), run(_dropped(stages)))
 
 
-def test_stages_backward_twice_and_partial_grad() -> None:
-    """``retain_graph`` twice re-runs every stage twice; ``torch.autograd.grad`` of some
-    parameters only reaches the stages it needs."""
+@pytest.mark.parametrize("stages", [2, "each"])
+def test_stages_backward_twice_and_partial_grad(stages) -> None:
+    """``retain_graph`` twice re-runs every stage (or replays every saved tensor) twice;
+    ``torch.autograd.grad`` of some parameters only reaches what it needs."""
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(3))
     results = []
-    for model in (_dropped(None), _dropped(2)):
+    for model in (_dropped(None), _dropped(stages)):
         torch.manual_seed(5)
         loss = model(x).pow(2).sum()
         loss.backward(retain_graph=True)
