@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n auto --maxprocesses=4
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n auto --maxprocesses=4 --dist worksteal
 
 demo: $(STAMP)
 	$(PY) -m remat demo
