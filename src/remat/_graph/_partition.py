@@ -240,7 +240,8 @@ def _work(node: fx.Node) -> tuple[float, int]:
     if not isinstance(target, torch._ops.OpOverload) or is_view(node):
         return 0.0, 0
     from torch.utils._pytree import tree_leaves, tree_map
-    from torch.utils.flop_counter import flop_registry
+
+    from remat._graph._flops import flop_formulas
 
     def value(a: Any) -> Any:
         return a.meta.get("val") if isinstance(a, fx.Node) else a
@@ -249,10 +250,10 @@ def _work(node: fx.Node) -> tuple[float, int]:
     out = node.meta.get("val")
     moved = sum(_nbytes(t) for t in tree_leaves((args, kwargs, out)))
     packet = target._overloadpacket
-    flops = 0.0
-    if packet in flop_registry:
+    flops, formulas = 0.0, flop_formulas()  # NOTE [Attention's FLOPs on the CPU]
+    if packet in formulas:
         try:
-            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+            flops = float(formulas[packet](*args, **kwargs, out_val=out))
         except (TypeError, ValueError, RuntimeError, NotImplementedError):  # bytes only, then
             flops = 0.0
     return flops, moved

@@ -7,5 +7,6 @@ import).
 
 from remat._graph._compare import allocation_peak, compile_configuration
 from remat._graph._compile import compile_cached
+from remat._graph._flops import flop_formulas
 
-__all__ = ["allocation_peak", "compile_cached", "compile_configuration"]
+__all__ = ["allocation_peak", "compile_cached", "compile_configuration", "flop_formulas"]

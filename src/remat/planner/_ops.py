@@ -42,9 +42,9 @@ class Roofline:
     __slots__ = ("bandwidth", "registry", "throughput")
 
     def __init__(self, throughput: float, bandwidth: float) -> None:
-        from torch.utils.flop_counter import flop_registry
+        from remat._graph.internal import flop_formulas
 
-        self.registry = flop_registry
+        self.registry = flop_formulas()  # NOTE [Attention's FLOPs on the CPU] (remat/_graph/_flops.py)
         self.throughput, self.bandwidth = throughput, bandwidth
 
     def cost(self, func: Any, args: tuple, kwargs: dict, out: Any) -> float:
