@@ -17,7 +17,7 @@ import remat
 from remat import ops
 from remat._graph import _compare
 from remat.models import resnet
-from tests._harness import assert_close_within_tolerance, named_grads
+from tests._harness import assert_bitwise_equal_named, assert_close_within_tolerance, named_grads
 
 torch.set_num_threads(1)
 
@@ -274,8 +274,10 @@ def test_compiled_recomputation_reads_a_buffer_as_the_forward_did(options):
     torch._dynamo.reset()
     compiled = remat.compile(marked, backend="aot_eager")
     compiled(x).pow(2).sum().backward()
-    # torch.compile of the unmarked model rounds differently from eager here: a tolerance
-    assert_close_within_tolerance(named_grads(marked), named_grads(eager))
+    # bit for bit: aot_eager runs eager's kernels. (torch.compile's own aot_eager, whose min-cut
+    # partitioner recomputes reads of the buffer after the forward wrote it, is off by up to
+    # 0.46 in fc1's gradients here; torch 2.13.)
+    assert_bitwise_equal_named(list(named_grads(marked).items()), list(named_grads(eager).items()))
     assert torch.equal(marked[0].count, eager[0].count)
 
 
