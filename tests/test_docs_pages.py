@@ -1,7 +1,10 @@
 """The README and every documentation page: fresh, short enough, and their examples run.
 
 Every ``python`` block of a page runs, in order, in one namespace per page, except a
-block right after ``<!-- fragment -->`` (a line that needs the reader's own model).
+block right after ``<!-- fragment -->`` (a line that needs the reader's own model) and a
+block that is, to the character, a script whose output a page shows: that script runs in
+`test_each_output_shown_comes_from_its_script` already (a later block reading its names
+fails here).
 The quick start's printed output is checked against the one the README shows.
 """
 
@@ -31,12 +34,25 @@ def blocks(page: str) -> list[str]:
     return [m.group(2) for m in BLOCK.finditer(text) if not m.group(1)]
 
 
+def _scripts_shown() -> set[str]:
+    """The text of every script whose output a page shows (run by the output test)."""
+    found = set()
+    for output in generate.OUTPUTS:
+        words = output.command.split()
+        if not output.slow and words[0] == "python" and (ROOT / words[1]).is_file():
+            found.add((ROOT / words[1]).read_text().strip())
+    return found
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)])
 def test_the_examples_of_each_page_run(page, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # examples may write files
     torch.manual_seed(0)
     namespace: dict = {"__name__": "__page__"}
+    shown = _scripts_shown()
     for code in blocks(page):
+        if code.strip() in shown:  # run as its script by the output test
+            continue
         with contextlib.redirect_stdout(io.StringIO()):
             exec(compile(code, page, "exec"), namespace)  # noqa: S102 (the page's own examples)
 
