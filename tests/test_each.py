@@ -246,6 +246,15 @@ class _Mixed(torch.nn.Module):
             return torch.nn.functional.gelu(self.fc2(h.float()))
 
 
+def _two_blocks(block: type, kept: str, stages: str | None) -> torch.nn.Sequential:
+    """Two ``block`` s made from seed 0, each marked keeping the call ``kept`` (None: unmarked)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(block(), block())
+    for b in model if stages else ():
+        remat.recompute_module(b, policy=remat.save_calls(kept), stages=stages)
+    return model
+
+
 def test_each_replays_as_forward_ran_whatever_autocast_says_in_backward() -> None:
     """The forward's operators are noted below autocast (its casts are operators too) and
     replayed with autocast off: a float32 product forward ran with autocast turned off is
@@ -253,11 +262,7 @@ def test_each_replays_as_forward_ran_whatever_autocast_says_in_backward() -> Non
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(6))
     results = []
     for stages in (None, "each"):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(_Mixed(), _Mixed())
-        if stages:
-            for block in model:
-                remat.recompute_module(block, policy=remat.save_calls("aten::tanh#0"), stages=stages)
+        model = _two_blocks(_Mixed, "aten::tanh#0", stages)
         counter = _Runs([b.fc1 for b in model])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(x).float().pow(2).sum()
@@ -295,11 +300,7 @@ def test_an_attention_that_drew_is_rebuilt_by_the_rerun() -> None:
     x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(7))
     results = []
     for stages in (None, "each"):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(_Dropping(), _Dropping())
-        if stages:
-            for block in model:
-                remat.recompute_module(block, policy=remat.save_calls("aten::addmm#0"), stages=stages)
+        model = _two_blocks(_Dropping, "aten::addmm#0", stages)
         torch.manual_seed(3)
         model(x).pow(2).sum().backward()
         results.append([p.grad for p in model.parameters()])
