@@ -128,11 +128,11 @@ def test_a_module_outside_the_blocks_is_an_item_of_the_compiled_plan():
     from remat.models.llama import llama
     from remat.planner._compiled import _outside
 
-    def make() -> torch.nn.Module:
+    def make() -> torch.nn.Module:  # a vocabulary whose logits the peak holds
         torch.manual_seed(0)
-        return llama(layers=2, width=128, heads=4, hidden=344, vocab=256)
+        return llama(layers=2, width=128, heads=4, hidden=344, vocab=4096)
 
-    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(1))
     rows = {r.name: r for r in remat.profile(make(), x, repeat=0).rows}
     found = _outside(make(), ["blocks.0", "blocks.1"], rows)
     assert found["norm"] == "output" and not any(n.startswith("blocks") for n in found), found
