@@ -29,8 +29,9 @@ def compile(
 
     The graph pass behind [`remat.compile`][remat.compile] (which adds planning for a budget, one
     layer up, and documents the arguments): marked forward operators are not saved for
-    backward, their copies run in backward before the gradients that need them, unmarked
-    operators are never recomputed.
+    backward, their copies run in backward before the gradients that need them, and what no
+    mark covers is partitioned by torch's min-cut, as ``torch.compile`` partitions it (NOTE
+    [Unmarked operators under the min-cut] in ``_partition.py``).
 
     Args:
         model_or_fn, backend, save_graphs, fullgraph, dynamic: as for [`remat.compile`][remat.compile].

@@ -216,7 +216,7 @@ def recompute_partition(
 
     Args:
         joint: AOTAutograd's joint forward/backward graph module (changed in place).
-        joint_inputs: its example inputs (passed on to the default partitioner).
+        joint_inputs: its example inputs (passed on to torch's min-cut partitioner).
         modules: ``id(module) -> module`` of the modules whose marks apply.
         root: the compiled module (its own mark covers the whole graph), or None.
         report: filled with what the pass did.

@@ -360,8 +360,11 @@ def compile(model_or_fn: Any, *, backend: str = "aot_eager", save_graphs: str | 
     of ``remat.ops``, ``remat.checkpoint`` and ``remat.recompute`` called inside,
     ``output_recompute``, selective and per-call policies) on the joint forward/backward
     graph: marked forward operators are not saved for backward; their copies run in the
-    backward graph right before the gradient operators that need them. Unmarked
-    operators are never recomputed.
+    backward graph right before the gradient operators that need them. What no mark
+    covers is partitioned by torch's min-cut, as ``torch.compile`` partitions it: an
+    unmarked model compiles to ``torch.compile(backend="aot_eager")``'s own partition
+    (cheap operators rebuilt where that saves memory, a read of a buffer the forward
+    updates always kept).
 
     With ``budget``, the model must be unmarked: each option of `remat.plan` (whole
     blocks, children, per-operator ``ops:`` options) is compiled and its step measured
