@@ -205,3 +205,39 @@ def test_clean_path():
     assert clean_path("G['model'].fc2") == "model.fc2"
     assert clean_path("L['self']") == ""
     assert clean_path("L['fn'].blocks[0]") == "blocks.0"
+
+
+class _Attention(torch.nn.Module):
+    """Causal self-attention through torch's fused attention (the CPU's flash kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 6, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(2, 6, 8))
+
+
+def test_the_cpus_attention_is_rebuilt_in_a_marked_block():
+    """NOTE [Seeded operators that never draw]: the CPU's flash attention carries the random
+    tag and never draws, so a marked block copies it into backward like any pure operator
+    (it was kept, with its log-sum-exp), bit for bit with eager."""
+    block = remat.recompute_module(_Attention())
+    x = torch.randn(2, 6, 8, requires_grad=True)
+
+    def step(x):
+        return block(x).pow(2).sum()
+
+    compiled = remat.compile(step)
+    compiled(x).backward()
+    got = [p.grad.clone() for p in (x, *block.parameters())]
+    for p in (x, *block.parameters()):
+        p.grad = None
+    step(x).backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(got, (x, *block.parameters()), strict=True))
+    ops = [op for op, _ in copied(compiled)]
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops, ops
+    saved = compiled.remat_reports[0].saved
+    assert not any(name.startswith(("_scaled_dot_product", "getitem")) for name in saved), saved

@@ -152,9 +152,12 @@ def test_a_module_outside_the_blocks_is_an_item_of_the_compiled_plan():
     assert peak(lambda m: remat.recompute_module(m.norm, output_recompute=True)) < peak(lambda m: None)
 
     said: list[str] = []
-    model = make()
-    compiled = remat.compile(model, budget=0.9, example_inputs=(x,), loss_fn=_loss, rounds=1,
-                             options=("keep", "recompute", "output"), progress=said.append)
+    options = ("keep", "recompute", "output")
+    with pytest.raises(remat.BudgetError) as below:  # the lowest peak the options reach ...
+        remat.compile(make(), budget=0.5, example_inputs=(x,), loss_fn=_loss, rounds=1, options=options)
+    model = make()  # ... is reached with the norm rebuilt (the blocks alone keep its output)
+    compiled = remat.compile(model, budget=below.value.floor_bytes, example_inputs=(x,), loss_fn=_loss,
+                             rounds=1, options=options, progress=said.append)
     assert any("'norm=output'" in line for line in said), said
     plan = compiled.remat_plan
     assert plan.measured_peak_bytes <= plan.budget_bytes
