@@ -20,6 +20,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 import remat
 from remat._graph import _compare
 from tests._harness import assert_bitwise_equal_named, named_grads
+from tests.test_graph import _Counting
 
 torch.set_num_threads(1)
 
@@ -66,6 +67,13 @@ def _nbytes(node) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
+def _assert_eager_grads(grads: dict, x: torch.Tensor) -> None:
+    """``grads`` equal, bit for bit, those of the unmarked model run eagerly."""
+    eager = _model()
+    eager(x).pow(2).sum().backward()
+    assert_bitwise_equal_named(list(grads.items()), list(named_grads(eager).items()))
+
+
 def _remat(model: torch.nn.Module, x: torch.Tensor) -> tuple[remat.compile, dict]:
     torch._dynamo.reset()
     compiled = remat.compile(model)
@@ -84,9 +92,7 @@ def test_an_unmarked_model_compiles_to_torchs_own_partition():
     assert "aten::silu" in rebuilt, report.partitioned  # cheap, rebuilt for the memory it saves
     assert not rebuilt & {"aten::addmm", "aten::mm"}  # a product is never rebuilt at budget 1.0
     assert_bitwise_equal_named(list(grads.items()), list(torch_grads.items()))
-    eager = _model()
-    eager(x).pow(2).sum().backward()
-    assert_bitwise_equal_named(list(grads.items()), list(named_grads(eager).items()))
+    _assert_eager_grads(grads, x)
 
 
 def test_marks_add_to_the_min_cut():
@@ -96,9 +102,7 @@ def test_marks_add_to_the_min_cut():
     remat.apply(model, where=_Block)
     marked, grads = _remat(model, x)
     assert marked.remat_reports[0].saved_bytes < unmarked.remat_reports[0].saved_bytes
-    eager = _model()
-    eager(x).pow(2).sum().backward()
-    assert_bitwise_equal_named(list(grads.items()), list(named_grads(eager).items()))
+    _assert_eager_grads(grads, x)
 
 
 def test_torchs_memory_budget_is_honoured():
@@ -109,20 +113,6 @@ def test_torchs_memory_budget_is_honoured():
     assert low.remat_reports[0].saved_bytes < whole.remat_reports[0].saved_bytes
     assert {"aten::addmm"} & {op for _, op, _ in low.remat_reports[0].partitioned}
     assert_bitwise_equal_named(list(grads_low.items()), list(grads_whole.items()))
-
-
-class _Counting(torch.nn.Module):
-    """Updates a buffer in forward and reads the updated value (a step counter)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-        self.register_buffer("count", torch.zeros(()))
-
-    def forward(self, x):
-        h = torch.tanh(self.fc1(x))
-        self.count.add_(1)
-        return x + self.fc2(h * (1 + 0.05 * self.count))
 
 
 def test_an_unmarked_read_of_an_updated_buffer_is_not_rebuilt_after_the_update():

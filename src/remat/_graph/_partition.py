@@ -43,6 +43,7 @@ import torch._functorch.config as functorch_config
 from torch import fx
 from torch._functorch.compile_utils import fx_graph_cse
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.utils.checkpoint import CheckpointPolicy
 
 from remat._graph._cse import eliminate_common_subexpressions
 from remat._graph._regions import is_view, module_path, op_name, plan_recompute
@@ -126,10 +127,9 @@ def mutated_reads(forward: list[fx.Node]) -> set[fx.Node]:
     backward, reads the updated value, not the one the forward read: the compiled
     re-run of an ``output_recompute`` block that multiplies by its counter used the
     next count (eager marks replay the state instead, NOTE [Observed writes]). Such
-    nodes are kept (`without_mutated_reads`), and torch's min-cut is told to keep them
-    too (`save_mutated_reads`); the recomputed nodes after them read what they kept. A
-    view of such an input (``x.transpose(1, 2)``) shares its memory, so the nodes
-    reading the view are kept too (a model input changed in place by a later block: the
+    nodes are kept, and torch's min-cut is told to keep them too (`keep_mutated_reads`);
+    the recomputed nodes after them read what they kept. A view of such an input
+    (``x.transpose(1, 2)``) shares its memory, so the nodes reading the view are kept too (a model input changed in place by a later block: the
     compiled re-run of the block before it read the changed input, shared fuzz case 5012).
     """
     mutated = {n.args[0] for n in forward
@@ -144,24 +144,17 @@ def mutated_reads(forward: list[fx.Node]) -> set[fx.Node]:
     return mutated | {n for n in forward if any(a in mutated for a in n.all_input_nodes)}
 
 
-def without_mutated_reads(forward: list[fx.Node], recompute: set[fx.Node]) -> set[fx.Node]:
-    """``recompute`` less the nodes that read an input the graph updates in place (NOTE
-    [Inputs the graph mutates]): they are kept, not recomputed."""
+def keep_mutated_reads(forward: list[fx.Node], recompute: set[fx.Node]) -> set[fx.Node]:
+    """``recompute`` less the nodes that read an input the graph updates in place, each of them
+    tagged ``MUST_SAVE`` (the tag torch's selective checkpoint sets) so that torch's min-cut
+    keeps it too (NOTE [Inputs the graph mutates]). Left to itself, the min-cut recomputes such
+    a read in backward, after the update: a block that updates and reads a step counter got
+    gradients off by up to 0.46 under ``torch.compile``'s own ``aot_eager`` (torch 2.13)."""
     reads = mutated_reads(forward)
-    return recompute - reads if reads else recompute
-
-
-def save_mutated_reads(forward: list[fx.Node]) -> None:
-    """Tell torch's min-cut never to recompute a node that reads an input the graph updates
-    in place (NOTE [Inputs the graph mutates]): the tag its selective checkpoint sets,
-    ``MUST_SAVE``. Left to itself, its min-cut recomputes such a read in backward, after
-    the update: a block that updates and reads a step counter got gradients off by up to
-    0.46 under ``torch.compile``'s own ``aot_eager`` (torch 2.13)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    for n in mutated_reads(forward):
+    for n in reads:
         if n.op == "call_function":
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return recompute - reads if reads else recompute
 
 
 def copy_into_backward(
@@ -234,8 +227,7 @@ def recompute_partition(
     drop_detaches(graph)
     forward, backward = split_joint(graph)
     _, recompute = plan_recompute(forward, modules, root)
-    recompute = without_mutated_reads(forward, recompute)
-    save_mutated_reads(forward)
+    recompute = keep_mutated_reads(forward, recompute)
     copies = copy_into_backward(graph, backward, recompute)
     graph.lint()
     joint.recompile()
