@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from remat._engine import collectives as _collectives
 from remat._engine import facts as _facts
+from remat._engine import nested as _nested
 from remat._engine import per_use as _per_use
 from remat._engine import state as _state
 from remat._engine.core import Contexts
@@ -30,6 +31,7 @@ from remat._engine.walk import reached_outside, refuse_lost
 _GRAD_FN = operator.attrgetter("grad_fn")
 _BACKWARD_HOOKS = operator.attrgetter("_backward_hooks")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 class Boundary(torch.autograd.Function):
@@ -152,8 +154,12 @@ def _lean(frame: Any, tensors: tuple, grads: tuple) -> tuple:
     feeds = [x.detach() if w is None else w for x, w in zip(tensors, wrts)]
     frame.runs += 1
     args, kwargs = frame.call_with(feeds)
-    with _state.recomputing(), frame.module_state_restored(()), frame.replay.context(), torch.enable_grad():
-        out = frame.fn(*args, **kwargs)
+    with _state.recomputing(), frame.module_state_restored(()), frame.replay.context():
+        _set_grad_enabled(True)  # off: `_lean_now` saw it (a context object is a few Python calls more)
+        try:
+            out = frame.fn(*args, **kwargs)
+        finally:
+            _set_grad_enabled(False)
     if type(out) is not torch.Tensor:
         raise RecomputeError(
             f"remat: region '{frame.name}' (use_reentrant=True): its re-run in backward returned "
@@ -167,11 +173,11 @@ def _lean(frame: Any, tensors: tuple, grads: tuple) -> tuple:
     if out.requires_grad and wrt:
         outside = reached_outside([out], wrt)  # NOTE [Reads that vary]
         if outside:
-            found = list(torch.autograd.grad((out,), wrt + outside, grads[:1], allow_unused=True))
+            found = list(_nested.grad((out,), wrt + outside, grads[:1]))
             _refuse_unforeseen(frame, outside, found[len(wrt):])
             del found[len(wrt):]
         else:
-            found = list(torch.autograd.grad((out,), wrt, grads[:1], allow_unused=True))
+            found = list(_nested.grad((out,), wrt, grads[:1]))  # NOTE [The nested backward called directly]
     n = len(wrt) - len(frame.params)  # the arguments' gradients, then the parameters'
     taken = iter(found[:n])
     input_grads = [None if w is None else next(taken) for w in wrts]
@@ -275,7 +281,7 @@ def _grad(outs: list, wrt: list, out_grads: list, create_graph: bool) -> list:
     for t in frozen:
         t.requires_grad_(True)
     try:
-        return list(torch.autograd.grad(outs, wrt, out_grads, allow_unused=True, create_graph=create_graph))
+        return list(_nested.grad(outs, wrt, out_grads, create_graph))  # NOTE [The nested backward called directly]
     finally:
         for t in frozen:
             t.requires_grad_(False)
