@@ -16,13 +16,18 @@ again, ``validate_outputs``, before it runs the graph). So for plain tensors `gr
 the function ``torch.autograd.grad`` ends in, ``torch.autograd.graph._engine_run_backward``
 (the engine's entry with torch's debug-logging hooks and its context for device threads),
 with the arguments ``grad`` would pass; anything else (a subclass, a gradient edge, an
-output without a gradient) goes through ``torch.autograd.grad`` itself.
+output without a gradient), and every call on a torch without that function, goes through
+``torch.autograd.grad`` itself.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.graph import _engine_run_backward
+
+try:
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # a torch without it: its public call, always
+    _engine_run_backward = None
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -30,8 +35,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def grad(outs: list, wrt: list, out_grads: list, create_graph: bool = False) -> tuple:
     """``torch.autograd.grad(outs, wrt, out_grads, allow_unused=True, create_graph=...)``
     (NOTE [The nested backward called directly])."""
-    if (all(type(t) in _PLAIN for t in outs) and all(type(t) in _PLAIN for t in wrt)
-            and len(out_grads) == len(outs) and all(type(g) in _PLAIN for g in out_grads)):
+    if (_engine_run_backward is not None and len(out_grads) == len(outs)
+            and all(type(t) in _PLAIN for t in (*outs, *wrt, *out_grads))):
         return _engine_run_backward(tuple(outs), tuple(out_grads), create_graph, create_graph, tuple(wrt),
                                     True, accumulate_grad=False)
     return torch.autograd.grad(outs, wrt, out_grads, allow_unused=True, create_graph=create_graph)
