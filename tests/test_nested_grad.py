@@ -43,7 +43,7 @@ class _Tagged(torch.Tensor):
     """A tensor subclass: its ``__torch_function__`` must be honoured, so it takes torch's path."""
 
 
-def test_a_subclass_or_a_missing_gradient_goes_through_torch_autograd_grad(monkeypatch):
+def test_a_subclass_a_missing_gradient_or_a_function_mode_goes_through_torch_autograd_grad(monkeypatch):
     calls = []
     real = torch.autograd.grad
     monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -57,6 +57,11 @@ def test_a_subclass_or_a_missing_gradient_goes_through_torch_autograd_grad(monke
     x = torch.randn(3, requires_grad=True)
     nested.grad(((x * 2).sum(),), [x], (None,))
     assert calls == [1]
+    calls.clear()
+    y, wrt, g = _graph()
+    with torch.device("cpu"):  # a TorchFunctionMode: it sees the call, as without remat
+        nested.grad((y,), wrt, (g,))
+    assert calls
 
 
 def test_a_lean_reentrant_backward_enters_the_engine_directly_and_stays_bitwise(monkeypatch):

@@ -16,7 +16,8 @@ again, ``validate_outputs``, before it runs the graph). So for plain tensors `gr
 the function ``torch.autograd.grad`` ends in, ``torch.autograd.graph._engine_run_backward``
 (the engine's entry with torch's debug-logging hooks and its context for device threads),
 with the arguments ``grad`` would pass; anything else (a subclass, a gradient edge, an
-output without a gradient), and every call on a torch without that function, goes through
+output without a gradient, a ``TorchFunctionMode`` that would see the call, such as
+``with torch.device(...)``), and every call on a torch without that function, goes through
 ``torch.autograd.grad`` itself.
 """
 
@@ -30,12 +31,13 @@ except ImportError:  # a torch without it: its public call, always
     _engine_run_backward = None
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_function_modes = torch._C._len_torch_function_stack  # a mode sees ``torch.autograd.grad`` called
 
 
 def grad(outs: list, wrt: list, out_grads: list, create_graph: bool = False) -> tuple:
     """``torch.autograd.grad(outs, wrt, out_grads, allow_unused=True, create_graph=...)``
     (NOTE [The nested backward called directly])."""
-    if (_engine_run_backward is not None and len(out_grads) == len(outs)
+    if (_engine_run_backward is not None and len(out_grads) == len(outs) and not _function_modes()
             and all(type(t) in _PLAIN for t in (*outs, *wrt, *out_grads))):
         return _engine_run_backward(tuple(outs), tuple(out_grads), create_graph, create_graph, tuple(wrt),
                                     True, accumulate_grad=False)
