@@ -289,15 +289,16 @@ def _keywords_as_arguments(fn: Callable, kwargs: dict) -> tuple[Callable, dict]:
 def _run_lean(frame: Any) -> Any:
     """NOTE [Lean reentrant calls]: the forward on the arguments' aliases, without grad."""
     args, kwargs = frame.call_with(frame.aliases)  # NOTE [Observed reads]
-    torch._C._set_grad_enabled(False)  # on: `lean.plain` saw it (a context object is a few Python calls more)
     try:
-        output = frame.fn(*args, **kwargs)
+        torch._C._set_grad_enabled(False)  # on: `lean.plain` saw it (a context object is a few Python calls more)
+        try:
+            output = frame.fn(*args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(True)
     except BaseException as err:
-        torch._C._set_grad_enabled(True)
         frame.abandon()
         _explain_reentrant_error(_Handle(frame, Contexts(), (), {}), err)
         raise
-    torch._C._set_grad_enabled(True)
     result = _lean.close(frame, output)
     return _close_reentrant(frame, None, output) if result is None else result
 

@@ -129,8 +129,9 @@ def mutated_reads(forward: list[fx.Node]) -> set[fx.Node]:
     next count (eager marks replay the state instead, NOTE [Observed writes]). Such
     nodes are kept, and torch's min-cut is told to keep them too (`keep_mutated_reads`);
     the recomputed nodes after them read what they kept. A view of such an input
-    (``x.transpose(1, 2)``) shares its memory, so the nodes reading the view are kept too (a model input changed in place by a later block: the
-    compiled re-run of the block before it read the changed input, shared fuzz case 5012).
+    (``x.transpose(1, 2)``) shares its memory, so the nodes reading the view are kept too
+    (a model input changed in place by a later block: the compiled re-run of the block
+    before it read the changed input, shared fuzz case 5012).
     """
     mutated = {n.args[0] for n in forward
                if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
