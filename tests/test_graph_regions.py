@@ -205,6 +205,10 @@ def test_clean_path():
     assert clean_path("G['model'].fc2") == "model.fc2"
     assert clean_path("L['self']") == ""
     assert clean_path("L['fn'].blocks[0]") == "blocks.0"
+    # a marked module reached through its mark, which holds it weakly (NOTE [A mark holds its
+    # module weakly])
+    assert clean_path("L['self'].layers[1].forward._remat_module().bn1") == "layers.1.bn1"
+    assert clean_path("L['self'].forward._remat_module()") == ""
 
 
 class _Attention(torch.nn.Module):

@@ -14,6 +14,7 @@ import contextlib
 import fnmatch
 import functools
 import itertools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -392,26 +393,35 @@ def _taken(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 class MarkedForward:
     """The ``forward`` of a marked module: runs the class's forward as a region.
 
+    NOTE [A mark holds its module weakly]
+    The module holds its mark (``module.forward``), so a mark that held its module would
+    make a reference cycle: a marked model dropped by its user (a copy for evaluation, a
+    planner's trial copy, a model replaced by the next one loaded) kept its parameters and
+    their memory until Python's cyclic collector next ran its oldest generation, which in a
+    process of a million objects can be thousands of steps away; unmarked, they are freed
+    at once. So the mark holds a weak reference to its module, and a region's callable (a
+    partial of the module: the engine sees the module in it) is made at each call; the
+    module is alive whenever its mark is called, since the caller holds it.
+
     Args:
         module: the marked module.
         inner: an instance-level ``forward`` that was set before the mark, or None.
     """
 
-    __slots__ = ("_remat_module", "_run", "inner")  # a name Dynamo's module paths can drop (_graph)
+    __slots__ = ("_remat_module", "inner")  # a name Dynamo's module paths can drop (_graph)
 
     def __init__(self, module: torch.nn.Module, inner: Callable | None) -> None:
-        self._remat_module, self.inner = module, inner
-        self._run = functools.partial(_replay, module)  # what the region runs: a partial, the engine sees the module
+        self._remat_module, self.inner = weakref.ref(module), inner
 
     @property
     def module(self) -> torch.nn.Module:
         """The marked module."""
-        return self._remat_module
+        return self._remat_module()
 
     @property
     def __self__(self) -> torch.nn.Module:
         """The module, as a bound method's owner: a region over ``module.forward`` sees it."""
-        return self._remat_module
+        return self._remat_module()
 
     def plain(self) -> Callable:
         """The forward the mark wraps.
@@ -419,11 +429,11 @@ class MarkedForward:
         The class's function with the module bound by a partial, not ``__get__``: dynamo reads
         ``type(m).forward.__get__(m)`` as ``m.forward``, which is this mark, so a compiled
         forward that broke its graph inside a marked module called the mark again, forever."""
-        module = self._remat_module
+        module = self._remat_module()
         return self.inner if self.inner is not None else functools.partial(type(module).forward, module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._remat_module
+        module = self._remat_module()
         if torch.compiler.is_compiling():  # the graph pass reads the mark instead
             _compile_check.note_traced()
             return self.plain()(*args, **kwargs)
@@ -434,7 +444,8 @@ class MarkedForward:
             guarded = guard(module, args, kwargs)
             if guarded is not None:
                 args, kwargs = guarded
-        return _region.run(self._run, args, kwargs, spec, name=type(module).__name__)
+        # what the region runs: a partial, the engine sees the module
+        return _region.run(functools.partial(_replay, module), args, kwargs, spec, name=type(module).__name__)
 
     def __reduce__(self) -> tuple:
         return (MarkedForward, (self.module, self.inner))

@@ -10,7 +10,9 @@ generated kernels).
 from __future__ import annotations
 
 import functools
+import operator
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -63,14 +65,21 @@ class RematBackend:
             )
         self.backend = backend
         self.save_graphs = save_graphs
-        self.roots = list(roots)
+        self._roots = [_held(r) for r in roots]
         self.reports: list[GraphReport] = []
+
+    @property
+    def roots(self) -> list:
+        """The roots still alive (NOTE [A compiled model held weakly])."""
+        return [r for r in map(operator.call, self._roots) if r is not None]
 
     def note_inputs(self, args: tuple, kwargs: dict) -> None:
         """Remember modules passed to a compiled function, so their marks apply."""
+        roots = self.roots
         for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.nn.Module) and all(value is not r for r in self.roots):
-                self.roots.append(value)
+            if isinstance(value, torch.nn.Module) and all(value is not r for r in roots):
+                self._roots.append(weakref.ref(value))
+                roots.append(value)
 
     def modules(self) -> dict[int, torch.nn.Module]:
         """Return ``id(module) -> module`` for every module reachable from the roots."""
@@ -141,6 +150,27 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: list, partition:
     # caches key on the partitioner; remat's holds the model's marks, so never cache
     with config.patch(custom_partitioner_fn=RematPartitioner(), force_disable_caches=True):
         return compile_fx(gm, example_inputs)
+
+
+def _held(root: Any) -> Callable[[], Any]:
+    """``root`` held weakly where it can be: NOTE [A compiled model held weakly].
+
+    NOTE [A compiled model held weakly]
+    ``torch.compile`` keeps every backend object it was given until ``torch.compiler.reset()``
+    (its cache of backends), so a backend that held the model it compiles kept the model, its
+    parameters and their memory for the process's life after the user dropped it (a model
+    compiled for evaluation, a planner's trial copies); ``torch.compile`` with a named backend
+    lets it go. The backend needs the model only to read its marks while Dynamo compiles
+    it, which it does only while the model is called: so it holds its roots by weak
+    reference (a bound method by `weakref.WeakMethod`), and an object that takes none
+    (a builtin) strongly.
+    """
+    try:
+        if isinstance(root, types.MethodType):
+            return weakref.WeakMethod(root)
+        return weakref.ref(root)
+    except TypeError:
+        return lambda: root
 
 
 def _module_roots(roots: Iterable) -> list[torch.nn.Module]:

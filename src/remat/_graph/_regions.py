@@ -61,8 +61,9 @@ def clean_path(source: str) -> str:
     path = _SOURCE_PREFIX.sub(lambda m: "" if m.group(1) in _ROOT_NAMES else m.group(1), source)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
-    # a marked module reached through its MarkedForward (remat._front.marks): its forward's _remat_module
-    path = re.sub(r"(?:^|\.)(?:forward\.)?_remat_module(?=\.|$)", "", path)
+    # a marked module reached through its MarkedForward (remat._front.marks): its forward's
+    # _remat_module, a weak reference called (NOTE [A mark holds its module weakly])
+    path = re.sub(r"(?:^|\.)(?:forward\.)?_remat_module(?:\(\))?(?=\.|$)", "", path)
     return path.lstrip(".")
 
 

@@ -69,7 +69,7 @@ from remat.planner._budget import parse_budget
 from remat.planner._compiled_runs import Run, build_run, interleaved, machine
 from remat.planner._loop import fit
 from remat.planner._options import inner_options
-from remat.planner._plan import Decision, Plan, _check_step, _step
+from remat.planner._plan import Decision, Plan, _check_step, _step, let_go
 from remat.planner._result import Measured
 from remat.planner._settings import Settings, Solving
 from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, STAGED, BudgetError, Choice, solve_savings
@@ -122,6 +122,7 @@ def plan_compiled(model: torch.nn.Module, *example_inputs: Any, budget: float | 
             return _plan(model, example_inputs, batch, made, settings, value, fractional, backend, rounds)
     finally:
         torch.compiler.reset()
+        let_go()  # NOTE [What planning leaves behind]
 
 
 def _plan(model: torch.nn.Module, example_inputs: tuple, batch: Any, made: Step, settings: Settings,
