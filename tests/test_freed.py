@@ -104,3 +104,32 @@ def test_an_unmarked_model_is_freed_without_a_collection():
 @pytest.mark.parametrize("front", list(FRONTS))
 def test_a_marked_model_dropped_is_freed_without_a_collection(front):
     assert _freed_without_collection(FRONTS[front])
+
+
+@pytest.mark.parametrize("switch", ["gradient_checkpointing_enable", "reentrant switch", "where=blocks"])
+def test_a_hugging_face_model_marked_and_dropped_is_freed_without_a_collection(switch):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+
+    def build():
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).train()
+        if switch == "where=blocks":
+            remat.apply(model, where="blocks")
+        else:
+            remat.gradient_checkpointing_enable(model, use_reentrant=switch == "reentrant switch")
+        ids = torch.randint(0, 64, (2, 8))
+        for _ in range(2):
+            model(ids, labels=ids).loss.backward()
+        return model
+
+    build()
+    gc.collect()
+    gc.disable()
+    try:
+        model = build()
+        weight = weakref.ref(model.transformer.h[0].mlp.c_fc.weight)
+        del model
+        assert weight() is None
+    finally:
+        gc.enable()
