@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import itertools
 import json
 import os
@@ -374,6 +375,7 @@ def versus_compile(name: str, build, inputs, loss_fn, fractions=(0.8, 0.5, 0.2),
     times: dict[str, list] = {k: [] for k in configs}
     for target in configs.values():  # warm-up
         step(target)
+    gc.collect()  # what the compiles and plans left in cycles, collected before any is timed
     for r in range(rounds):
         order = list(configs) if r % 2 == 0 else list(reversed(configs))
         for k in order:

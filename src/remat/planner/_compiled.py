@@ -67,9 +67,9 @@ from remat.memory.internal import Step, StepFn, local_nbytes
 from remat.memory.profile import measure
 from remat.planner._budget import parse_budget
 from remat.planner._compiled_runs import Run, build_run, interleaved, machine
-from remat.planner._loop import fit
+from remat.planner._loop import fit, let_go
 from remat.planner._options import inner_options
-from remat.planner._plan import Decision, Plan, _check_step, _step, let_go
+from remat.planner._plan import Decision, Plan, _check_step, _step
 from remat.planner._result import Measured
 from remat.planner._settings import Settings, Solving
 from remat.planner._solve import BLOCK_OPTIONS, OPTIONS, STAGED, BudgetError, Choice, solve_savings

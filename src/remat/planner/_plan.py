@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import gc
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from remat.memory.internal import Step, StepFn
 from remat.memory.profile import OptimizerLike, check_trainable
 from remat.planner._budget import parse_budget
 from remat.planner._fitting import _plans
+from remat.planner._loop import let_go
 from remat.planner._result import Decision, JobRank, Measured, Plan
 from remat.planner._settings import Builder, Machine, Settings, Solving
 from remat.planner._solve import FAMILIES, OPTIONS, BudgetError
@@ -220,30 +220,6 @@ def _sweep(model: Any, example_inputs: tuple, budgets: Sequence[int | float | st
         return _sweep_planned(model, example_inputs, budgets, given)
     finally:
         let_go()
-
-
-def let_go() -> None:
-    """Collect what planning left in reference cycles.
-
-    NOTE [What planning leaves behind]
-    Planning runs the user's step many times, marked and compiled many ways, and what those
-    runs leave in reference cycles (an exception's traceback holding the frame that saved
-    the model's state, the planner's rows, a compiled option's graphs and fake tensors) is
-    freed only when Python's cyclic collector next runs its oldest generation: after a
-    planner's hundreds of thousands of objects, that can be thousands of steps into the
-    user's loop. Until then the loop runs with that memory held (after `remat.plan` of
-    four small blocks, 29 tensors; after ``remat.compile(budget=)`` of a 4-layer Llama
-    of width 64, 651,047 objects, 589 of them tensors holding 11.7 MB, on a GPU device memory
-    the budget did not count), and its marked steps took 5 to 8% longer than after a
-    collection (measured against the unmarked step, interleaved). So `plan`, `sweep` and
-    ``remat.compile(budget=)`` end with one collection, a fraction of a second against the
-    planning's seconds or minutes, and hand the model back with nothing of the planning
-    alive but the plan. One collection can free objects whose finalizers let go of more
-    cycles (4,344 objects more after ``remat.compile``'s), so it runs until one finds nothing.
-    """
-    for _ in range(8):
-        if not gc.collect():
-            return
 
 
 def _sweep_planned(model: Any, example_inputs: tuple, budgets: Sequence[int | float | str],
