@@ -133,3 +133,17 @@ def test_a_hugging_face_model_marked_and_dropped_is_freed_without_a_collection(s
         assert weight() is None
     finally:
         gc.enable()
+
+
+def test_a_marks_forward_called_after_its_module_was_freed_says_so():
+    """The mark holds its module weakly: its forward alone does not keep the module (a bound
+    method of an unmarked module would); a call then raises a ReferenceError naming the fix,
+    not an error from deep inside the engine."""
+    net = remat.recompute_module(torch.nn.Linear(4, 4))
+    forward = net.forward
+    x = torch.randn(2, 4, requires_grad=True)
+    forward(x).sum().backward()  # while the module is alive: a region, as any call
+    del net
+    gc.collect()
+    with pytest.raises(ReferenceError, match="keep a reference to the module"):
+        forward(x)

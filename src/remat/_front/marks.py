@@ -416,12 +416,22 @@ class MarkedForward:
     @property
     def module(self) -> torch.nn.Module:
         """The marked module."""
-        return self._remat_module()
+        return self._alive()
 
     @property
     def __self__(self) -> torch.nn.Module:
         """The module, as a bound method's owner: a region over ``module.forward`` sees it."""
-        return self._remat_module()
+        return self._alive()
+
+    def _alive(self) -> torch.nn.Module:
+        module = self._remat_module()
+        if module is None:
+            raise ReferenceError(
+                "remat: the forward of a marked module was called after its module was freed (the "
+                "mark holds its module weakly, so that a model dropped is freed: NOTE [A mark holds "
+                "its module weakly]); keep a reference to the module, not only to its forward"
+            )
+        return module
 
     def plain(self) -> Callable:
         """The forward the mark wraps.
@@ -429,11 +439,13 @@ class MarkedForward:
         The class's function with the module bound by a partial, not ``__get__``: dynamo reads
         ``type(m).forward.__get__(m)`` as ``m.forward``, which is this mark, so a compiled
         forward that broke its graph inside a marked module called the mark again, forever."""
-        module = self._remat_module()
+        module = self._alive()
         return self.inner if self.inner is not None else functools.partial(type(module).forward, module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._remat_module()
+        if module is None:
+            self._alive()  # raises
         if torch.compiler.is_compiling():  # the graph pass reads the mark instead
             _compile_check.note_traced()
             return self.plain()(*args, **kwargs)
